@@ -1,0 +1,95 @@
+"""Block-level eviction actions (paper §4.2–4.3, DESIGN §1–2).
+
+The alive keys of one layer, in position order, are cut into N = ceil(T/b) contiguous blocks.
+Per-key scores are pooled into one score per block; K blocks are kept, sampled without
+replacement by Gumbel-top-k or chosen greedily, and the ordered kept sequence σ has an exact
+Plackett-Luce log-probability. Every function is batched over a leading dimension N (rows,
+or rows × rounds, or rows × layers) and has no Python loop over blocks.
+"""
+import torch
+
+MISSING = -1e9  # logit of a block that does not exist: finite, so no NaN reaches a gradient
+TINY = 1e-30  # block scores are clamped here before the log
+
+
+def keep_count(n_blocks, rate):
+    """K = max(1, floor((1 - ε)·N + 1/2)): (1 - ε)·N rounded half up, at least one block.
+
+    n_blocks (N,) long; rate ε, a float or (N,) tensor. A small slack keeps (1 - 0.7)·10
+    from rounding down through fp error."""
+    rate = torch.as_tensor(rate, dtype=torch.float64, device=n_blocks.device)
+    k = torch.floor((1 - rate) * n_blocks + 0.5 + 1e-9).long()
+    return torch.minimum(k.clamp(min=1), n_blocks.clamp(min=1))
+
+
+def block_ids(alive, block_size: int):
+    """(N, S) block index of each alive key (its rank among alive keys // b); -1 if dead."""
+    rank = alive.long().cumsum(1) - 1
+    return torch.where(alive, rank // block_size, -1)
+
+
+def block_means(key_scores, alive, block_size: int):
+    """Mean of key_scores over the alive keys of each block (paper: s_j = Σ m_t ψ_t / Σ m_t).
+
+    key_scores, alive: (N, S); returns means (N, M) with M = ceil(S / b), and exists (N, M),
+    True for the N_i = ceil(alive_i / b) blocks that row i has."""
+    N, S = alive.shape
+    M = -(-S // block_size)
+    ids = block_ids(alive, block_size)
+    slot = torch.where(alive, ids, M)  # dead keys land in a spare column
+    scores = torch.where(alive, key_scores.float(), 0.0)
+    sums = scores.new_zeros(N, M + 1).scatter_add(1, slot, scores)[:, :M]
+    counts = scores.new_zeros(N, M + 1).scatter_add(1, slot, alive.float())[:, :M]
+    return sums / counts.clamp(min=1), counts > 0
+
+
+def log_block_logits(key_scores, alive, block_size: int):
+    """NGC's policy logits: log of the block-mean attention score (DESIGN §2), fp32."""
+    means, exists = block_means(key_scores, alive, block_size)
+    return torch.where(exists, means.clamp(min=TINY).log(), MISSING), exists
+
+
+def ordered_topk(scores, k):
+    """Indices (N, max k) of the k_i largest scores, largest first, -1 padded; ties go to
+    the lower index."""
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)
+    kmax = int(k.max())
+    sigma = order[:, :kmax]
+    return torch.where(torch.arange(kmax, device=k.device) < k[:, None], sigma, -1)
+
+
+def gumbel_topk(logits, k, generator=None):
+    """Sample ordered K-subsets without replacement (Gumbel-top-k, Kool et al. 2019):
+    perturb the logits with i.i.d. Gumbel(0, 1) noise and keep the k largest, in order."""
+    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1 - 1e-7)))
+    return ordered_topk(logits.float() + gumbel, k)
+
+
+def plackett_luce_log_prob(logits, sigma):
+    """log p(σ) = Σ_{j<K} [ x_{σ_j} − log Σ_{i ∉ {σ_1..σ_{j-1}}} exp x_i ]   # paper eq. (1)
+
+    logits (N, M) fp32 with MISSING at absent blocks; sigma (N, Kmax), -1 padded. The
+    logits are laid out as [kept blocks in σ order | every other block], so each
+    denominator is a suffix log-sum-exp, computed with a reverse logcumsumexp: nothing is
+    subtracted, and it stays exact when the remaining mass is tiny (DESIGN §2)."""
+    logits = logits.float()
+    present = sigma >= 0
+    kept = logits.gather(1, sigma.clamp(min=0)).masked_fill(~present, MISSING)  # (N, Kmax)
+    rest = logits.masked_fill(kept_blocks(sigma, logits.shape[1]), MISSING)  # (N, M)
+    x = torch.cat([kept, rest], dim=1)
+    suffix_lse = torch.logcumsumexp(x.flip(1), dim=1).flip(1)[:, : sigma.shape[1]]
+    return torch.where(present, kept - suffix_lse, 0.0).sum(1)  # (N,)
+
+
+def kept_blocks(sigma, n_blocks: int):
+    """(N, n_blocks) bool: True at the blocks listed in sigma (N, Kmax), -1 padded."""
+    flags = torch.zeros(sigma.shape[0], n_blocks + 1, dtype=torch.bool, device=sigma.device)
+    return flags.scatter_(1, torch.where(sigma >= 0, sigma, n_blocks), True)[:, :n_blocks]
+
+
+def kept_keys(alive, sigma, block_size: int):
+    """(N, S) bool: the alive keys whose block is among the kept blocks sigma (N, Kmax)."""
+    M = -(-alive.shape[1] // block_size)
+    ids = block_ids(alive, block_size)
+    return alive & kept_blocks(sigma, M).gather(1, ids.clamp(min=0))

@@ -1,0 +1,385 @@
+"""Qwen2 in plain PyTorch, read straight from a Hugging Face checkpoint directory.
+
+The decoder is the Qwen2 of DeepSeek-R1-Distill-Qwen-1.5B: RMSNorm, rotate-half RoPE at
+absolute positions, q/k/v projections with bias, grouped-query attention, a SiLU-gated MLP
+and a tied or untied LM head. Attention is `F.scaled_dot_product_attention` with a boolean
+mask (True = attend), so one code path serves
+
+  * cached decoding (the mask comes from the KV cache's own positions and alive flags),
+  * replay (the caller passes one (B, T, T) mask per layer, built right before that layer),
+  * plain causal training.
+
+The KV cache below stores post-RoPE keys, so an entry keeps the position it was made at
+for ever, and eviction is a matter of dropping entries: `LayerCache.evict` marks them dead
+and `LayerCache.compact` gathers the survivors to the front of the buffers.
+"""
+import json
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message says why and what to do."""
+
+
+@dataclass
+class Qwen2Config:
+    vocab_size: int = 151936
+    hidden_size: int = 1536
+    intermediate_size: int = 8960
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 2
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 131072
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def eos_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Qwen2Config":
+        if d.get("model_type", "qwen2") != "qwen2":
+            raise CheckpointError(f"model_type is {d['model_type']!r}; this code implements qwen2 only")
+        if d.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
+        if d.get("rope_scaling"):
+            raise CheckpointError(f"rope_scaling {d['rope_scaling']} is not supported; remove it from config.json")
+        rope = d.get("rope_parameters") or {}  # newer config.json files keep rope_theta here
+        if rope.get("rope_type", "default") != "default":
+            raise CheckpointError(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
+        if d.get("use_sliding_window", False):
+            raise CheckpointError("use_sliding_window is true; sliding-window attention is not supported")
+        known = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in d.items() if k in known})
+        if "rope_theta" in rope:
+            cfg.rope_theta = rope["rope_theta"]
+        if d.get("head_dim", cfg.head_dim) != cfg.head_dim:
+            raise CheckpointError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads; not supported")
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+        return cfg
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+                "use_sliding_window": False, "rope_scaling": None, **d}
+
+
+# ---------------------------------------------------------------------------------------
+# The network
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()  # normalise in fp32, then cast back (as Qwen2 does)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(pos, head_dim: int, theta: float, dtype):
+    """cos and sin of the rotary angles at absolute positions pos (B, T) -> (B, 1, T, D)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    angles = pos.float()[..., None] * inv_freq  # (B, T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout over the whole head
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen2Config):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, pos, mask=None, cache=None, valid=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_new, k_new = q, k
+        if cache is not None:  # attend to everything alive in the cache, plus the new tokens
+            cache.append(k, v, pos, valid)
+            k, v, mask = cache.keys, cache.values, cache.visibility(pos)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                           is_causal=mask is None, enable_gqa=True)  # (B, H, T, D)
+        y = self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return y, q_new, k_new
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen2Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen2Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, pos, mask=None, cache=None, valid=None):
+        a, q, k = self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, cache, valid)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, q, k
+
+
+class Qwen2(nn.Module):
+    def __init__(self, cfg: Qwen2Config):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, idx, pos, cache=None, valid=None, layer_mask=None, qk_hook=None):
+        """Final hidden states (B, T, C) of tokens idx (B, T) at absolute positions pos (B, T).
+
+        cache:      a KVCache; the tokens are appended to it (valid (B, T) marks real tokens)
+                    and attend to every alive entry at an earlier or equal position.
+        layer_mask: layer index -> (B, T, T) bool visibility, True = attend (replay);
+                    without cache or layer_mask the attention is plain causal.
+        qk_hook:    called as qk_hook(layer, q, k, mask) with the post-RoPE queries (B, H, T, D)
+                    and keys (B, Hkv, T, D) of the new tokens (the eviction policy reads them).
+        """
+        cfg = self.config
+        x = self.embed_tokens(idx)  # (B, T, C)
+        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for i, block in enumerate(self.layers):
+            mask = layer_mask(i) if layer_mask is not None else None
+            x, q, k = block(x, cos, sin, pos, mask, None if cache is None else cache.layers[i], valid)
+            if qk_hook is not None:
+                qk_hook(i, q, k, mask)
+        return self.norm(x)
+
+    def logits(self, hidden):
+        return self.lm_head(hidden)
+
+
+# ---------------------------------------------------------------------------------------
+# The KV cache
+
+
+class LayerCache:
+    """One layer's KV entries for a batch: keys and values after RoPE, each entry's original
+    position and an alive flag. Rows hold different numbers of alive entries; the first
+    `size` slots of the buffers are in use, and within a row alive entries stay in position
+    order. Eviction marks entries dead; `compact` gathers the survivors to the front. It runs
+    whenever an append would not fit, so the buffers grow only when the alive entries need it
+    and the memory held is bounded by the largest alive count plus `chunk`."""
+
+    def __init__(self, batch: int, n_kv: int, head_dim: int, dtype, device, chunk: int = 64):
+        self.chunk, self.size = chunk, 0
+        self.k = torch.empty(batch, n_kv, 0, head_dim, dtype=dtype, device=device)  # (B, Hkv, S, D)
+        self.v = torch.empty_like(self.k)
+        self.pos = torch.zeros(batch, 0, dtype=torch.long, device=device)  # (B, S)
+        self.alive = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # (B, S)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def keys(self):
+        return self.k[:, :, : self.size]
+
+    @property
+    def values(self):
+        return self.v[:, :, : self.size]
+
+    def visibility(self, qpos):
+        """(B, T, S) bool: what each of the T newest tokens (positions qpos) attends to."""
+        S, T = self.size, qpos.shape[1]
+        mask = self.alive[:, None, : S] & (self.pos[:, None, : S] <= qpos[:, :, None])
+        own = torch.arange(T, device=qpos.device)
+        mask[:, own, S - T + own] = True  # a padding query sees itself, so no row is empty
+        return mask
+
+    def append(self, k, v, pos, alive):
+        T = k.shape[2]
+        if self.size + T > self.capacity:
+            self.compact()
+        if self.size + T > self.capacity:
+            self._resize(self.size + T + self.chunk)
+        s = slice(self.size, self.size + T)
+        self.k[:, :, s], self.v[:, :, s], self.pos[:, s], self.alive[:, s] = k, v, pos, alive
+        self.size += T
+
+    def evict(self, rows, keep):
+        """Kill the entries of batch rows `rows` (N,) where keep (N, size) is False."""
+        self.alive[rows, : self.size] &= keep
+
+    def compact(self):
+        alive = self.alive[:, : self.size]
+        n = int(alive.sum(1).max()) if self.size else 0
+        order = torch.argsort(alive.to(torch.uint8), dim=1, descending=True, stable=True)[:, :n]  # (B, n)
+        kv_order = order[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[3])
+        self.k[:, :, :n] = self.k.gather(2, kv_order)
+        self.v[:, :, :n] = self.v.gather(2, kv_order)
+        self.pos[:, :n] = self.pos.gather(1, order)
+        self.alive[:, :n] = alive.gather(1, order)
+        self.size = n
+
+    def _resize(self, capacity: int):
+        B, H, _, D = self.k.shape
+        k = self.k.new_empty(B, H, capacity, D)
+        v = self.v.new_empty(B, H, capacity, D)
+        pos = self.pos.new_zeros(B, capacity)
+        alive = self.alive.new_zeros(B, capacity)
+        s = slice(0, self.size)
+        k[:, :, s], v[:, :, s], pos[:, s], alive[:, s] = self.keys, self.values, self.pos[:, s], self.alive[:, s]
+        self.k, self.v, self.pos, self.alive = k, v, pos, alive
+
+
+class KVCache:
+    def __init__(self, cfg: Qwen2Config, batch: int, dtype, device, chunk: int = 64):
+        self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, dtype, device, chunk)
+                       for _ in range(cfg.num_hidden_layers)]
+
+    def alive_counts(self):
+        """(B, L) number of alive entries per row and layer."""
+        return torch.stack([c.alive[:, : c.size].sum(1) for c in self.layers], dim=1)
+
+    def slots(self) -> int:
+        """Entries physically allocated per row, summed over layers."""
+        return sum(c.capacity for c in self.layers)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints in the Hugging Face layout
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_config(path: str) -> Qwen2Config:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
+    with open(cfg_path) as f:
+        return Qwen2Config.from_dict(json.load(f))
+
+
+def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
+    """Load config.json and (sharded) safetensors weights, checking every name and shape."""
+    cfg = load_config(path)
+    with torch.device("meta"):
+        model = Qwen2(cfg)
+    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
+    skippable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    state = {}
+    for file in _weight_files(path):
+        if not os.path.exists(file):
+            raise CheckpointError(f"missing weight shard {file}")
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name in skippable or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"unexpected tensor {name!r} in {file}: not a Qwen2 weight")
+                t = f.get_tensor(name)
+                if t.shape != expected[name]:
+                    raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                          f"config.json implies {tuple(expected[name])}")
+                state[name] = t.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]!r}"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(device)
+
+
+def save_pretrained(model: Qwen2, path: str):
+    """Write config.json and model.safetensors into path (each file via a temporary name)."""
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    _write_atomic(os.path.join(path, "config.json"),
+                  lambda tmp: open(tmp, "w").write(json.dumps({**model.config.to_dict(), "torch_dtype": dtype},
+                                                              indent=2)))
+    _write_atomic(os.path.join(path, "model.safetensors"),
+                  lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+
+
+def _write_atomic(path: str, write):
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def load_tokenizer(path: str):
+    from tokenizers import Tokenizer
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"no tokenizer.json in {path!r}: copy it from the model's Hugging Face repository")
+    return Tokenizer.from_file(file)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def init_weights(model: Qwen2, std: float = 0.02, seed: int = 0):
+    """Random weights for tests and pretraining from scratch (normal(0, std), norms at 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+

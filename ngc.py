@@ -1,0 +1,269 @@
+"""The NGC rollout engine: batched sampling from a Qwen2 whose KV cache is pruned every δ tokens.
+
+One sequence's life (paper §4.1, DESIGN §1): its tokens are fed in position order; each time
+the sequence's cache has just taken token kδ-1 (prompt included), an eviction round fires.
+At each layer the w newest queries score the alive keys (ψ), the keys are cut into blocks of
+b, and K = keep_count(N, ε) blocks are kept: sampled with Gumbel-top-k (policy "ngc") or taken
+greedily ("ngc-greedy", the paper's evaluation). The rest are gone from that layer for good.
+Token kδ is sampled from the logits computed before the round and attends to the survivors.
+
+Everything the replay pass needs is recorded: tokens, prompt lengths, and the ordered kept
+blocks σ of every (round, layer).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from gumbel import gumbel_topk, keep_count, kept_keys, log_block_logits, ordered_topk, plackett_luce_log_prob
+from model import KVCache, Qwen2
+
+POLICIES = {"ngc": "sample", "ngc-greedy": "greedy"}  # name -> how blocks are chosen
+
+
+@dataclass
+class Eviction:
+    """When and how much to evict (paper §4.1–4.2, DESIGN §1–2)."""
+    delta: int = 256  # eviction cadence δ: a round after every δ tokens of a sequence
+    block: int = 32  # block size b
+    window: int = 5  # scoring window w: the w newest queries score the keys
+    rate: float = 0.5  # eviction rate ε: the fraction of blocks evicted per round
+    policy: str = "ngc"
+
+    def __post_init__(self):
+        check_eviction(self.delta, self.block, self.window, self.rate)
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def check_eviction(delta, block, window, rate):
+    """Raise ValueError with a one-line message for arguments the method cannot use."""
+    rates = rate.tolist() if torch.is_tensor(rate) else rate if isinstance(rate, (list, tuple)) else [rate]
+    if not all(0 < r <= 1 for r in rates):
+        raise ValueError(f"eviction rate ε={rate} must lie in (0, 1]: it is the fraction of blocks evicted per round")
+    if block < 1:
+        raise ValueError(f"block size b={block} must be at least 1")
+    if window < 1:
+        raise ValueError(f"scoring window w={window} must be at least 1")
+    if delta <= window:
+        raise ValueError(f"eviction cadence δ={delta} must be larger than the window w={window}")
+    if delta < block:
+        raise ValueError(f"eviction cadence δ={delta} must be at least the block size b={block}")
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 1024
+    temperature: float = 0.9
+    top_k: int = 50  # 0 = no top-k truncation
+    greedy: bool = False
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be positive (use greedy=True for argmax)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+
+
+@dataclass
+class Rollout:
+    tokens: torch.Tensor  # (B, T) prompt + completion, right-padded with 0
+    prompt_lens: torch.Tensor  # (B,)
+    lengths: torch.Tensor  # (B,) prompt + completion
+    logprobs: torch.Tensor  # (B, T) log softmax(logits / temperature) of each completion token, else 0
+    kept: torch.Tensor  # (B, R, L, Kmax) ordered kept blocks σ per round and layer, -1 padded
+    n_rounds: torch.Tensor  # (B,) rounds that fired
+    evict_logprobs: torch.Tensor  # (B, R, L) log p(σ) of each decision, 0 where none
+    kv_before_round: torch.Tensor  # (B, R, L) alive entries just before each round
+    peak_kv: torch.Tensor  # (B,) most KV entries held at once, summed over layers
+    kv_slots: int  # most KV slots allocated per batch row, summed over layers
+    eos: torch.Tensor  # (B,) bool, finished by EOS (else by max_new_tokens)
+
+    def select(self, rows) -> "Rollout":
+        """The rollouts of batch rows `rows`, trimmed to their own longest length and round count."""
+        T, R = int(self.lengths[rows].max()), int(self.n_rounds[rows].max())
+        return Rollout(self.tokens[rows, :T], self.prompt_lens[rows], self.lengths[rows], self.logprobs[rows, :T],
+                       self.kept[rows, :R], self.n_rounds[rows], self.evict_logprobs[rows, :R],
+                       self.kv_before_round[rows, :R], self.peak_kv[rows], self.kv_slots, self.eos[rows])
+
+    def completions(self) -> list[list[int]]:
+        return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
+
+
+def attention_scores(q, k, mask):
+    """Mean over query heads of softmax(q·kᵀ/√d) per query row, in fp32 (paper §4.2: A).
+
+    q (N, H, M, D) post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) bool: which keys
+    each query row sees. Query head h reads KV group h // (H / Hkv). Returns (N, M, S); ψ is
+    its mean over the w rows of a round. Rollout and replay both call this."""
+    N, H, M, D = q.shape
+    Hkv = k.shape[1]
+    q = q.float().view(N, Hkv, H // Hkv, M, D)
+    att = q @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (N, Hkv, G, M, S)
+    att = att.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
+    return att.mean(dim=(1, 2))  # (N, M, S)
+
+
+class QueryWindow:
+    """The post-RoPE queries of each row's w newest tokens, per layer (DESIGN §2)."""
+
+    def __init__(self, n_layers: int, batch: int, w: int, device):
+        self.w, self.q = w, [None] * n_layers
+        self.pos = torch.zeros(batch, w, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch, w, dtype=torch.bool, device=device)
+
+    def advance(self, pos, valid):
+        """Before a forward: which w of (window + new tokens) are the newest real tokens."""
+        cat_valid, cat_pos = torch.cat([self.valid, valid], 1), torch.cat([self.pos, pos], 1)
+        order = torch.arange(cat_valid.shape[1], device=pos.device).expand_as(cat_valid)
+        self.idx = torch.where(cat_valid, order, -1).topk(self.w, dim=1).indices.sort(1).values  # (B, w)
+        self.valid, self.pos = cat_valid.gather(1, self.idx), cat_pos.gather(1, self.idx)
+
+    def __call__(self, layer, q, k, mask):  # the model's qk_hook
+        B, H, _, D = q.shape
+        old = self.q[layer] if self.q[layer] is not None else q.new_zeros(B, H, self.w, D)
+        both = torch.cat([old, q], dim=2)
+        self.q[layer] = both.gather(2, self.idx[:, None, :, None].expand(-1, H, -1, D))
+
+
+def choose_blocks(policy, q, keys, kpos, alive, qpos, block, rate, generator):
+    """One layer's decision for N rows: the ordered kept blocks σ (N, Kmax) and log p(σ) (N,)."""
+    mask = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S)
+    psi = attention_scores(q, keys, mask).mean(1)  # (N, S)
+    logits, exists = log_block_logits(psi, alive, block)
+    k = keep_count(exists.sum(1), rate)
+    sigma = gumbel_topk(logits, k, generator) if POLICIES[policy] == "sample" else ordered_topk(logits, k)
+    return sigma, plackett_luce_log_prob(logits, sigma)
+
+
+def sample_tokens(logits, s: Sampling, generator=None):
+    """Next tokens (B,) and their log-probs under softmax(logits / temperature)."""
+    logits = logits.float() / s.temperature
+    logp = F.log_softmax(logits, dim=-1)
+    if s.greedy:
+        tok = logits.argmax(-1)
+    else:
+        if s.top_k:
+            kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        tok = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction: Eviction | None = None,
+            rates=None, eos_ids=(), generator=None, progress=False) -> Rollout:
+    """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
+
+    rates: optional per-sequence eviction rates (B,) overriding eviction.rate (interoception).
+    generator: a torch.Generator for the token and Gumbel noise (on the model's device)."""
+    if not prompts or min(map(len, prompts)) == 0:
+        raise ValueError("rollout needs at least one prompt and every prompt needs at least one token")
+    cfg = model.config
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    B, L, M = len(prompts), cfg.num_hidden_layers, sampling.max_new_tokens
+    P = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(B, int(P.max()) + M, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
+    if eviction is not None:
+        rates = torch.full((B,), eviction.rate, device=device) if rates is None else torch.as_tensor(rates, device=device)
+        check_eviction(eviction.delta, eviction.block, eviction.window, rates)
+    cache = KVCache(cfg, B, dtype, device)
+    window = QueryWindow(L, B, eviction.window, device) if eviction else None
+    rows = torch.arange(B, device=device)
+    fed = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row's cache has taken
+    peak = torch.zeros(B, dtype=torch.long, device=device)
+    record = Recorder(B, L, device)
+    slots = 0
+
+    def feed(n):  # feed n[i] tokens of row i (a chunk), return the logits after its last token
+        nonlocal peak, slots
+        T = int(n.max())
+        offs = torch.arange(T, device=device)
+        pos = fed[:, None] + offs
+        valid = offs < n[:, None]
+        idx = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1)).masked_fill(~valid, 0)
+        if window:
+            window.advance(pos, valid)
+        h = model(idx, pos, cache=cache, valid=valid, qk_hook=window)
+        fed.add_(n)
+        peak = torch.maximum(peak, cache.alive_counts().sum(1))
+        slots = max(slots, cache.slots())
+        return model.logits(h[rows, (n - 1).clamp(min=0)])
+
+    def maybe_evict(fired):
+        if eviction is not None and fired.any():
+            evict(model, cache, window, rows[fired], eviction, rates, generator, record)
+
+    # Prefill in chunks that end on eviction boundaries, with a round between chunks.
+    chunk = eviction.delta if eviction else int(P.max())
+    last_logits = torch.zeros(B, cfg.vocab_size, device=device, dtype=dtype)
+    while (fed < P).any():
+        n = torch.minimum(P, (fed // chunk + 1) * chunk) - fed
+        logits = feed(n)
+        last_logits[n > 0] = logits[n > 0]
+        maybe_evict((n > 0) & (fed % chunk == 0))
+
+    # Decode: the one loop over time.
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    n_new = torch.zeros(B, dtype=torch.long, device=device)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    hit_eos = torch.zeros(B, dtype=torch.bool, device=device)
+    for _ in tqdm(range(M), desc="decode", leave=False, disable=not progress):
+        tok, lp = sample_tokens(last_logits, sampling, generator)
+        at = (P + n_new)[active]
+        tokens[rows[active], at], logprobs[rows[active], at] = tok[active], lp[active]
+        n_new += active
+        hit_eos |= active & torch.isin(tok, eos)
+        active &= ~hit_eos & (n_new < M)
+        if not active.any():
+            break
+        last_logits = feed(active.long())
+        maybe_evict(active & (fed % chunk == 0))
+
+    lengths = P + n_new
+    return Rollout(tokens[:, : int(lengths.max())], P, lengths, logprobs[:, : int(lengths.max())],
+                   *record.tensors(), peak_kv=peak, kv_slots=slots, eos=hit_eos)
+
+
+def evict(model, cache, window, rows, ev: Eviction, rates, generator, record):
+    """One eviction round, at every layer, for the batch rows `rows` (paper §4.1–4.3)."""
+    assert window.valid[rows].all(), "an eviction round needs w scored queries (δ > w)"
+    qpos = window.pos[rows]
+    sigmas, logps, before = [], [], []
+    for layer, c in enumerate(cache.layers):
+        alive = c.alive[rows, : c.size]
+        sigma, logp = choose_blocks(ev.policy, window.q[layer][rows], c.keys[rows], c.pos[rows, : c.size],
+                                    alive, qpos, ev.block, rates[rows], generator)
+        c.evict(rows, kept_keys(alive, sigma, ev.block))
+        sigmas.append(sigma), logps.append(logp), before.append(alive.sum(1))
+    record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))
+
+
+class Recorder:
+    """Collects each round's decisions; rows fire rounds at different steps."""
+
+    def __init__(self, B, L, device):
+        self.B, self.L, self.device, self.rounds = B, L, device, []
+        self.n_rounds = torch.zeros(B, dtype=torch.long, device=device)
+
+    def add(self, rows, sigmas, logps, before):
+        self.rounds.append((rows, self.n_rounds[rows].clone(), sigmas, logps, before))
+        self.n_rounds[rows] += 1
+
+    def tensors(self):
+        B, L, dev = self.B, self.L, self.device
+        R = int(self.n_rounds.max()) if self.rounds else 0
+        Kmax = max([s.shape[1] for r in self.rounds for s in r[2]], default=1)
+        kept = torch.full((B, R, L, Kmax), -1, dtype=torch.long, device=dev)
+        logps = torch.zeros(B, R, L, device=dev)
+        before = torch.zeros(B, R, L, dtype=torch.long, device=dev)
+        for rows, r, sigmas, lp, bf in self.rounds:
+            for layer, s in enumerate(sigmas):
+                kept[rows, r, layer, : s.shape[1]] = s
+            logps[rows, r], before[rows, r] = lp, bf
+        return kept, self.n_rounds, logps, before

@@ -1,0 +1,88 @@
+"""Replay: one forward pass that reproduces a rollout (paper §4.5, Appendix A.3; DESIGN §3).
+
+During a rollout every layer dropped its own blocks at every round, so what token t saw
+differs per layer and is not monotone in t: a key is visible from its own position until
+the round that evicted it. That is one number per (layer, key), its death time, and the
+layer's (T, T) visibility mask follows from it:
+
+    visible[t, s] = s <= t < death[s]
+
+The mask is built right before each layer's attention, never for all layers at once.
+In the same pass each round's eviction log-probability is recomputed from that pass's own
+queries and keys, so L_mem's gradient reaches every q_proj and k_proj.
+"""
+import torch
+
+from gumbel import kept_keys, log_block_logits, plackett_luce_log_prob
+from ngc import Eviction, Rollout, attention_scores
+
+NEVER = torch.iinfo(torch.long).max
+
+
+def death_times(kept, n_rounds, T: int, delta: int, block: int):
+    """(B, L, T): the first token index that no longer sees key s at layer l (NEVER if none).
+
+    kept (B, R, L, Kmax) ordered kept blocks, -1 padded; round r fires after token (r+1)δ-1
+    and cuts the alive keys (those not yet dead) into blocks of `block` in position order."""
+    B, R, L, _ = kept.shape
+    s = torch.arange(T, device=kept.device)
+    death = torch.full((B, L, T), NEVER, dtype=torch.long, device=kept.device)
+    for r in range(R):  # rounds are sequential: round r cuts what survived round r-1
+        end = (r + 1) * delta - 1
+        alive = (s <= end) & (death == NEVER)  # (B, L, T)
+        keep = kept_keys(alive.flatten(0, 1), kept[:, r].flatten(0, 1), block).view(B, L, T)
+        fired = (r < n_rounds)[:, None, None]
+        death = torch.where(fired & alive & ~keep, end + 1, death)
+    return death
+
+
+def visibility(death):
+    """(B, T, T) bool replay mask of one layer from its death times (B, T): s <= t < death[s]."""
+    t = torch.arange(death.shape[1], device=death.device)
+    mask = (t[None, None, :] <= t[None, :, None]) & (t[None, :, None] < death[:, None, :])
+    assert mask.diagonal(dim1=1, dim2=2).all(), "every token must see itself"
+    return mask
+
+
+def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
+    """log p(σ) (B, R) of one layer's rounds, from this pass's q (B, H, T, D), k (B, Hkv, T, D)
+    and visibility mask (B, T, T); kept (B, R, Kmax). The same arithmetic as the rollout."""
+    B, R = kept.shape[:2]
+    w = ev.window
+    ends = (torch.arange(R, device=q.device) + 1) * ev.delta - 1  # the token after which round r fires
+    rows = (ends[:, None] - w + 1 + torch.arange(w, device=q.device)).flatten()  # its w scoring queries
+    probs = attention_scores(q[:, :, rows], k, mask[:, rows])  # (B, R*w, T)
+    psi = probs.view(B, R, w, -1).mean(2)  # (B, R, T)
+    alive = mask[:, ends]  # (B, R, T): the keys alive when round r fired
+    logits, _ = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), ev.block)
+    logp = plackett_luce_log_prob(logits, kept.flatten(0, 1)).view(B, R)
+    return torch.where(torch.arange(R, device=q.device) < n_rounds[:, None], logp, 0.0)
+
+
+def replay(model, ro: Rollout, ev: Eviction | None, temperature: float, causal: bool = False):
+    """Token log-probs (B, T) and eviction log-probs (B, R, L) of rollouts ro, on the graph.
+
+    causal=True (or ev=None) uses the plain causal mask and computes no eviction log-probs:
+    right for rollouts without eviction, and the "targeted dropout" ablation otherwise."""
+    B, T = ro.tokens.shape
+    pos = torch.arange(T, device=ro.tokens.device).expand(B, T)
+    layer_mask, hook, evict_logps = None, None, None
+    if ev is not None and not causal and ro.kept.shape[1] > 0:
+        death = death_times(ro.kept, ro.n_rounds, T, ev.delta, ev.block)
+        per_layer = [None] * death.shape[1]
+
+        def layer_mask(layer):
+            return visibility(death[:, layer])
+
+        def hook(layer, q, k, mask):
+            per_layer[layer] = round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, ev)
+
+    h = model(ro.tokens, pos, layer_mask=layer_mask, qk_hook=hook)
+    if hook is not None:
+        evict_logps = torch.stack(per_layer, dim=2)  # (B, R, L)
+    t = torch.arange(1, T, device=pos.device)
+    target = (t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None])  # (B, T-1): completion tokens
+    logits = model.logits(h[:, :-1][target]).float() / temperature  # (N, V), completion positions only
+    lp = logits.gather(1, ro.tokens[:, 1:][target][:, None]).squeeze(1) - logits.logsumexp(-1)
+    token_logps = torch.zeros(B, T - 1, device=lp.device).masked_scatter(target, lp)
+    return torch.nn.functional.pad(token_logps, (1, 0)), evict_logps
