@@ -165,12 +165,18 @@ class Qwen2(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model = nn.ModuleDict(dict(  # named as in Hugging Face checkpoints: model.layers.0. ...
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layers(self):
+        return self.model.layers
 
     def forward(self, idx, pos, cache=None, valid=None, layer_mask=None, qk_hook=None):
         """Final hidden states (B, T, C) of tokens idx (B, T) at absolute positions pos (B, T).
@@ -183,14 +189,14 @@ class Qwen2(nn.Module):
                     and keys (B, Hkv, T, D) of the new tokens (the eviction policy reads them).
         """
         cfg = self.config
-        x = self.embed_tokens(idx)  # (B, T, C)
+        x = self.model.embed_tokens(idx)  # (B, T, C)
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i, block in enumerate(self.layers):
             mask = layer_mask(i) if layer_mask is not None else None
             x, q, k = block(x, cos, sin, pos, mask, None if cache is None else cache.layers[i], valid)
             if qk_hook is not None:
                 qk_hook(i, q, k, mask)
-        return self.norm(x)
+        return self.model.norm(x)
 
     def logits(self, hidden):
         return self.lm_head(hidden)
@@ -334,9 +340,9 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]!r}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict(state, assign=True, strict=False)  # names and shapes checked above
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device)
 
 
@@ -377,7 +383,7 @@ def init_weights(model: Qwen2, std: float = 0.02, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)

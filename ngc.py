@@ -162,7 +162,7 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     if not prompts or min(map(len, prompts)) == 0:
         raise ValueError("rollout needs at least one prompt and every prompt needs at least one token")
     cfg = model.config
-    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     B, L, M = len(prompts), cfg.num_hidden_layers, sampling.max_new_tokens
     P = torch.tensor([len(p) for p in prompts], device=device)
     tokens = torch.zeros(B, int(P.max()) + M, dtype=torch.long, device=device)
