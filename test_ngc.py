@@ -4,29 +4,39 @@ Every model here is a tiny random Qwen2 written to disk in the Hugging Face layo
 (config.json, model.safetensors, tokenizer.json) and loaded back through from_pretrained,
 the same path as the real checkpoint. Everything runs on the CPU in fp32.
 """
+import builtins
+import inspect
 import itertools
 import json
 import math
 import os
+import random
+import time
+from fractions import Fraction
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+import countdown as cd
+import train
+from countdown import PAPER, TINY, Problem
 
 from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk, plackett_luce_log_prob
 from model import CheckpointError, KVCache, Qwen2, Qwen2Config, from_pretrained, init_weights, load_tokenizer, save_pretrained
 from ngc import Eviction, Sampling, rollout
 from replay import replay
 
+torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
 EOS = 1
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+TINY_MODEL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS)  # GQA: 2 query heads per KV head
 
 
 def write_checkpoint(path, seed=0, std=0.1, **overrides):
     """A random Qwen2 saved as config.json + model.safetensors + tokenizer.json."""
-    cfg = Qwen2Config(**{**TINY, **overrides})
+    cfg = Qwen2Config(**{**TINY_MODEL, **overrides})
     model = init_weights(Qwen2(cfg), std=std, seed=seed)
     save_pretrained(model, str(path))
     vocab = {"<pad>": 0, "<eos>": EOS, **{f"w{i}": i for i in range(2, cfg.vocab_size)}}
@@ -49,7 +59,7 @@ def model(ckpt):
 
 def prompts_of(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(2, TINY_MODEL["vocab_size"], (n,), generator=g).tolist() for n in lengths]
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,3 +358,439 @@ def test_cuda_bf16_replay_agrees_by_argmax(ckpt):
     completion = ro.logprobs != 0
     assert torch.isfinite(tok_lp).all() and torch.isfinite(ev_lp).all()
     assert (tok_lp - ro.logprobs)[completion].abs().max() < 0.2
+
+
+# ---------------------------------------------------------------------------------------
+# Training (train.py)
+
+
+TRAIN_DEFAULTS = dict(difficulty="tiny", train_problems=64, eval_problems=4, prompts=2, group=4, max_new_tokens=24,
+                      temperature=1.0, top_k=0, delta=8, block=2, window=3, retention="0.75,0.5", stage_steps=1,
+                      micro_batch=3, eval_every=0, save_every=0, lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def train_ckpt(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("train_model"), seed=1)
+    with open(os.path.join(path, "ngc.json"), "w") as f:
+        json.dump(TRAIN_DEFAULTS, f)
+    return path
+
+
+def odd_length_reward(text, problem):
+    """A stand-in reward with variance inside a group (the random model never solves Countdown)."""
+    return float(len(text.replace(" ", "")) % 2)
+
+
+def run_train(ckpt, out, *flags):
+    train.main(["--model", ckpt, "--out", str(out), "--threads", "1", *flags], reward_fn=odd_length_reward)
+    return [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+
+
+def test_curriculum_matches_the_paper_formula():
+    stages, D, a = [0.9, 0.7, 0.5], 10, 0.6
+    expected = {0: 0.9, 3: 0.9, 4: 0.9, 7: 0.9 + (0.7 - 0.4) / 0.6 * (0.7 - 0.9), 9: 0.9 + (0.9 - 0.4) / 0.6 * -0.2,
+                10: 0.7, 13: 0.7, 17: 0.7 + 0.5 * -0.2, 20: 0.5, 35: 0.5, 1000: 0.5}
+    for step, value in expected.items():
+        assert abs(train.retention_at(step, stages, D, a) - value) < 1e-12, step
+    # the blend is continuous at the stage edge: just before step 10 it approaches 0.7
+    assert abs(train.retention_at(10, stages, D, a) - (0.9 + (1 - 0.4) / 0.6 * -0.2)) < 1e-12
+
+
+@pytest.mark.parametrize("mode", list(train.MODES))
+def test_one_training_step_in_each_mode(train_ckpt, tmp_path, mode):
+    before = from_pretrained(train_ckpt).state_dict()
+    flags = ["--mode", mode, "--steps", "1"] + (["--eval-every", "1"] if mode == "ngc" else [])
+    log = run_train(train_ckpt, tmp_path, *flags)
+    step = [r for r in log if "eval" not in r][0]
+    assert math.isfinite(step["L_token"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
+    if mode == "ngc":
+        assert math.isfinite(step["L_mem"]) and step["L_mem"] != 0 and step["grad_norm_mem"] > 0
+        assert step["rounds"] > 0 and len([r for r in log if "eval" in r]) == 2
+    else:
+        assert step["L_mem"] is None and "grad_norm_mem" not in step
+    assert (step["rounds"] > 0) == (mode != "no-evict")
+    after = from_pretrained(os.path.join(tmp_path, "checkpoint")).state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before)  # every tensor moved (Adam's first step is ±lr everywhere)
+
+
+def test_targeted_dropout_scores_tokens_under_the_causal_mask(train_ckpt, model):
+    c = train.resolve(train.parse_args(["--model", train_ckpt, "--mode", "targeted-dropout"]))
+    ro = rollout(model, prompts_of([5, 9, 3]), Sampling(max_new_tokens=30, temperature=1.0, top_k=0), EV,
+                 eos_ids=[EOS], generator=torch.Generator().manual_seed(0))
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    _, l_mem, tok_lp = train.policy_losses(model, ro, adv, EV, c, n_total=3)
+    assert l_mem is None
+    causal, _ = replay(model, ro, EV, 1.0, causal=True)
+    masked, _ = replay(model, ro, EV, 1.0)
+    assert torch.equal(tok_lp, causal) and (tok_lp - masked).abs().max() > 1e-2
+
+
+def test_resume_continues_exactly(train_ckpt, tmp_path):
+    straight = run_train(train_ckpt, tmp_path / "a", "--steps", "2")
+    run_train(train_ckpt, tmp_path / "b", "--steps", "1")
+    resumed = run_train(train_ckpt, tmp_path / "b", "--steps", "2", "--resume", str(tmp_path / "b"))
+    assert [r["step"] for r in resumed] == [0, 1]
+    for key in ("reward", "L_token", "L_mem", "grad_norm", "response_len"):
+        assert abs(straight[1][key] - resumed[1][key]) < 1e-6, key
+    # Negative control: a different seed gives a different second step.
+    other = run_train(train_ckpt, tmp_path / "c", "--steps", "2", "--seed", "5")
+    assert abs(other[1]["L_token"] - straight[1]["L_token"]) > 1e-6
+
+
+def test_checkpoint_loads_back_with_identical_logits(train_ckpt, tmp_path):
+    m = from_pretrained(train_ckpt)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(1.5)  # something a fresh load of train_ckpt would not have
+    opt = train.make_optimizer(m, train.resolve(train.parse_args(["--model", train_ckpt])))
+    c = train.resolve(train.parse_args(["--model", train_ckpt]))
+    train.save_checkpoint(str(tmp_path), m, load_tokenizer(train_ckpt), opt, torch.Generator().get_state(), 3, c)
+    back = from_pretrained(os.path.join(tmp_path, "checkpoint"))
+    x = torch.tensor(prompts_of([12])[0])[None]
+    pos = torch.arange(12)[None]
+    assert torch.equal(back.logits(back(x, pos)), m.logits(m(x, pos)))
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["config.json", "model.safetensors", "ngc.json",
+                                                         "tokenizer.json", "trainer.pt"]
+    assert train.run_defaults(str(tmp_path / "checkpoint"))["delta"] == TRAIN_DEFAULTS["delta"]
+
+
+def test_bad_training_arguments_fail_with_one_line(train_ckpt, tmp_path, capsys):
+    for flags, message in [(["--eviction-rate", "1.5"], "must lie in"), (["--delta", "2"], "larger than the window"),
+                           (["--group", "1"], "--group"), (["--model", str(tmp_path / "none")], "no config.json"),
+                           (["--resume", str(tmp_path)], "nothing to resume")]:
+        with pytest.raises(SystemExit) as err:
+            train.main(["--model", train_ckpt, "--out", str(tmp_path / "x"), *flags])
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Countdown (countdown.py): solver, generator, prompt and reward
+
+
+def test_solve_finds_valid_expressions_and_none_when_unsolvable():
+    expr = cd.solve((3, 5, 2), 16)
+    assert expr is not None
+    assert cd.evaluate_expression(expr) == 16
+    assert sorted(cd.numbers_in(expr)) == [2, 3, 5]
+    assert cd.reward(f"<answer>{expr}</answer>", Problem((3, 5, 2), 16)) == 1.0
+    # negative controls: unreachable targets
+    assert cd.solve((1, 1, 1), 100) is None
+    assert cd.solve((2, 2, 2, 2), 1000) is None
+    # every number must be used: 13 is among the numbers, but 17 and 19 can't be absorbed
+    assert cd.solve((13, 17, 19), 13) is None
+    assert cd.solve((50, 50, 50), 50) is not None        # 50 + 50 - 50
+    assert cd.evaluate_expression(cd.solve((7, 1, 1), 7)) == 7
+
+
+# ---------------------------------------------------------------------------------------
+# generator and splits
+
+def test_generate_is_seeded_and_reproducible():
+    a, b = cd.generate(2000, seed=7), cd.generate(2000, seed=7)
+    assert a == b
+    assert cd.generate(2000, seed=8) != a
+    assert cd.generate(2000, seed=7, difficulty=TINY) == cd.generate(2000, seed=7, difficulty=TINY)
+
+
+@pytest.mark.parametrize("difficulty", [PAPER, TINY])
+def test_generated_problems_are_in_range_and_solvable(difficulty):
+    probs = cd.generate(3000, seed=3, difficulty=difficulty)
+    assert len(probs) == 3000
+    assert {len(p.nums) for p in probs} == set(difficulty.n_nums)
+    lo, hi = difficulty.num_range
+    tlo, thi = difficulty.target_range
+    for p in probs:
+        assert isinstance(p.nums, tuple)
+        assert all(lo <= n <= hi for n in p.nums)
+        assert tlo <= p.target <= thi
+        expr = cd.solve(p.nums, p.target)
+        assert expr is not None, p
+        assert cd.reward(f"<answer> {expr} </answer>", p) == 1.0
+        assert cd.reward(f"<answer> {expr} </answer>", Problem(p.nums, p.target + 1)) == 0.0
+
+
+def test_paper_preset_and_default_sizes():
+    assert PAPER.n_nums == (3, 4)
+    assert TINY == cd.Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100))
+    defaults = {k: v.default for k, v in inspect.signature(cd.splits).parameters.items()}
+    assert defaults["n_train"] == 327_680
+    assert defaults["n_test"] == 1_024
+    assert defaults["difficulty"] == PAPER
+
+
+def test_splits_are_disjoint_distinct_and_reproducible():
+    train, test = cd.splits(seed=0, n_train=20_000)
+    assert len(train) == 20_000 and len(test) == 1_024
+    key = lambda p: (tuple(sorted(p.nums)), p.target)
+    train_keys, test_keys = {key(p) for p in train}, {key(p) for p in test}
+    assert len(test_keys) == len(test) and len(train_keys) == len(train)
+    assert not train_keys & test_keys
+    assert cd.splits(seed=0, n_train=20_000) == (train, test)
+    assert cd.splits(seed=1, n_train=20_000)[1] != test
+
+
+def test_tiny_splits_disjoint_even_with_repeats():
+    train, test = cd.splits(seed=0, n_train=20_000, n_test=512, difficulty=TINY, unique=False)
+    key = lambda p: (tuple(sorted(p.nums)), p.target)
+    assert len(train) == 20_000
+    assert len({key(p) for p in test}) == 512
+    assert not {key(p) for p in train} & {key(p) for p in test}
+    # TINY has only a few thousand distinct problems: asking for more distinct ones fails loudly
+    with pytest.raises(RuntimeError):
+        cd.splits(seed=0, n_train=20_000, n_test=16, difficulty=TINY, unique=True)
+
+# ---------------------------------------------------------------------------------------
+# prompt
+
+def test_prompt_text_and_eviction_rate_tag():
+    p = Problem((3, 5, 2), 16)
+    text = cd.prompt_text(p)
+    assert "[3, 5, 2]" in text and "equals 16" in text and "<answer>" in text
+    assert "eviction_rate" not in text
+    assert cd.prompt_text(p, 0.5) == text + "\n<eviction_rate>50%</eviction_rate>"
+    assert cd.prompt_text(p, 0.25).endswith("<eviction_rate>25%</eviction_rate>")
+    assert cd.prompt_text(p, 0.125).endswith("<eviction_rate>12.5%</eviction_rate>")
+    assert cd.prompt_text(p, 0.0).endswith("<eviction_rate>0%</eviction_rate>")
+    assert cd.prompt_text(p, 0.7).endswith("<eviction_rate>70%</eviction_rate>")  # 70.00000000000001
+
+
+def _tiny_tokenizer(chat):
+    words = "Using the numbers [3, 5, 2] equals 16 . <think> \n".split(" ")
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(dict.fromkeys(words))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if chat:
+        tok.add_special_tokens(list(cd.R1_CHAT))
+        tok.add_tokens(["<think>"])
+        bos = cd.R1_CHAT[0]
+        # like the real R1 tokenizer, the post-processor would prepend BOS on its own
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    return tok
+
+
+def test_encode_prompt_uses_r1_chat_template_only_when_present():
+    text = "Using the numbers 16"
+    chat = _tiny_tokenizer(chat=True)
+    ids = cd.encode_prompt(chat, text)
+    bos, user, assistant = (chat.token_to_id(t) for t in cd.R1_CHAT)
+    think = chat.token_to_id("<think>")
+    assert ids[:2] == [bos, user]
+    assert ids.count(bos) == 1  # not duplicated by the post-processor
+    assert ids[-2:] == [assistant, think]
+    assert ids[2:-2] == chat.encode(text, add_special_tokens=False).ids
+    # sanity: the post-processor really would have added a BOS
+    assert chat.encode(f"{cd.R1_CHAT[0]}x").ids[:2] == [bos, bos]
+
+    plain = _tiny_tokenizer(chat=False)
+    assert plain.token_to_id(cd.R1_CHAT[1]) is None
+    assert cd.encode_prompt(plain, text) == plain.encode(text, add_special_tokens=False).ids
+    assert len(cd.encode_prompt(plain, text)) == 4
+
+# ---------------------------------------------------------------------------------------
+# reward
+
+P = Problem((3, 5, 2), 16)
+
+
+def _boom(*args, **kwargs):
+    raise AssertionError("eval/exec/compile must never be called")
+
+
+@pytest.fixture
+def no_eval(monkeypatch):
+    """eval and exec raise for the whole test; compile raises while countdown code
+    runs (not throughout: pytest itself needs compile to report a failure)."""
+    monkeypatch.setattr(builtins, "eval", _boom)
+    monkeypatch.setattr(builtins, "exec", _boom)
+
+    def trapped(fn):
+        def wrapper(*args, **kwargs):
+            prev, builtins.compile = builtins.compile, _boom
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                builtins.compile = prev
+        return wrapper
+
+    for name in ("reward", "evaluate_expression", "extract_answer", "numbers_in", "solve"):
+        monkeypatch.setattr(cd, name, trapped(getattr(cd, name)))
+
+
+@pytest.mark.parametrize("completion", [
+    "<answer> (3 + 5) * 2 </answer>",
+    "<answer>(3+5)*2</answer>",
+    "<answer>2*(5+3)</answer>",
+    "<answer> (5 + 3) × 2 </answer>",
+    "<answer> (3 + 5) * 2 = 16 </answer>",
+    "<answer>\n(3 + 5) * 2\n</answer>",
+    "<think>try 3*5+2 = 17, no</think> so <answer> (3 + 5) * 2 </answer>",
+    "<answer> 3 + 5 </answer> wait, that's wrong. <answer> (3 + 5) * 2 </answer>",
+])
+def test_reward_correct(completion, no_eval):
+    assert cd.reward(completion, P) == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    "<answer> (3 + 5) + 2 </answer>",        # wrong value
+    "<answer> 3 * 5 + 2 </answer>",          # wrong value (17)
+    "<answer> (3 + 5) * 2 = 17 </answer>",   # wrong claimed value
+    "<answer> (3 + 5) * 2 = 16 = 16 </answer>",
+    "<answer> 16 </answer>",                 # numbers missing
+    "<answer> 8 * 2 </answer>",              # 3 and 5 missing
+    "<answer> (3 + 5) * 2 * 1 </answer>",    # extra number
+    "<answer> (3 + 5) * 2 + 0 </answer>",    # extra number
+    "<answer> (3 + 3 + 2) * 2 </answer>",    # 3 used twice, 5 missing (value 16)
+    "<answer> (5 + 3) * 2 * (2 / 2) </answer>",  # 2 used three times (value 16)
+    "<answer> 35 - 2 + 3 - 20 </answer>",    # digits glued / extra numbers
+    "<answer> (3 + 5) * 2.0 </answer>",      # no decimals
+    "<answer></answer>",
+    "<answer> </answer>",
+])
+def test_reward_wrong(completion, no_eval):
+    assert cd.reward(completion, P) == 0.0
+
+
+@pytest.mark.parametrize("completion", [
+    "(3 + 5) * 2",                                    # no tags at all
+    "<answer> (3 + 5) * 2",                           # unclosed
+    "(3 + 5) * 2 </answer>",                          # unopened
+    "</answer> (3 + 5) * 2 <answer>",                 # reversed
+    "<answer (3 + 5) * 2 </answer>",                  # broken open tag
+    "<Answer> (3 + 5) * 2 </Answer>",                 # tags are case-sensitive
+    "<answer><answer> (3 + 5) * 2 </answer></answer>",
+    "<answer> (3 + 5) * 2 </answer> <answer> 3 + 5 + 2 </answer>",  # last one is wrong
+    "<answer> 3 + 5 + 2 </answer> actually it is (3 + 5) * 2",      # right one outside tags
+    "<answer> 3 + 5 + 2 </answer> <answer> (3 + 5) * 2",            # last tag unclosed
+])
+def test_reward_malformed_tags_and_answer_outside_last_tag(completion, no_eval):
+    assert cd.reward(completion, P) == 0.0
+
+
+def test_reward_rejects_unary_minus_and_powers_even_when_the_value_is_right(no_eval):
+    p = Problem((3, 5, 2), 13)
+    assert cd.reward("<answer> 3 * 5 - 2 </answer>", p) == 1.0   # positive control
+    assert cd.reward("<answer> -2 + 3 * 5 </answer>", p) == 0.0
+    assert cd.reward("<answer> 5 * 3 + (-2) </answer>", p) == 0.0
+    q = Problem((2, 4, 1), 16)
+    assert cd.reward("<answer> 2 * 4 * 1 </answer>", Problem((2, 4, 1), 8)) == 1.0
+    assert cd.reward("<answer> 2 ** 4 * 1 </answer>", q) == 0.0
+    assert cd.reward("<answer> 2 ^ 4 * 1 </answer>", q) == 0.0
+
+
+def test_reward_rejects_injected_code_and_runs_nothing(tmp_path, monkeypatch, no_eval):
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "pwned"
+    attacks = [
+        "__import__('os').system('touch pwned')",
+        "(3 + 5) * 2 if __import__('os').system('touch pwned') == 0 else 0",
+        "open('pwned', 'w').write('x') and (3 + 5) * 2",
+        "(lambda: __import__('os').system('touch pwned'))() or (3 + 5) * 2",
+        "[c for c in ().__class__.__base__.__subclasses__()]",
+        "(3 + 5) * 2; import os; os.system('touch pwned')",
+        "exec('open(\"pwned\",\"w\")')",
+        "eval('(3 + 5) * 2')",
+    ]
+    for attack in attacks:
+        for completion in (f"<answer>{attack}</answer>", f"<answer> {attack} = 16 </answer>"):
+            assert cd.reward(completion, P) == 0.0
+        assert cd.evaluate_expression(attack) is None
+    assert not marker.exists()
+    assert list(tmp_path.iterdir()) == []
+    # the traps are live: an evaluator built on eval/compile would have been caught
+    with pytest.raises(AssertionError):
+        eval("1")
+    monkeypatch.setattr(cd, "_tokenize", lambda text: compile(text, "<answer>", "eval"))
+    with pytest.raises(AssertionError):
+        cd.evaluate_expression("1")
+
+
+def test_reward_resists_huge_numbers_deep_nesting_and_division_by_zero(no_eval):
+    t = time.perf_counter()
+    assert cd.evaluate_expression("9**9**9") is None
+    assert cd.reward("<answer> 9**9**9 </answer>", Problem((9, 9, 9), 729)) == 0.0
+    assert cd.reward("<answer> 9 ** 9 ** 9 </answer>", Problem((9, 9, 9), 729)) == 0.0
+    assert cd.evaluate_expression("1" * 7) is None                      # literal too long
+    assert cd.reward("<answer>" + "9" * 100_000 + "</answer>", P) == 0.0  # int() digit limit
+    big = "*".join(["999999"] * 28)                                     # 195 chars: allowed
+    assert cd.evaluate_expression(big) == 999999 ** 28
+    assert cd.evaluate_expression("1+" * 150 + "1") is None               # over 200 chars
+    assert cd.evaluate_expression("(" * 30 + "16" + ")" * 30) == 16
+    assert cd.evaluate_expression("(" * 40 + "16" + ")" * 40) is None     # too deep
+    assert cd.reward("<answer>" + "(" * 5000 + "16" + ")" * 5000 + "</answer>", P) == 0.0
+    assert cd.evaluate_expression("1 / 0") is None
+    assert cd.evaluate_expression("5 / (3 - 3)") is None
+    assert cd.reward("<answer> 5 / (3 - 3) </answer>", Problem((5, 3, 3), 0)) == 0.0
+    assert cd.reward("<answer> (5 - 5) / 3 </answer>", Problem((5, 5, 3), 0)) == 1.0  # 0 / 3 is fine
+    assert time.perf_counter() - t < 1.0
+
+
+def test_evaluate_expression_grammar():
+    ev = cd.evaluate_expression
+    assert ev("3 + 5 * 2") == 13 and ev("(3 + 5) * 2") == 16
+    assert ev("8 - 3 - 2") == 3 and ev("24 / 4 / 2") == 3      # left-associative
+    assert ev("7 / 2") == Fraction(7, 2)
+    assert ev("(8 / 3) * 3") == 8                               # exact, no float error
+    assert ev("6 ÷ 3 × 4") == 8
+    for bad in ["", "()", "3 +", "+ 3", "(3", "3)", "3 5", "3 (5)", "abc", "3 % 2", "0x10", "1e3", "½"]:
+        assert ev(bad) is None, bad
+    assert cd.numbers_in("(12 + 3) * 45") == [12, 3, 45]
+    assert cd.extract_answer("a <answer> x </answer> b <answer> y </answer> c") == "y"
+    assert cd.extract_answer("no tags") is None
+
+
+def _random_tree(rng, nums):
+    """A random fully parenthesised expression over nums and its exact value (None on /0)."""
+    items = [(str(n), Fraction(n)) for n in nums]
+    while len(items) > 1:
+        (ea, a), (eb, b) = items.pop(rng.randrange(len(items))), items.pop(rng.randrange(len(items)))
+        op = rng.choice("+-*/")
+        if a is None or b is None or (op == "/" and b == 0):
+            v = None
+        else:
+            v = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else None}[op]
+        sym = {"*": rng.choice(["*", "×"]), "/": rng.choice(["/", "÷"])}.get(op, op)
+        items.append((f"({ea}{' ' * rng.randint(0, 2)}{sym} {eb})", v))
+    return items[0]
+
+
+def test_reward_10k_random_strings(no_eval, tmp_path, monkeypatch):
+    """Random expressions with a known verdict, then pure noise: right verdicts, no exceptions."""
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random(0)
+    n_right = 0
+    for _ in range(5_000):
+        nums = [rng.randint(0, 20) for _ in range(rng.choice([3, 4]))]
+        used = list(nums)
+        mutation = rng.random()
+        if mutation < 0.15:
+            used[0] = used[1]                  # a number used twice, one missing
+        elif mutation < 0.3:
+            used.append(rng.randint(0, 20))    # an extra number
+        elif mutation < 0.4:
+            used.pop()                         # a missing number
+        expr, value = _random_tree(rng, used)
+        if value is not None and value.denominator == 1 and value >= 0 and rng.random() < 0.8:
+            target = int(value)
+        else:
+            target = rng.randint(0, 100)
+        expected = float(value == target and sorted(used) == sorted(nums))
+        got = cd.reward(f"think... <answer> {expr} </answer>", Problem(tuple(nums), target))
+        assert got == expected, (expr, nums, target)
+        n_right += got == 1.0
+    assert n_right > 1_000  # the oracle is not trivially all zeros
+
+    alphabet = list("0123456789+-*/()=  ×÷.^%abcxyz_'\"\\\n\t[]{}<>!&|~") + [
+        "<answer>", "</answer>", "**", "__import__('os')", "16", "3", "5", "2", "é", "\x00"]
+    n_tagged = 0
+    for _ in range(5_000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        n_tagged += cd.extract_answer(s) is not None
+        got = cd.reward(s, P)
+        assert got in (0.0, 1.0)
+        if got == 1.0:  # only possible if the last answer is genuinely right
+            ans = cd.extract_answer(s).split("=")[0]
+            assert cd.evaluate_expression(ans) == 16 and sorted(cd.numbers_in(ans)) == [2, 3, 5]
+    assert n_tagged > 500  # a fair share of the noise reaches the parser
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,96 @@
+"""Speed figures for the NGC engine and the replay pass. Prints numbers, asserts nothing.
+
+    python bench.py                      # a random tiny Qwen2 on the CPU (and on CUDA if present)
+    python bench.py --model DIR --device cuda --dtype bf16 --batch 64 --new-tokens 1024
+
+Decode: tokens/s with eviction on and off at the same batch (no EOS, so every row decodes
+--new-tokens tokens). Replay: forward+backward of the replay pass (per-layer masks plus the
+recomputed eviction log-probs) against a plain causal forward+backward over the same tokens.
+"""
+import argparse
+import time
+
+import torch
+
+from model import Qwen2, Qwen2Config, from_pretrained, init_weights, num_params
+from ngc import Eviction, Sampling, rollout
+from replay import replay
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeat=3):
+    fn()  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        out = fn()
+    sync(device)
+    return (time.perf_counter() - t0) / repeat, out
+
+
+def bench(model, args, device):
+    ev = Eviction(delta=args.delta, block=args.block, window=args.window, rate=args.rate)
+    s = Sampling(max_new_tokens=args.new_tokens, temperature=1.0, top_k=50)
+    g = torch.Generator(device=device).manual_seed(0)
+    V = model.config.vocab_size
+    prompts = torch.randint(0, V, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    new = args.batch * args.new_tokens
+    for name, e in (("off", None), ("on", ev)):
+        sec, ro = timed(lambda: rollout(model, prompts, s, e, eos_ids=[], generator=g), device, args.repeat)
+        print(f"decode, eviction {name:3s}: {new / sec:9.0f} tokens/s   ({sec:.2f} s for {args.batch} x "
+              f"{args.new_tokens} tokens; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots})")
+    ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g)
+
+    def step(causal):
+        model.zero_grad(set_to_none=True)
+        tok, evict = replay(model, ro, ev, temperature=1.0, causal=causal)
+        loss = tok.sum() + (0 if evict is None else evict.sum())
+        loss.backward()
+
+    t_replay, _ = timed(lambda: step(False), device, args.repeat)
+    t_causal, _ = timed(lambda: step(True), device, args.repeat)
+    T = ro.tokens.shape[1]
+    print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms   causal fwd+bwd: {t_causal * 1e3:8.1f} ms   "
+          f"ratio {t_replay / t_causal:.2f}   ({args.batch} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random tiny Qwen2)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cpu, then cuda too if present)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default fp32 on cpu, bf16 on cuda")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--delta", type=int, default=64)
+    p.add_argument("--block", type=int, default=8)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--rate", type=float, default=0.5)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    devices = [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for name in devices:
+        device = torch.device(name)
+        dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+        if args.model:
+            model = from_pretrained(args.model, dtype=dtype, device=device)
+        else:
+            cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2)
+            model = init_weights(Qwen2(cfg)).to(device=device, dtype=dtype)
+        print(f"== {device.type} {str(dtype).removeprefix('torch.')}, {num_params(model) / 1e6:.2f} M params, "
+              f"threads {torch.get_num_threads()}, δ={args.delta} b={args.block} w={args.window} ε={args.rate}")
+        bench(model, args, device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""
+The Countdown task (Stream-of-Search / TinyZero style), as used by the NGC paper.
+
+A problem is a few numbers and a target, e.g. nums (3, 5, 2), target 16. The model
+must write an equation that uses every number exactly once with + - * / and
+parentheses, e.g. <answer> (3 + 5) * 2 </answer>. The reward is 1.0 when the last
+<answer> ... </answer> in the completion holds such an equation whose value is the
+target, else 0.0. Answers are read by a tiny hand-written parser with exact
+Fraction arithmetic; nothing is ever passed to eval/exec.
+
+Problems are generated solvable by construction: sample the numbers, combine them
+at random (non-negative integer intermediates) until one is left, keep it as the
+target if it lands in the target range. The paper uses 327,680 train and 1,024
+held-out test problems with 3 and 4 input numbers.
+"""
+
+import itertools
+import random
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+# -----------------------------------------------------------------------------
+# problems and difficulty presets
+
+@dataclass(frozen=True)
+class Problem:
+    nums: tuple[int, ...]
+    target: int
+
+@dataclass(frozen=True)
+class Difficulty:
+    n_nums: tuple[int, ...] = (3, 4)          # how many input numbers (chosen uniformly)
+    num_range: tuple[int, int] = (1, 99)      # inclusive range of each input number
+    target_range: tuple[int, int] = (10, 100) # inclusive range of the target
+
+PAPER = Difficulty()  # Countdown-Tasks-3to4-like: 3-4 numbers in 1..99, targets 10..100
+TINY = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100))
+
+def _key(p):
+    """A problem's identity: sorted numbers and target."""
+    return (tuple(sorted(p.nums)), p.target)
+
+# -----------------------------------------------------------------------------
+# exact solver: DFS over pairs, every intermediate a non-negative integer
+
+def _ops(a, b):
+    """Values of a + b, a * b, a - b and a / b (in that order, as in OPS), given
+    a >= b: subtraction never goes negative, division only when exact."""
+    out = [a + b, a * b, a - b]
+    if b != 0 and a % b == 0:
+        out.append(a // b)
+    return out
+
+OPS = "+*-/"
+
+def _dfs(items, target, dead):
+    if len(items) == 1:
+        return items[0][1] if items[0][0] == target else None
+    state = tuple(sorted(v for v, _ in items))
+    if state in dead:
+        return None
+    for i in range(len(items)):
+        for j in range(i + 1, len(items)):
+            (a, ea), (b, eb) = sorted((items[i], items[j]), key=lambda x: -x[0])
+            rest = [x for k, x in enumerate(items) if k != i and k != j]
+            for v, op in zip(_ops(a, b), OPS):
+                found = _dfs(rest + [(v, f"({ea} {op} {eb})")], target, dead)
+                if found is not None:
+                    return found
+    dead.add(state)
+    return None
+
+def solve(nums, target):
+    """An expression using each number exactly once that equals target, or None."""
+    expr = _dfs([(n, str(n)) for n in nums], target, set())
+    if expr is not None and expr.startswith("("):
+        expr = expr[1:-1]  # the outermost pair always wraps the whole expression
+    return expr
+
+# -----------------------------------------------------------------------------
+# generator
+
+def _target(nums, rng, lo, hi):
+    """Fold the numbers with random pairs and random valid ops; the last op is drawn
+    among those landing in [lo, hi]. Returns None if none does."""
+    vals, r = list(nums), rng.random  # rng.random() is much faster than randint/sample
+    while len(vals) > 1:
+        a = vals.pop(int(r() * len(vals)))
+        b = vals.pop(int(r() * len(vals)))
+        ops = _ops(a, b) if a >= b else _ops(b, a)
+        if not vals:  # the last op must land the target in range
+            ops = [v for v in ops if lo <= v <= hi]
+        if not ops:
+            return None
+        vals.append(ops[int(r() * len(ops))])
+    return vals[0]
+
+def _stream(rng, difficulty):
+    """An endless stream of solvable problems."""
+    (lo, hi), r = difficulty.num_range, rng.random
+    while True:
+        k = rng.choice(difficulty.n_nums)
+        while True:  # resample the numbers until they reach the target range
+            nums = [lo + int(r() * (hi - lo + 1)) for _ in range(k)]
+            target = _target(nums, rng, *difficulty.target_range)
+            if target is not None:
+                break
+        yield Problem(tuple(nums), target)
+
+def _take(stream, n, skip=frozenset(), unique=False, patience=50_000):
+    """The next n problems whose identity is not in skip (nor repeated, if unique)."""
+    out, seen, misses = [], set(), 0
+    while len(out) < n:
+        p = next(stream)
+        k = _key(p)
+        if k in skip or (unique and k in seen):
+            misses += 1
+            if misses > patience:
+                raise RuntimeError(f"could not draw {n} distinct problems; try unique=False")
+            continue
+        misses = 0
+        seen.add(k)
+        out.append(p)
+    return out
+
+def generate(n, seed, difficulty=PAPER):
+    """n problems, reproducible from seed, every one solvable (repeats possible)."""
+    return list(itertools.islice(_stream(random.Random(seed), difficulty), n))
+
+def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
+    """(train, test) at the paper's sizes. Test problems are distinct and never
+    appear in train. Train is distinct too when unique (TINY has only a few
+    thousand distinct problems: use unique=False there)."""
+    stream = _stream(random.Random(seed), difficulty)
+    test = _take(stream, n_test, unique=True)
+    train = _take(stream, n_train, skip={_key(p) for p in test}, unique=unique)
+    return train, test
+
+# -----------------------------------------------------------------------------
+# prompt
+
+def prompt_text(problem, eviction_rate=None):
+    """The task text; with eviction_rate, the paper's budget tag is appended."""
+    text = (f"Using the numbers {list(problem.nums)}, create an equation that equals "
+            f"{problem.target}. You can use basic arithmetic operations (+, -, *, /) and "
+            f"each number must be used exactly once. Show your work, then give the final "
+            f"equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+    if eviction_rate is not None:
+        pct = 100 * eviction_rate
+        pct = f"{round(pct)}" if abs(pct - round(pct)) < 1e-9 else f"{pct:.1f}"
+        text += f"\n<eviction_rate>{pct}%</eviction_rate>"
+    return text
+
+R1_CHAT = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+
+def encode_prompt(tokenizer, text):
+    """Token ids; wrapped in the DeepSeek-R1 chat template when the vocab has it."""
+    if all(tokenizer.token_to_id(t) is not None for t in R1_CHAT):
+        bos, user, assistant = R1_CHAT
+        text = f"{bos}{user}{text}{assistant}<think>\n"
+    return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
+
+PROMPTS = {"plain": prompt_text}  # prompt style -> (problem, eviction_rate) -> text
+DIFFICULTIES = {"paper": PAPER, "tiny": TINY}
+
+def encode(tokenizer, problem, style="plain", eviction_rate=None):
+    """A problem's prompt token ids in the given style (with the budget tag if rate given)."""
+    if style not in PROMPTS:
+        raise ValueError(f"unknown prompt style {style!r}; choose one of {', '.join(PROMPTS)}")
+    return encode_prompt(tokenizer, PROMPTS[style](problem, eviction_rate))
+
+# -----------------------------------------------------------------------------
+# reward: a small recursive-descent parser, exact Fraction arithmetic, no eval
+
+MAX_CHARS, MAX_DIGITS, MAX_DEPTH = 200, 6, 32
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/×÷()]))\s*")
+_ALIASES = {"×": "*", "÷": "/"}
+
+def _tokenize(text):
+    """Integers, + - * / (also × ÷) and parentheses; ValueError on anything else."""
+    if "**" in text:
+        raise ValueError("no powers")
+    toks, pos = [], 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise ValueError(f"unexpected {text[pos]!r}")
+        num, op = m.groups()
+        if num is not None and len(num) > MAX_DIGITS:
+            raise ValueError("number too long")
+        toks.append(int(num) if num is not None else _ALIASES.get(op, op))
+        pos = m.end()
+    return toks
+
+def _parse(toks):
+    """expr := term (+|- term)*; term := atom (*|/ atom)*; atom := int | ( expr ).
+    No unary minus, no powers. Raises ValueError / ZeroDivisionError."""
+    pos = 0
+
+    def next_if(*ops):
+        nonlocal pos
+        if pos < len(toks) and toks[pos] in ops:
+            pos += 1
+            return toks[pos - 1]
+
+    def atom(depth):
+        nonlocal pos
+        if depth > MAX_DEPTH or pos >= len(toks):
+            raise ValueError("too deep or truncated")
+        t = toks[pos]
+        pos += 1
+        if isinstance(t, int):
+            return Fraction(t)
+        if t != "(":
+            raise ValueError("expected a number or (")
+        v = expr(depth + 1)
+        if not next_if(")"):
+            raise ValueError("expected )")
+        return v
+
+    def term(depth):
+        v = atom(depth)
+        while op := next_if("*", "/"):
+            w = atom(depth)
+            v = v * w if op == "*" else v / w
+        return v
+
+    def expr(depth):
+        v = term(depth)
+        while op := next_if("+", "-"):
+            w = term(depth)
+            v = v + w if op == "+" else v - w
+        return v
+
+    v = expr(0)
+    if pos != len(toks):
+        raise ValueError("trailing tokens")
+    return v
+
+def evaluate_expression(text):
+    """The exact value of an arithmetic expression, or None if invalid."""
+    if len(text) > MAX_CHARS:
+        return None
+    try:
+        return _parse(_tokenize(text))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+def numbers_in(text):
+    """The integer literals in text, in order."""
+    return [int(t) for t in re.findall(r"[0-9]+", text)]
+
+def extract_answer(completion):
+    """Text inside the last complete <answer> ... </answer>, or None."""
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
+    return completion[start + len("<answer>"):end].strip() if start >= 0 else None
+
+def reward(completion, problem):
+    """1.0 if the last answer uses each number exactly once and equals the target.
+    One trailing '= rhs' is allowed (e.g. '(3 + 5) * 2 = 16') if rhs equals the target too."""
+    answer = extract_answer(completion)
+    if answer is None or len(answer) > MAX_CHARS:
+        return 0.0
+    lhs, *rhs = answer.split("=")
+    if len(rhs) > 1 or any(evaluate_expression(r) != problem.target for r in rhs):
+        return 0.0
+    if evaluate_expression(lhs) != problem.target:
+        return 0.0
+    return 1.0 if sorted(numbers_in(lhs)) == sorted(problem.nums) else 0.0
