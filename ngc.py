@@ -163,6 +163,8 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         raise ValueError("rollout needs at least one prompt and every prompt needs at least one token")
     cfg = model.config
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    if torch.is_autocast_enabled(device.type):  # fp32 weights, bf16 compute: keep the cache in bf16
+        dtype = torch.get_autocast_dtype(device.type)
     B, L, M = len(prompts), cfg.num_hidden_layers, sampling.max_new_tokens
     P = torch.tensor([len(p) for p in prompts], device=device)
     tokens = torch.zeros(B, int(P.max()) + M, dtype=torch.long, device=device)
