@@ -6,21 +6,23 @@ At each layer the w newest queries score the alive keys (ψ), the keys are cut i
 b, and K = keep_count(N, ε) blocks are kept: sampled with Gumbel-top-k (policy "ngc") or taken
 greedily ("ngc-greedy", the paper's evaluation). The rest are gone from that layer for good.
 Token kδ is sampled from the logits computed before the round and attends to the survivors.
+The baselines of DESIGN §7 (SnapKV, KeyDiff, KNorm, StreamingLLM) plug into the same slot:
+same rounds, blocks and K, only the per-key score differs (POLICIES).
 
 Everything the replay pass needs is recorded: tokens, prompt lengths, and the ordered kept
 blocks σ of every (round, layer).
 """
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from gumbel import gumbel_topk, keep_count, kept_keys, log_block_logits, ordered_topk, plackett_luce_log_prob
+from gumbel import (MISSING, block_means, gumbel_topk, keep_count, kept_keys, log_block_logits, ordered_topk,
+                    plackett_luce_log_prob)
 from model import KVCache, Qwen2
-
-POLICIES = {"ngc": "sample", "ngc-greedy": "greedy"}  # name -> how blocks are chosen
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Eviction:
     block: int = 32  # block size b
     window: int = 5  # scoring window w: the w newest queries score the keys
     rate: float = 0.5  # eviction rate ε: the fraction of blocks evicted per round
-    policy: str = "ngc"
+    policy: str = "ngc"  # a key of POLICIES: ngc (Gumbel-top-k), ngc-greedy, or a baseline of DESIGN §7
 
     def __post_init__(self):
         check_eviction(self.delta, self.block, self.window, self.rate)
@@ -128,13 +130,84 @@ class QueryWindow:
         self.q[layer] = both.gather(2, self.idx[:, None, :, None].expand(-1, H, -1, D))
 
 
+# ---------------------------------------------------------------------------------------
+# Eviction policies: a per-key score, pooled to blocks, then K blocks kept (DESIGN §2, §7).
+# Every score function maps (q (N, H, w, D) scoring queries, keys (N, Hkv, S, D), kpos (N, S),
+# alive (N, S), qpos (N, w)) to per-key scores (N, S), higher = keep; dead slots are ignored.
+
+
+def psi(q, keys, kpos, alive, qpos):
+    """NGC's ψ: attention of the w newest queries, averaged over them and the query heads."""
+    mask = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal, alive only
+    return attention_scores(q, keys, mask).mean(1)
+
+
+SNAPKV_KERNEL = 5
+
+
+def snapkv(q, keys, kpos, alive, qpos):
+    """ψ smoothed by a 1-D average pool of kernel 5 over the alive keys in position order
+    (neighbours by alive rank, dead slots skipped). At the edges the window is cut short and
+    the mean is over the alive keys it holds (count_include_pad=False)."""
+    order = torch.argsort((~alive).to(torch.uint8), dim=1, stable=True)  # alive slots first, in position order
+    m = alive.gather(1, order).float()[:, None]  # (N, 1, S)
+    x = psi(q, keys, kpos, alive, qpos).gather(1, order)[:, None] * m
+    pool = partial(F.avg_pool1d, kernel_size=SNAPKV_KERNEL, stride=1, padding=SNAPKV_KERNEL // 2)
+    smooth = (pool(x) / pool(m).clamp(min=1e-9))[:, 0]  # sum over alive neighbours / their count
+    return torch.zeros_like(smooth).scatter(1, order, smooth).masked_fill(~alive, 0.0)
+
+
+def keydiff(q, keys, kpos, alive, qpos):
+    """−cos(k_t, mean of the L2-normalised alive keys), per KV head, averaged over KV heads."""
+    k = keys.float()
+    m = alive[:, None, :, None].float()  # (N, 1, S, 1)
+    anchor = (F.normalize(k, dim=-1) * m).sum(2, keepdim=True) / m.sum(2, keepdim=True).clamp(min=1)
+    return -F.cosine_similarity(k, anchor, dim=-1).mean(1)
+
+
+def knorm(q, keys, kpos, alive, qpos):
+    """−‖k_t‖₂ averaged over KV heads: low-norm keys are kept."""
+    return -keys.float().norm(dim=-1).mean(1)
+
+
+SINKS = 4
+
+
+def streamingllm(q, keys, kpos, alive, qpos):
+    """Attention sinks, then recency: S² for the first 4 alive keys, else the key's rank among the
+    alive keys (newer = higher). A block holding a sink has mean ≥ S²/b ≥ S, above any other
+    block (< S), and the older of two sink blocks wins the tie; so top-K keeps the sink block(s),
+    then the newest blocks."""
+    S = alive.shape[1]
+    rank = (alive.long().cumsum(1) - 1).float()
+    return torch.where(rank < SINKS, float(S * S), rank)
+
+
+def mean_block_logits(key_scores, alive, block: int):
+    """The baselines' block logits: the plain block mean of the per-key scores, fp32."""
+    means, exists = block_means(key_scores, alive, block)
+    return torch.where(exists, means, MISSING), exists
+
+
+POLICIES = {  # name -> (per-key score, block logits from it, how K blocks are chosen)
+    "ngc": (psi, log_block_logits, "sample"),  # training: Gumbel-top-k on log s_j
+    "ngc-greedy": (psi, log_block_logits, "greedy"),  # the paper's evaluation: top-K on log s_j
+    "snapkv": (snapkv, mean_block_logits, "greedy"),
+    "keydiff": (keydiff, mean_block_logits, "greedy"),
+    "knorm": (knorm, mean_block_logits, "greedy"),
+    "streamingllm": (streamingllm, mean_block_logits, "greedy"),
+}
+
+
 def choose_blocks(policy, q, keys, kpos, alive, qpos, block, rate, generator):
-    """One layer's decision for N rows: the ordered kept blocks σ (N, Kmax) and log p(σ) (N,)."""
-    mask = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S)
-    psi = attention_scores(q, keys, mask).mean(1)  # (N, S)
-    logits, exists = log_block_logits(psi, alive, block)
+    """One layer's decision for N rows: the ordered kept blocks σ (N, Kmax) and log p(σ) (N,).
+
+    log p(σ) is the Plackett-Luce log-prob of σ under the policy's block logits; it is a
+    probability only for "ngc" (and what replay recomputes, from ψ, whatever the policy)."""
+    score, to_logits, how = POLICIES[policy]
+    logits, exists = to_logits(score(q, keys, kpos, alive, qpos), alive, block)
     k = keep_count(exists.sum(1), rate)
-    sigma = gumbel_topk(logits, k, generator) if POLICIES[policy] == "sample" else ordered_topk(logits, k)
+    sigma = gumbel_topk(logits, k, generator) if how == "sample" else ordered_topk(logits, k)
     return sigma, plackett_luce_log_prob(logits, sigma)
 
 
@@ -215,7 +288,7 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     n_new = torch.zeros(B, dtype=torch.long, device=device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     hit_eos = torch.zeros(B, dtype=torch.bool, device=device)
-    for _ in tqdm(range(M), desc="decode", leave=False, disable=not progress):
+    for _ in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
         tok, lp = sample_tokens(last_logits, sampling, generator)
         at = (P + n_new)[active]
         tokens[rows[active], at], logprobs[rows[active], at] = tok[active], lp[active]

@@ -20,12 +20,14 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 import countdown as cd
+import eval as ev
+import ngc
 import train
 from countdown import PAPER, TINY, Problem
 
 from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk, plackett_luce_log_prob
 from model import CheckpointError, KVCache, Qwen2, Qwen2Config, from_pretrained, init_weights, load_tokenizer, save_pretrained
-from ngc import Eviction, Sampling, rollout
+from ngc import Eviction, Sampling, choose_blocks, rollout
 from replay import replay
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
@@ -794,3 +796,251 @@ def test_reward_10k_random_strings(no_eval, tmp_path, monkeypatch):
             assert cd.evaluate_expression(ans) == 16 and sorted(cd.numbers_in(ans)) == [2, 3, 5]
     assert n_tagged > 500  # a fair share of the noise reaches the parser
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------
+# Baselines (ngc.POLICIES) and eval.py
+
+
+def hand_built_cache(S=12, D=4, H=4, Hkv=2, w=3, seed=0, holes=(2, 7)):
+    """A hand-built layer cache for one row: keys at positions 0..S-1, some slots dead."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, Hkv, S, D, generator=g)
+    q = torch.randn(1, H, w, D, generator=g)
+    kpos = torch.arange(S)[None]
+    alive = torch.ones(1, S, dtype=torch.bool)
+    alive[0, list(holes)] = False
+    qpos = torch.arange(S - w, S)[None]
+    return q, keys, kpos, alive, qpos
+
+
+def keep(policy, c, block, rate):
+    sigma, _ = choose_blocks(policy, *c, block, torch.tensor([rate]), None)
+    return sigma[0].tolist()
+
+
+# ---------------------------------------------------------------------------------------
+# Each baseline's scores equal DESIGN §7's formula
+
+
+def test_knorm_scores_and_keeps_the_low_norm_blocks():
+    q, keys, kpos, alive, qpos = c = hand_built_cache(holes=())
+    norms = torch.tensor([5.0, 1.0, 4.0, 0.5, 3.0, 2.0])  # per block of 2 keys
+    keys = keys / keys.norm(dim=-1, keepdim=True) * norms.repeat_interleave(2)[None, None, :, None]
+    keys[:, 1] *= 2  # head 1 twice as long: the mean over heads is 1.5 x norm
+    c = (q, keys, kpos, alive, qpos)
+    expected = -torch.tensor([[sum(keys[0, h, t].norm().item() for h in range(2)) / 2 for t in range(12)]])
+    assert torch.allclose(ngc.knorm(*c), expected, atol=1e-5)
+    assert torch.allclose(expected[0, ::2], -1.5 * norms, atol=1e-5)
+    assert keep("knorm", c, 2, 0.5) == [3, 1, 5]  # the three lowest norms, lowest first
+    # Negative control: NGC's attention scores keep a different set.
+    assert sorted(keep("ngc-greedy", c, 2, 0.5)) != [1, 3, 5]
+
+
+def test_keydiff_scores_use_the_mean_of_normalised_alive_keys():
+    q, keys, kpos, alive, qpos = c = hand_built_cache()
+    expected = torch.zeros(12)
+    for h in range(2):
+        live = [t for t in range(12) if alive[0, t]]
+        anchor = sum(keys[0, h, t] / keys[0, h, t].norm() for t in live) / len(live)
+        for t in range(12):
+            expected[t] -= torch.dot(keys[0, h, t], anchor) / (keys[0, h, t].norm() * anchor.norm()) / 2
+    got = ngc.keydiff(*c)[0]
+    assert torch.allclose(got[alive[0]], expected[alive[0]], atol=1e-5)
+    # Negative control: an anchor over every slot, dead keys included, scores differently.
+    everything = ngc.keydiff(q, keys, kpos, torch.ones_like(alive), qpos)[0]
+    assert (everything - got)[alive[0]].abs().max() > 1e-3
+    # The most diverse block (lowest mean cosine to the anchor) is kept first.
+    means, _ = block_means(expected[None], alive, 3)
+    assert keep("keydiff", c, 3, 0.5)[0] == int(means.argmax())
+
+
+def test_snapkv_is_psi_smoothed_by_a_5_pool_over_alive_keys():
+    q, keys, kpos, alive, qpos = c = hand_built_cache(S=14, holes=(1, 6, 7))
+    # ψ by hand: softmax per query head and query over the alive keys it may see, then the mean.
+    psi = torch.zeros(14)
+    for h, i in itertools.product(range(4), range(3)):
+        seen = [t for t in range(14) if alive[0, t] and t <= qpos[0, i]]
+        logits = torch.stack([q[0, h, i] @ keys[0, h // 2, t] / 2 for t in seen])  # √d = 2
+        psi[seen] += logits.softmax(0) / 12
+    assert torch.allclose(ngc.psi(*c)[0], psi, atol=1e-6)
+    live = alive[0].nonzero().flatten().tolist()  # neighbours are the alive keys in position order
+    expected = torch.zeros(14)
+    for r, t in enumerate(live):
+        window = live[max(r - 2, 0): r + 3]  # cut short at the edges (count_include_pad=False)
+        expected[t] = psi[window].mean()
+    got = ngc.snapkv(*c)[0]
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert got[~alive[0]].eq(0).all()
+    # Negative control: pooling over slots (dead ones counted as zeros) is not the same.
+    slots = torch.nn.functional.avg_pool1d(torch.where(alive, psi, 0.0)[None], 5, 1, 2)[0, 0]
+    assert (slots - expected)[alive[0]].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("block, rate, sinks", [(3, 0.5, [0, 1]), (3, 0.8, [0, 1]), (4, 0.5, [0]), (2, 0.5, [0, 1]),
+                                               (2, 0.95, [0, 1]), (5, 0.9, [0])])
+def test_streamingllm_keeps_the_sink_block_and_the_newest(block, rate, sinks):
+    c = hand_built_cache(S=20, holes=(0, 5, 11))  # position 0 is dead: the sinks are the first 4 alive keys
+    n = math.ceil(17 / block)
+    k = int(keep_count(torch.tensor([n]), rate))
+    kept = keep("streamingllm", c, block, rate)
+    assert len(kept) == k
+    assert kept == (sinks + [j for j in range(n - 1, -1, -1) if j not in sinks])[:k]
+    # Negative control: recency alone (the rank, no sink bonus) drops the sink block when K < N.
+    rank = (c[3].long().cumsum(1) - 1).float()
+    means, _ = block_means(rank, c[3], block)
+    if k < n:
+        assert 0 not in ordered_topk(means, torch.tensor([k]))[0].tolist()
+
+
+# ---------------------------------------------------------------------------------------
+# Every policy keeps K blocks per layer and replay still reproduces the rollout
+
+
+@pytest.fixture(scope="module")
+def rollouts(model):
+    runs = {}
+    for policy in ngc.POLICIES:
+        e = Eviction(delta=12, block=3, window=4, rate=0.6, policy=policy)
+        runs[policy] = e, rollout(model, prompts_of([5, 17, 9]), Sampling(max_new_tokens=40, temperature=1.0, top_k=0),
+                                  e, eos_ids=[EOS], generator=torch.Generator().manual_seed(0))
+    return runs
+
+
+@pytest.mark.parametrize("policy", list(ngc.POLICIES))
+def test_policy_keeps_k_blocks_and_replay_matches_rollout(model, rollouts, policy):
+    e, ro = rollouts[policy]
+    assert int(ro.n_rounds.min()) >= 2
+    for i in range(len(ro.lengths)):
+        R = int(ro.n_rounds[i])
+        before = ro.kv_before_round[i, :R]  # (R, L)
+        n_blocks = (before + e.block - 1) // e.block
+        kept = ro.kept[i, :R]
+        assert torch.equal((kept >= 0).sum(-1), keep_count(n_blocks.flatten(), e.rate).view_as(n_blocks))
+        # the survivors are exactly the kept blocks: the next round starts from them plus δ new tokens
+        alive = torch.arange(int(before.max()))[None] < before.flatten()[:, None]
+        survivors = kept_keys(alive, kept.flatten(0, 1), e.block).sum(1).view_as(before)
+        assert torch.equal(before[1:], survivors[:-1] + e.delta)
+    tok_lp, ev_lp = replay(model, ro, e, temperature=1.0)
+    completion = (tok_lp != 0) | (ro.logprobs != 0)
+    assert (tok_lp - ro.logprobs)[completion].abs().max() < 1e-5
+    if policy == "ngc":  # replay recomputes NGC's log p(σ): equal to the rollout's for ngc only
+        assert (ev_lp - ro.evict_logprobs).abs().max() < 1e-4
+    # Negative control: the plain causal mask on the same tokens does not match.
+    causal, _ = replay(model, ro, e, temperature=1.0, causal=True)
+    assert (causal - ro.logprobs)[completion].abs().max() > 1e-2
+
+
+def test_policies_decide_differently(rollouts):
+    first = {p: ro.kept[:, 0] for p, (_, ro) in rollouts.items()}  # the first round (prompt only)
+    names = [p for p in first if p != "ngc"]
+    for a, b in itertools.combinations(names, 2):
+        assert not torch.equal(first[a], first[b]), (a, b)
+
+
+# ---------------------------------------------------------------------------------------
+# Peak-KV reduction (§5.1) and pass@k
+
+
+def test_peak_kv_reduction_of_a_constructed_case(model):
+    """3 layers, δ=8, b=2, ε=0.5, no EOS. Prompt 5 + 20 new tokens: 24 tokens fed (the last one
+    sampled is never fed). Without eviction the peak is 3·24 = 72. With it, each layer holds 8,
+    keeps 4; 4+8 = 12, keeps 6; 6+8 = 14, keeps 8: peak 3·14 = 42. With 12 new tokens: 16 fed,
+    peak 3·16 = 48 against 3·12 = 36."""
+    e = Eviction(delta=8, block=2, window=3, rate=0.5, policy="ngc-greedy")
+    peaks = []
+    for m in (20, 12):
+        s = Sampling(max_new_tokens=m, greedy=True)
+        full, evicted = (rollout(model, prompts_of([5]), s, x) for x in (None, e))
+        peaks.append((int(full.peak_kv), int(evicted.peak_kv)))
+    assert peaks == [(72, 42), (48, 36)]
+    ref, pol = torch.tensor([[72.0], [48.0]], dtype=torch.float64), torch.tensor([[42.0], [36.0]], dtype=torch.float64)
+    assert abs(ev.kv_reduction(ref, pol) - (72 / 42 + 48 / 36) / 2) < 1e-12  # = 32/21
+    # Negative control: the ratio of mean peaks (a different estimator) differs.
+    assert abs(ev.kv_reduction(ref, pol) - 120 / 78) > 1e-3
+    # With samples, a problem's peak is the mean over its samples.
+    assert abs(ev.kv_reduction(torch.tensor([[10.0, 30.0]]), torch.tensor([[5.0, 10.0]])) - 20 / 7.5) < 1e-6
+
+
+def test_pass_at_k_matches_its_closed_form():
+    for n, k in [(1, 1), (5, 1), (5, 2), (8, 4), (10, 10)]:
+        for c in range(n + 1):
+            # closed form: the chance that k of n draws without replacement include a correct one
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(any(i < c for i in s) for s in subsets) / len(subsets)
+            stable = 1.0 if n - c < k else 1 - math.prod(1 - k / i for i in range(n - c + 1, n + 1))
+            got = ev.pass_at_k(n, [c], k)
+            assert abs(got - brute) < 1e-12 and abs(got - stable) < 1e-12
+    assert ev.pass_at_k(4, [0, 4, 2], 1) == pytest.approx((0 + 1 + 0.5) / 3)
+    # Negative control: the biased plug-in estimate 1 - (1 - c/n)^k is not the same.
+    assert abs(ev.pass_at_k(8, [2], 4) - (1 - (1 - 2 / 8) ** 4)) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------
+# The CLI
+
+
+@pytest.fixture(scope="module")
+def eval_ckpt(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("eval_model"), seed=1)
+    with open(os.path.join(path, "ngc.json"), "w") as f:
+        json.dump(TRAIN_DEFAULTS, f)
+    return path
+
+
+def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def counting(model, prompts, sampling, eviction=None, **kw):
+        calls.append((len(prompts), None if eviction is None else (eviction.policy, eviction.rate)))
+        return rollout(model, prompts, sampling, eviction, **kw)
+
+    monkeypatch.setattr(ev, "rollout", counting)
+    out = tmp_path / "results.jsonl"
+    ev.main(["--model", eval_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
+             "0.75", "--problems", "3", "--out", str(out)])
+    printed = capsys.readouterr().out
+    print(printed)
+    assert [c for c in calls if c[1] is None] == [(3, None)]  # one reference run, shared
+    assert sorted(c[1] for c in calls if c[1]) == [("knorm", 0.5), ("knorm", 0.75), ("ngc-greedy", 0.5),
+                                                   ("ngc-greedy", 0.75)]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["policy"], r["eviction_rate"]) for r in rows] == [("ngc", 0.5), ("ngc", 0.75), ("knorm", 0.5),
+                                                                 ("knorm", 0.75)]
+    for r in rows:
+        assert r["problems"] == 3 and r["samples"] == 1 and 0 <= r["accuracy"] <= 1 and r["rounds"] > 0
+        assert r["kv_reduction"] > 1 and "pass_at_k" not in r
+    assert rows[1]["kv_reduction"] > rows[0]["kv_reduction"]  # evicting more shrinks the peak more
+    assert not os.path.exists(str(out) + ".tmp")
+    assert len(printed.strip().splitlines()) == 6 and "KV reduction" in printed
+
+    calls.clear()  # sampled: k completions per problem, pass@k, `none` is the reference itself
+    monkeypatch.setattr(ev.countdown, "reward", lambda text, problem: float(len(text) % 2))  # some variance
+    ev.main(["--model", eval_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
+             "--problems", "2", "--out", str(out)])
+    assert [c[0] for c in calls] == [6, 6] and calls[1][1] == ("ngc", 0.5)
+    none, sampled = [json.loads(line) for line in out.read_text().splitlines()]
+    assert none["kv_reduction"] == 1.0 and none["eviction_rate"] == 0.0 and none["rounds"] == 0
+    assert sampled["samples"] == 3 and set(sampled["pass_at_k"]) == {"1", "2", "3"}
+    p = sampled["pass_at_k"]
+    assert p["1"] == pytest.approx(sampled["accuracy"]) and p["1"] <= p["2"] <= p["3"] and p["3"] in (0, 0.5, 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
+    (["--samples", "0"], "--samples 0 must be at least 1"), (["--problems", "99"], "test split has 4"),
+    (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist")])
+def test_cli_bad_input_fails_with_one_line(eval_ckpt, flags, message, monkeypatch):
+    monkeypatch.setattr(ev, "rollout", None)  # nothing may run
+    with pytest.raises(SystemExit) as err:
+        ev.main(["--model", eval_ckpt, *flags])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_plot_without_matplotlib_fails_early(eval_ckpt, tmp_path, monkeypatch):
+    real = ev.importlib.util.find_spec
+    monkeypatch.setattr(ev.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real(name))
+    monkeypatch.setattr(ev, "from_pretrained", None)  # fails before loading anything
+    with pytest.raises(SystemExit) as err:
+        ev.main(["--model", eval_ckpt, "--plot", str(tmp_path / "acc.png")])
+    assert str(err.value) == "error: --plot needs matplotlib: pip install matplotlib"
