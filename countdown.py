@@ -161,7 +161,15 @@ def encode_prompt(tokenizer, text):
         text = f"{bos}{user}{text}{assistant}<think>\n"
     return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
 
-PROMPTS = {"plain": prompt_text}  # prompt style -> (problem, eviction_rate) -> text
+def tiny_prompt(problem, eviction_rate=None):
+    """The shipped tiny model's prompt (make_tiny.py): BOS, a short preamble, the target, the
+    numbers; the budget tag is split into words for its word-level tokenizer."""
+    text = f"<bos> Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
+    if eviction_rate is not None:
+        text += f" <eviction_rate> {round(100 * eviction_rate)} % </eviction_rate>"
+    return text
+
+PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt}  # prompt style -> (problem, eviction_rate) -> text
 DIFFICULTIES = {"paper": PAPER, "tiny": TINY}
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None):

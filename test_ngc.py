@@ -23,10 +23,11 @@ import countdown as cd
 import eval as ev
 import ngc
 import train
-from countdown import PAPER, TINY, Problem
+from countdown import PAPER, TINY, Problem, tiny_prompt
 
 from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk, plackett_luce_log_prob
 from model import CheckpointError, KVCache, Qwen2, Qwen2Config, from_pretrained, init_weights, load_tokenizer, save_pretrained
+from make_tiny import build_tokenizer, replay_trace, split_problems, trace
 from ngc import Eviction, Sampling, choose_blocks, rollout
 from replay import replay
 
@@ -1044,3 +1045,104 @@ def test_cli_plot_without_matplotlib_fails_early(eval_ckpt, tmp_path, monkeypatc
     with pytest.raises(SystemExit) as err:
         ev.main(["--model", eval_ckpt, "--plot", str(tmp_path / "acc.png")])
     assert str(err.value) == "error: --plot needs matplotlib: pip install matplotlib"
+
+
+# ---------------------------------------------------------------------------------------
+# make_tiny.py's search traces and the shipped tiny/ model
+
+TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+
+
+def test_trace_example():
+    p = cd.Problem((3, 5, 2), 16)
+    assert tiny_prompt(p) == "<bos> Countdown : reach 16 with 3 5 2 ."
+    assert trace(p) == "[ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 yes <answer> ( 5 + 3 ) * 2 </answer>"
+
+
+def test_traces_replay_to_correct_answers():
+    problems = cd.generate(400, 123, cd.TINY)
+    for p in problems:
+        t = trace(p)
+        assert replay_trace(p, t), (p, t)
+        assert cd.reward(t, p) == 1.0
+    lengths = [len(trace(p).split()) for p in problems]
+    assert max(lengths) < 400
+
+
+def test_search_depends_on_target_only_through_verdicts():
+    """The trace never restates the target: two problems with the same numbers search
+    identically until the first one's "yes" (where the other one says "no")."""
+    by_nums = {}
+    for p in cd.generate(400, 7, cd.TINY):
+        by_nums.setdefault(tuple(sorted(p.nums)), {})[p.target] = p
+    pairs = 0
+    for group in by_nums.values():
+        ps = sorted(group.values(), key=lambda p: len(trace(p)))
+        for short, long in zip(ps, ps[1:]):
+            a, b = trace(short).split(), trace(long).split()
+            k = a.index("yes")
+            assert a[:k] == b[:k] and b[k] == "no"
+            pairs += 1
+    assert pairs > 20
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda t: t.replace("* 16 yes", "* 17 yes"),  # wrong arithmetic at a leaf
+    lambda t: t.replace("+ 10 no", "+ 10 yes"),  # wrong verdict
+    lambda t: t.replace("5 + 3 = 8", "5 + 3 = 9"),  # wrong move
+    lambda t: t.replace("[ 8 2 ]", "[ 8 3 ]"),  # wrong numbers left
+    lambda t: t.replace("( 5 + 3 ) * 2", "( 5 + 3 ) * 3"),  # answer misses a number
+    lambda t: t.replace(" </answer>", ""),  # no closed answer
+    lambda t: t[: t.index("<answer>")],  # truncated
+])
+def test_corrupted_trace_fails_replay(corrupt):
+    p = cd.Problem((3, 5, 2), 16)
+    t = trace(p)
+    assert replay_trace(p, t)
+    bad = corrupt(t)
+    assert bad != t and not replay_trace(p, bad)
+
+
+def test_corrupted_traces_fail_in_bulk():
+    for p in cd.generate(100, 9, cd.TINY):
+        words = trace(p).split()
+        for k, w in enumerate(words):
+            if w.isdigit():  # change any one number of the search or the answer
+                bad = " ".join(words[:k] + [str(int(w) + 1)] + words[k + 1:])
+                assert not replay_trace(p, bad), bad
+
+
+def test_tokenizer_round_trips_a_trace():
+    tok = build_tokenizer()
+    unk = tok.token_to_id("<unk>")
+    for p in cd.generate(100, 3, cd.TINY):
+        text = tiny_prompt(p) + " " + trace(p)
+        ids = tok.encode(text).ids
+        assert unk not in ids and ids[0] == tok.token_to_id("<bos>") and ids.count(ids[0]) == 1
+        assert len(ids) == len(text.split())  # one token per word, numbers included
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        tagged = tok.encode(tiny_prompt(p, eviction_rate=0.5)).ids  # the --interoception prompt
+        assert unk not in tagged and tok.decode(tagged[-4:]) == "<eviction_rate> 50 % </eviction_rate>"
+        completion = tok.decode(tok.encode(trace(p)).ids + [tok.token_to_id("<eos>")], skip_special_tokens=True)
+        assert cd.reward(completion, p) == 1.0
+
+
+def test_held_out_problems_are_disjoint():
+    train, test = split_problems(0, 200, n_train=20_000)
+    assert len({cd._key(p) for p in test}) == len(test) == 200
+    assert not {cd._key(p) for p in train} & {cd._key(p) for p in test}
+
+
+def test_shipped_tiny_model_loads_and_solves():
+    model, tok = from_pretrained(TINY_DIR), load_tokenizer(TINY_DIR)
+    cfg = model.config
+    assert cfg.vocab_size == tok.get_vocab_size()
+    assert cfg.bos_token_id == tok.token_to_id("<bos>") and cfg.eos_ids == [tok.token_to_id("<eos>")]
+    assert sum(os.path.getsize(os.path.join(TINY_DIR, f)) for f in os.listdir(TINY_DIR)) < 8e6
+    _, test = split_problems(0, 16, n_train=1)
+    prompts = [tok.encode(tiny_prompt(p)).ids for p in test]
+    torch.manual_seed(0)
+    out = rollout(model, prompts, Sampling(max_new_tokens=400, greedy=True), None, eos_ids=cfg.eos_ids)
+    texts = tok.decode_batch(out.completions(), skip_special_tokens=True)
+    solved = sum(cd.reward(t, p) for t, p in zip(texts, test))
+    assert solved >= 6, texts  # the shipped model solves about half of held-out problems
