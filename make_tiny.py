@@ -40,7 +40,7 @@ from ngc import Eviction, Sampling, rollout
 TINY_RUN = dict(
     prompt="tiny", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
-    delta=32, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
+    delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
     lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=0,
 )
 MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
@@ -284,7 +284,7 @@ def write_run_defaults(model_dir):
 def report(model, tok, test):
     acc, valid, length = evaluate(model, tok, test)
     print(f"full cache:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  ({len(test)} held out)")
-    ev = Eviction(delta=32, block=4, window=4, rate=0.5, policy="ngc-greedy")
+    ev = Eviction(TINY_RUN["delta"], TINY_RUN["block"], TINY_RUN["window"], rate=0.5, policy="ngc-greedy")
     acc, valid, length = evaluate(model, tok, test, ev)
     print(f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}:  accuracy {acc:.3f}  "
           f"valid traces {valid:.3f}  mean length {length:.0f}")

@@ -379,6 +379,7 @@ def summary(evals, rate, seconds, out):
     print(f"{'full cache':32s} {first['acc_full']:8.1%} {last['acc_full']:8.1%}")
     print(f"{f'ε = {rate:g} (greedy top-K)':32s} {first['acc']:8.1%} {last['acc']:8.1%}")
     print(f"{'peak-KV reduction':32s} {first['kv_reduction']:7.2f}x {last['kv_reduction']:7.2f}x")
+    print(f"{'wall time':32s} {'':>8s} {seconds / 60:5.1f} min")
 
 
 if __name__ == "__main__":
