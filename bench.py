@@ -2,6 +2,8 @@
 
     python bench.py                      # a random tiny Qwen2 on the CPU (and on CUDA if present)
     python bench.py --model DIR --device cuda --dtype bf16 --batch 64 --new-tokens 1024
+    python bench.py --shape r1 --device cuda --batch 32 --new-tokens 1024 --delta 256 --block 32
+                                         # random weights in DeepSeek-R1-Distill-Qwen-1.5B's shape
 
 Decode: tokens/s with eviction on and off at the same batch (no EOS, so every row decodes
 --new-tokens tokens). Replay: forward+backward of the replay pass (per-layer masks plus the
@@ -42,10 +44,12 @@ def bench(model, args, device):
     prompts = torch.randint(0, V, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     new = args.batch * args.new_tokens
     for name, e in (("off", None), ("on", ev)):
+        reset_memory(device)
         sec, ro = timed(lambda: rollout(model, prompts, s, e, eos_ids=[], generator=g), device, args.repeat)
         print(f"decode, eviction {name:3s}: {new / sec:9.0f} tokens/s   ({sec:.2f} s for {args.batch} x "
-              f"{args.new_tokens} tokens; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots})")
-    ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g)
+              f"{args.new_tokens} tokens; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}"
+              f"{memory(device)})")
+    ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g).select(torch.arange(min(args.replay_batch, args.batch)))
 
     def step(causal):
         model.zero_grad(set_to_none=True)
@@ -53,16 +57,32 @@ def bench(model, args, device):
         loss = tok.sum() + (0 if evict is None else evict.sum())
         loss.backward()
 
+    reset_memory(device)
     t_replay, _ = timed(lambda: step(False), device, args.repeat)
+    replay_memory = memory(device)
+    reset_memory(device)
     t_causal, _ = timed(lambda: step(True), device, args.repeat)
-    T = ro.tokens.shape[1]
-    print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms   causal fwd+bwd: {t_causal * 1e3:8.1f} ms   "
-          f"ratio {t_replay / t_causal:.2f}   ({args.batch} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
+    B, T = ro.tokens.shape
+    print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_memory}   causal fwd+bwd: {t_causal * 1e3:8.1f} ms"
+          f"{memory(device)}   ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
+
+
+def reset_memory(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory(device) -> str:
+    """Peak GPU memory since the last reset (weights included), or nothing on the CPU."""
+    return f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random tiny Qwen2)")
+    p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")
+    p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
+                   help="random model without --model: tiny (0.5 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cpu, then cuda too if present)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default fp32 on cpu, bf16 on cuda")
     p.add_argument("--batch", type=int, default=8)
@@ -72,6 +92,7 @@ def main():
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--rate", type=float, default=0.5)
+    p.add_argument("--replay-batch", type=int, default=8, help="rollouts per replay forward+backward")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     args = p.parse_args()
@@ -83,6 +104,10 @@ def main():
         dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
         if args.model:
             model = from_pretrained(args.model, dtype=dtype, device=device)
+        elif args.shape == "r1":  # Qwen2Config's defaults are DeepSeek-R1-Distill-Qwen-1.5B's shape
+            with torch.device(device):
+                model = Qwen2(Qwen2Config()).to(dtype)
+            init_weights(model)
         else:
             cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                               num_attention_heads=4, num_key_value_heads=2)
