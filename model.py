@@ -352,10 +352,8 @@ def save_pretrained(model: Qwen2, path: str):
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    _write_atomic(os.path.join(path, "config.json"),
-                  lambda tmp: open(tmp, "w").write(json.dumps({**model.config.to_dict(), "torch_dtype": dtype},
-                                                              indent=2)))
+    config = {**model.config.to_dict(), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
+    _write_atomic(os.path.join(path, "config.json"), lambda tmp: _write_text(tmp, json.dumps(config, indent=2)))
     _write_atomic(os.path.join(path, "model.safetensors"),
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
 
@@ -364,6 +362,11 @@ def _write_atomic(path: str, write):
     tmp = path + ".tmp"
     write(tmp)
     os.replace(tmp, path)
+
+
+def _write_text(path: str, text: str):
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def load_tokenizer(path: str):
