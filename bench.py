@@ -82,7 +82,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
-                   help="random model without --model: tiny (0.5 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
+                   help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cpu, then cuda too if present)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default fp32 on cpu, bf16 on cuda")
     p.add_argument("--batch", type=int, default=8)
