@@ -15,7 +15,7 @@ far back and a KV-cache policy that evicts the prompt loses:
 (pairs in order, larger first, ops + * - /, / only when exact); with two numbers x >= y
 left, each leaf `op w` is x op y, judged yes (w is the target) or no (leaves above 999
 are skipped). A dead end returns with `back [ ... ]` restating the numbers.
-Rebuilding with the same seed, --steps and --threads repeats the same losses step for step.
+Rebuilding with the same seed, --steps and --threads repeated the same losses in two runs here.
 The shipped tiny/ was not made by this version of the script: see README.md.
 """
 import argparse
