@@ -1,6 +1,6 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
-    python reproduce.py                 # everything, into results/ (about 1.5 hours on a 2-core CPU)
+    python reproduce.py                 # everything, into results/ (about an hour on a 2-core CPU)
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
 
 It trains five runs from tiny/ with its defaults (tiny/ngc.json), each only if results/runs/<name>
