@@ -702,9 +702,8 @@ def test_reward_rejects_injected_code_and_runs_nothing(tmp_path, monkeypatch, no
         assert cd.evaluate_expression(attack) is None
     assert not marker.exists()
     assert list(tmp_path.iterdir()) == []
-    # the traps are live: an evaluator built on eval/compile would have been caught
-    with pytest.raises(AssertionError):
-        eval("1")
+    # the traps are live: eval and exec are replaced, and an evaluator built on compile is caught
+    assert builtins.eval is _boom and builtins.exec is _boom
     monkeypatch.setattr(cd, "_tokenize", lambda text: compile(text, "<answer>", "eval"))
     with pytest.raises(AssertionError):
         cd.evaluate_expression("1")
