@@ -16,6 +16,7 @@ and `LayerCache.compact` gathers the survivors to the front of the buffers.
 import json
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -353,7 +354,7 @@ def save_pretrained(model: Qwen2, path: str):
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     config = {**model.config.to_dict(), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
-    _write_atomic(os.path.join(path, "config.json"), lambda tmp: _write_text(tmp, json.dumps(config, indent=2)))
+    _write_atomic(os.path.join(path, "config.json"), lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
     _write_atomic(os.path.join(path, "model.safetensors"),
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
 
@@ -362,11 +363,6 @@ def _write_atomic(path: str, write):
     tmp = path + ".tmp"
     write(tmp)
     os.replace(tmp, path)
-
-
-def _write_text(path: str, text: str):
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def load_tokenizer(path: str):

@@ -1152,7 +1152,7 @@ def _build_small(out, seed):
     make_tiny.main(["--out", str(out), "--seed", str(seed), "--steps", "3", "--warmup", "1", "--batch", "8",
                     "--micro", "4", "--d", "32", "--layers", "1", "--heads", "2", "--ffn", "64",
                     "--train-problems", "500", "--n-test", "2"])
-    return {f: open(os.path.join(out, f), "rb").read() for f in sorted(os.listdir(out))}
+    return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
 
 
 def test_make_tiny_rebuilds_bit_for_bit(tmp_path, capsys):
