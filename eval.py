@@ -9,7 +9,7 @@ Policies (CLI name -> the engine's name in ngc.POLICIES):
     snapkv, keydiff, knorm, streamingllm   the heuristics of DESIGN §7 (deterministic)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
-The problems are the test split of the run's settings (train.run_defaults: the paper's, or the
+The problems are the test split of the run's settings (`train.run_defaults`: the paper's, or the
 checkpoint's ngc.json). Tokens are greedy, one completion per problem; with --samples k, k
 completions per problem at the run's temperature and top-k, pass@1 = mean fraction correct and
 pass@j = 1 - C(n-c, j)/C(n, j) (n = k samples, c correct) for j = 1, 2, 4, ..., k. Every run
@@ -22,64 +22,22 @@ import importlib.util
 import json
 import os
 import sys
-from dataclasses import replace
 from math import comb
 
 import torch
-from tqdm import tqdm
 
 import countdown
 from model import CheckpointError, from_pretrained, load_tokenizer
-from ngc import Eviction, Sampling, rollout
-from train import run_defaults
+from ngc import Eviction, Sampling
+from train import kv_reduction, run_defaults, solve
 
 CLI_POLICIES = {"ngc": "ngc-greedy", "ngc-sample": "ngc", "snapkv": "snapkv", "keydiff": "keydiff",
                 "knorm": "knorm", "streamingllm": "streamingllm", "none": None}
 
 
-def solve(model, tokenizer, style, problems, sampling, eviction, tag_rate=None, generator=None, samples=1,
-          batch_size=64, desc=None):
-    """Roll out `samples` completions per problem. Returns rewards, completion lengths, rounds and
-    peak KV entries, each (problems, samples). tag_rate: write <eviction_rate> into the prompts."""
-    jobs = [p for p in problems for _ in range(samples)]
-    out = {"reward": [], "length": [], "rounds": [], "peak_kv": []}
-    for start in tqdm(range(0, len(jobs), batch_size), desc=desc, leave=False, disable=desc is None):
-        chunk = jobs[start:start + batch_size]
-        prompts = [countdown.encode(tokenizer, p, style, tag_rate) for p in chunk]
-        ro = rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids, generator=generator,
-                     progress=desc is not None)
-        texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
-        out["reward"] += [countdown.reward(t, p) for t, p in zip(texts, chunk)]
-        out["length"] += (ro.lengths - ro.prompt_lens).tolist()
-        out["rounds"] += ro.n_rounds.tolist()
-        out["peak_kv"] += ro.peak_kv.tolist()
-    return {k: torch.tensor(v, dtype=torch.float64).view(len(problems), samples) for k, v in out.items()}
-
-
-def kv_reduction(ref_peak, peak) -> float:
-    """§5.1: mean over problems of peak(no eviction) / peak(policy); rows are problems, columns
-    samples (a problem's peak is the mean over its samples)."""
-    return (ref_peak.mean(1) / peak.mean(1)).mean().item()
-
-
 def pass_at_k(n: int, c, k: int) -> float:
     """Unbiased pass@k (Chen et al. 2021), averaged over problems: 1 - C(n-c, k) / C(n, k)."""
     return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
-
-
-def evaluate(model, tokenizer, style, problems, eviction: Eviction, max_new_tokens, batch_size=64,
-             interoception=False, progress=False):
-    """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
-    peak-KV reduction. train.py calls this every --eval-every steps."""
-    s = Sampling(max_new_tokens=max_new_tokens, greedy=True)
-    greedy = replace(eviction, policy="ngc-greedy" if eviction.policy == "ngc" else eviction.policy)
-    full = solve(model, tokenizer, style, problems, s, None, batch_size=batch_size,
-                 desc="eval full cache" if progress else None)
-    ev = solve(model, tokenizer, style, problems, s, greedy, eviction.rate if interoception else None,
-               batch_size=batch_size, desc=f"eval ε={eviction.rate:g}" if progress else None)
-    return {"acc_full": full["reward"].mean().item(), "acc": ev["reward"].mean().item(),
-            "kv_reduction": kv_reduction(full["peak_kv"], ev["peak_kv"]),
-            "length": ev["length"].mean().item(), "rounds": ev["rounds"].mean().item()}
 
 
 def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_size=64, progress=True):
@@ -93,8 +51,9 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
                                                                CLI_POLICIES[name])
         tag = rate if d["interoception"] and ev else None
         gen = torch.Generator(device=device).manual_seed(d["seed"])
-        return solve(model, tokenizer, d["prompt"], problems, sampling, ev, tag, gen, n, batch_size,
-                     desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None)
+        encode = lambda tok, p: countdown.encode(tok, p, d["prompt"], tag)
+        return solve(model, tokenizer, problems, sampling, ev, encode, generator=gen, samples=n,
+                     batch_size=batch_size, desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None)
 
     ref = run("none", 0.0)
     rows = []
@@ -148,7 +107,8 @@ def plot(rows, path):
     ax.set_ylabel("accuracy (pass@1)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fig.savefig(path + ".tmp", dpi=150, format="png")
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None):
@@ -177,6 +137,8 @@ def main(argv=None):
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib")
         for path in filter(None, [args.out, args.plot]):
+            if os.path.isdir(path):
+                raise ValueError(f"{path} is a directory; give a file path")
             if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"cannot write {path}: its directory does not exist")
         d = run_defaults(args.model)

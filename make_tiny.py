@@ -35,7 +35,8 @@ from tqdm import tqdm
 import countdown as cd
 from countdown import tiny_prompt
 from model import Qwen2, Qwen2Config, from_pretrained, init_weights, load_tokenizer, num_params, save_pretrained
-from ngc import Eviction, Sampling, rollout
+from ngc import Eviction, Sampling
+from train import solve
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompt ~12 tokens, full-cache completions ~75, capped at 256).
@@ -43,7 +44,8 @@ TINY_RUN = dict(
     prompt="tiny", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
     delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
-    lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=0,
+    lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
+    term_grad_norms=True,
 )
 MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -177,23 +179,13 @@ def tiny_config(tok, d=192, layers=4, heads=4, kv_heads=2, ffn=512) -> Qwen2Conf
 # Evaluation
 
 
-@torch.no_grad()
 def evaluate(model, tok, problems, eviction=None, max_new_tokens=400, batch=128):
     """Greedy accuracy (mean reward), the fraction of completions that replay as correct
     traces, and the mean completion length."""
-    eos = tok.token_to_id("<eos>")
-    rewards, valid, lengths = [], [], []
-    for i in range(0, len(problems), batch):
-        chunk = problems[i: i + batch]
-        prompts = [tok.encode(tiny_prompt(p)).ids for p in chunk]
-        out = rollout(model, prompts, Sampling(max_new_tokens=max_new_tokens, greedy=True), eviction, eos_ids=[eos])
-        for p, ids in zip(chunk, out.completions()):
-            text = tok.decode(ids, skip_special_tokens=True)
-            rewards.append(cd.reward(text, p))
-            valid.append(replay_trace(p, text))
-            lengths.append(len(ids))
-    n = len(problems)
-    return sum(rewards) / n, sum(valid) / n, sum(lengths) / n
+    out = solve(model, tok, problems, Sampling(max_new_tokens=max_new_tokens, greedy=True), eviction,
+                encode=lambda t, p: t.encode(tiny_prompt(p)).ids, batch_size=batch)
+    valid = sum(replay_trace(p, texts[0]) for p, texts in zip(problems, out["texts"]))
+    return out["reward"].mean().item(), valid / len(problems), out["length"].mean().item()
 
 
 # ---------------------------------------------------------------------------------------

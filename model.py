@@ -307,12 +307,23 @@ def _weight_files(path: str) -> list[str]:
     raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
 
 
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")  # no default for these: a missing one would silently be R1-1.5B's
+
+
 def load_config(path: str) -> Qwen2Config:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
-    with open(cfg_path) as f:
-        return Qwen2Config.from_dict(json.load(f))
+    try:
+        with open(cfg_path) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})")
+    missing = [k for k in REQUIRED if not isinstance(d, dict) or k not in d]
+    if missing:
+        raise CheckpointError(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")
+    return Qwen2Config.from_dict(d)
 
 
 def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
@@ -326,7 +337,11 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     for file in _weight_files(path):
         if not os.path.exists(file):
             raise CheckpointError(f"missing weight shard {file}")
-        with safe_open(file, framework="pt", device=str(device)) as f:
+        try:
+            f = safe_open(file, framework="pt", device=str(device))
+        except Exception as e:  # empty, truncated or not safetensors at all
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it")
+        with f:
             for name in f.keys():
                 if name in skippable or name.endswith("rotary_emb.inv_freq"):
                     continue
@@ -370,7 +385,35 @@ def load_tokenizer(path: str):
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
         raise CheckpointError(f"no tokenizer.json in {path!r}: copy it from the model's Hugging Face repository")
-    return Tokenizer.from_file(file)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:
+        raise CheckpointError(f"{file} is not a readable tokenizer ({str(e).splitlines()[0][:200]})")
+
+
+def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = None):
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json into path, so that
+    Hugging Face's AutoTokenizer and generate() need no guessing. The source checkpoint's two
+    config files (chat template and all) are carried over; what they lack is filled in from
+    cfg's special-token ids."""
+    def source_json(name):
+        file = os.path.join(source, name) if source else ""
+        return json.loads(Path(file).read_text()) if os.path.isfile(file) else {}
+
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    tok_cfg = source_json("tokenizer_config.json")
+    tok_cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    specials = {"bos_token": cfg.bos_token_id, "eos_token": (cfg.eos_ids or [None])[0]}
+    for name, token_id in specials.items():
+        if tok_cfg.get(name) is None and token_id is not None:
+            tok_cfg[name] = tokenizer.id_to_token(token_id)
+    if tok_cfg.get("pad_token") is None:  # padded batches need one; <pad> if the vocab has it, else EOS
+        tok_cfg["pad_token"] = "<pad>" if tokenizer.token_to_id("<pad>") is not None else tok_cfg.get("eos_token")
+    if tok_cfg.get("unk_token") is None and tokenizer.token_to_id("<unk>") is not None:
+        tok_cfg["unk_token"] = "<unk>"
+    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, **source_json("generation_config.json")}
+    for name, content in (("tokenizer_config.json", tok_cfg), ("generation_config.json", gen_cfg)):
+        _write_atomic(os.path.join(path, name), lambda tmp: Path(tmp).write_text(json.dumps(content, indent=2)))
 
 
 def num_params(model: nn.Module) -> int:

@@ -56,7 +56,8 @@ def train_all(out, model, jobs, extra):
         while todo and len(running) < jobs:
             name = todo.pop(0)
             run_dir = os.path.join(out, "runs", name)
-            resume = ["--resume", run_dir] if os.path.exists(os.path.join(run_dir, "checkpoint")) else []
+            saved = os.path.exists(os.path.join(run_dir, "checkpoint"))
+            resume = ["--resume", run_dir] if saved else ["--overwrite"]  # a run that never saved starts afresh
             cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", model, "--out", run_dir,
                    "--threads", str(threads), *RUNS[name], *extra, *resume]
             os.makedirs(run_dir, exist_ok=True)
@@ -74,13 +75,13 @@ def train_all(out, model, jobs, extra):
                 sys.exit(f"error: training run {name} failed; see {log.name}")
 
 
-def evaluate(out, study, run, policies, rates, plot=True):
+def eval_study(out, study, run, policies, rates, problems=None):
     """eval.py on one run's final checkpoint; returns its rows."""
     path = os.path.join(out, f"{study}.jsonl")
     argv = ["--model", os.path.join(out, "runs", run, "checkpoint"), "--policy", *policies,
-            "--eviction-rate", *map(str, rates), "--out", path]
+            "--eviction-rate", *map(str, rates), "--out", path] + (["--problems", str(problems)] if problems else [])
     print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {run} {' '.join(policies)} at ε {rates}", flush=True)
-    ev.main(argv + (["--plot", path[:-6] + ".png"] if plot and have_matplotlib() else []))
+    ev.main(argv + (["--plot", path[:-6] + ".png"] if have_matplotlib() else []))
     with open(path) as f:
         return [json.loads(line) for line in f]
 
@@ -101,15 +102,17 @@ def curves(out, names, path):
             steps = [json.loads(line) for line in f if '"reward"' in line]
         x = [s["step"] for s in steps]
         axes[0].plot(x, smooth([s["reward"] for s in steps]), label=name)
-        axes[1].plot(x, [s["grad_norm_token"] for s in steps], label=name)
-        if steps[0].get("grad_norm_mem") is not None:
-            axes[2].plot(x, [s["grad_norm_mem"] for s in steps], label=name)
+        for ax, key in ((axes[1], "grad_norm_token"), (axes[2], "grad_norm_mem")):  # null: not measured that step
+            pts = [(s["step"], s[key]) for s in steps if s.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=name)
     for ax, title in zip(axes, ["reward (moving mean of 5)", "grad norm of L_token", "grad norm of L_mem"]):
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path + ".tmp", dpi=120, format="png")
+    os.replace(path + ".tmp", path)
 
 
 def accuracy_vs_rate(curves_by_label, path):
@@ -125,7 +128,8 @@ def accuracy_vs_rate(curves_by_label, path):
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path + ".tmp", dpi=120, format="png")
+    os.replace(path + ".tmp", path)
 
 
 def smooth(xs, n=5):
@@ -146,15 +150,16 @@ def main():
     p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
+    p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
     args = p.parse_args()
-    if args.jobs < 1:
-        sys.exit(f"error: --jobs {args.jobs} must be at least 1")
+    if args.jobs < 1 or (args.problems is not None and args.problems < 1):
+        sys.exit(f"error: --jobs and --problems must be at least 1")
     t0 = time.time()
     train_all(args.out, args.model, args.jobs, args.train_args.split())
     sections = []
 
     def study(name, title, run, policies, rates):
-        rows = [dict(r, run=run) for r in evaluate(args.out, name, run, policies, rates)]
+        rows = [dict(r, run=run) for r in eval_study(args.out, name, run, policies, rates, args.problems)]
         sections.append(f"## {title}\n\n{markdown(rows)}\n")
         return rows
 

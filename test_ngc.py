@@ -11,8 +11,13 @@ import json
 import math
 import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -404,15 +409,17 @@ def test_curriculum_matches_the_paper_formula():
 @pytest.mark.parametrize("mode", list(train.MODES))
 def test_one_training_step_in_each_mode(train_ckpt, tmp_path, mode):
     before = from_pretrained(train_ckpt).state_dict()
-    flags = ["--mode", mode, "--steps", "1"] + (["--eval-every", "1"] if mode == "ngc" else [])
+    flags = ["--mode", mode, "--steps", "1", "--term-grad-norms"] + (["--eval-every", "1"] if mode == "ngc" else [])
     log = run_train(train_ckpt, tmp_path, *flags)
     step = [r for r in log if "eval" not in r][0]
+    assert list(step) == train.STEP_KEYS  # one schema for every step record
     assert math.isfinite(step["L_token"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
+    assert step["grad_norm_token"] > 0
     if mode == "ngc":
         assert math.isfinite(step["L_mem"]) and step["L_mem"] != 0 and step["grad_norm_mem"] > 0
         assert step["rounds"] > 0 and len([r for r in log if "eval" in r]) == 2
     else:
-        assert step["L_mem"] is None and "grad_norm_mem" not in step
+        assert step["L_mem"] is None and step["grad_norm_mem"] is None
     assert (step["rounds"] > 0) == (mode != "no-evict")
     after = from_pretrained(os.path.join(tmp_path, "checkpoint")).state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -443,29 +450,277 @@ def test_resume_continues_exactly(train_ckpt, tmp_path):
     assert abs(other[1]["L_token"] - straight[1]["L_token"]) > 1e-6
 
 
-def test_checkpoint_loads_back_with_identical_logits(train_ckpt, tmp_path):
+def save_small_checkpoint(train_ckpt, run_dir, step=3, scale=1.5):
     m = from_pretrained(train_ckpt)
     with torch.no_grad():
-        m.lm_head.weight.mul_(1.5)  # something a fresh load of train_ckpt would not have
-    opt = train.make_optimizer(m, train.resolve(train.parse_args(["--model", train_ckpt])))
-    c = train.resolve(train.parse_args(["--model", train_ckpt]))
-    train.save_checkpoint(str(tmp_path), m, load_tokenizer(train_ckpt), opt, torch.Generator().get_state(), 3, c)
+        m.lm_head.weight.mul_(scale)  # something a fresh load of train_ckpt would not have
+    c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(run_dir), "--overwrite"]))
+    opt = train.make_optimizer(m, c)
+    train.save_checkpoint(str(run_dir), m, load_tokenizer(train_ckpt), train_ckpt, opt, torch.Generator().get_state(),
+                          step, c)
+    return m
+
+
+def test_checkpoint_loads_back_with_identical_logits(train_ckpt, tmp_path):
+    m = save_small_checkpoint(train_ckpt, tmp_path)
     back = from_pretrained(os.path.join(tmp_path, "checkpoint"))
     x = torch.tensor(prompts_of([12])[0])[None]
     pos = torch.arange(12)[None]
     assert torch.equal(back.logits(back(x, pos)), m.logits(m(x, pos)))
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["config.json", "model.safetensors", "ngc.json",
-                                                         "tokenizer.json", "trainer.pt"]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == [
+        "config.json", "generation_config.json", "model.safetensors", "ngc.json", "tokenizer.json",
+        "tokenizer_config.json", "trainer.pt"]
     assert train.run_defaults(str(tmp_path / "checkpoint"))["delta"] == TRAIN_DEFAULTS["delta"]
+    assert train.run_defaults(str(tmp_path / "checkpoint"))["retention"] == TRAIN_DEFAULTS["retention"]
+    tok_cfg = json.loads((tmp_path / "checkpoint" / "tokenizer_config.json").read_text())
+    assert tok_cfg["eos_token"] == "<eos>" and tok_cfg["pad_token"] == "<pad>"
+    assert json.loads((tmp_path / "checkpoint" / "generation_config.json").read_text())["eos_token_id"] == EOS
+    # Control: another scale gives other logits, so the equality above is not vacuous.
+    other = save_small_checkpoint(train_ckpt, tmp_path / "b", scale=2.0)
+    assert not torch.equal(other.logits(other(x, pos)), m.logits(m(x, pos)))
 
 
-def test_bad_training_arguments_fail_with_one_line(train_ckpt, tmp_path, capsys):
-    for flags, message in [(["--eviction-rate", "1.5"], "must lie in"), (["--delta", "2"], "larger than the window"),
-                           (["--group", "1"], "--group"), (["--model", str(tmp_path / "none")], "no config.json"),
-                           (["--resume", str(tmp_path)], "nothing to resume")]:
+def test_checkpoint_carries_the_chat_template_and_generation_config(train_ckpt, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(train_ckpt, src)
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}", "eos_token": "<eos>"}))
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "temperature": 0.6, "top_p": 0.95}))
+    m, tok = from_pretrained(str(src)), load_tokenizer(str(src))
+    c = train.resolve(train.parse_args(["--model", str(src), "--out", str(tmp_path / "run")]))
+    train.save_checkpoint(str(tmp_path / "run"), m, tok, str(src), train.make_optimizer(m, c), None, 0, c)
+    out = tmp_path / "run" / "checkpoint"
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_cfg["chat_template"] == "{{ messages }}" and tok_cfg["pad_token"] == "<pad>"
+    assert json.loads((out / "generation_config.json").read_text())["top_p"] == 0.95
+
+
+def test_transformers_loads_the_checkpoint(train_ckpt, tmp_path):
+    """The checkpoint is a complete Hugging Face directory: model and tokenizer load in transformers
+    (when it is installed; it is never needed at run time) and give our logits."""
+    transformers = pytest.importorskip("transformers")
+    m = save_small_checkpoint(train_ckpt, tmp_path)
+    path = str(tmp_path / "checkpoint")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert (tok.pad_token, tok.pad_token_id, tok.eos_token_id) == ("<pad>", 0, EOS) and len(tok) == 96
+    batch = tok(["w5 w6 w7", "w9"], padding=True, return_tensors="pt")
+    assert batch["input_ids"].tolist()[1] == [9, 0, 0]
+    x = torch.tensor(prompts_of([12])[0])[None]
+    with torch.no_grad():
+        ours = m.logits(m(x, torch.arange(12)[None]))
+        assert (hf(x).logits - ours).abs().max() < 1e-4
+
+
+def run_dir_state(path):
+    return {p.name: (p.read_bytes() if p.is_file() else sorted(q.name for q in p.iterdir())) for p in path.iterdir()}
+
+
+def test_a_new_run_never_overwrites_another(train_ckpt, tmp_path):
+    run_train(train_ckpt, tmp_path, "--steps", "1")
+    before = run_dir_state(tmp_path)
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path, "--steps", "1")
+    assert "already holds a run" in str(err.value) and "--resume" in str(err.value) and "\n" not in str(err.value)
+    assert run_dir_state(tmp_path) == before  # nothing touched
+    with pytest.raises(SystemExit) as err:  # --resume continues in place; another --out is refused
+        train.main(["--resume", str(tmp_path), "--out", str(tmp_path / "elsewhere")])
+    assert "drop --out" in str(err.value) and not (tmp_path / "elsewhere").exists()
+    log = run_train(train_ckpt, tmp_path, "--steps", "1", "--seed", "3", "--overwrite")
+    assert [r["step"] for r in log] == [0] and run_dir_state(tmp_path) != before
+
+
+def test_a_kill_at_any_point_of_the_checkpoint_swap_leaves_a_checkpoint(train_ckpt, tmp_path, monkeypatch):
+    """Kill the save before each rename (file or directory) it makes and before it deletes the old
+    copy: resume then finds a complete checkpoint (the old step or the new one), and the next save
+    works and leaves nothing behind."""
+    class Killed(Exception):
+        pass
+
+    real_replace, calls = os.replace, []
+    monkeypatch.setattr(os, "replace", lambda a, b: calls.append((a, b)) or real_replace(a, b))
+    save_small_checkpoint(train_ckpt, tmp_path / "count", step=1)
+    monkeypatch.undo()
+    n_renames = len(calls)
+    assert n_renames >= 5  # the files of the model directory, then the two directory renames
+    for kill_at in range(n_renames + 2):  # the last two: killed after the last rename, before/while deleting
+        run = tmp_path / f"kill{kill_at}"
+        save_small_checkpoint(train_ckpt, run, step=1, scale=1.0)
+        count = iter(range(10 ** 6))
+
+        def dying_replace(a, b):
+            if next(count) == kill_at:
+                raise Killed
+            real_replace(a, b)
+
+        def dying_rmtree(path, ignore_errors=False):
+            if os.path.exists(path):
+                if kill_at == n_renames + 1:  # half deleted
+                    next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+                raise Killed
+
+        monkeypatch.setattr(os, "replace", dying_replace)
+        monkeypatch.setattr(train.shutil, "rmtree", dying_rmtree)
+        with pytest.raises(Killed):
+            save_small_checkpoint(train_ckpt, run, step=2, scale=2.0)
+        monkeypatch.undo()
+        state = train.load_trainer_state(str(run))  # resume's first move: recover, then read
+        back = from_pretrained(str(run / "checkpoint"))
+        assert state["step"] in (1, 2)
+        expected = 2.0 if state["step"] == 2 else 1.0
+        assert torch.equal(back.lm_head.weight, from_pretrained(train_ckpt).lm_head.weight * expected)
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoint"]
+        save_small_checkpoint(train_ckpt, run, step=3)
+        assert train.load_trainer_state(str(run))["step"] == 3 and sorted(p.name for p in run.iterdir()) == ["checkpoint"]
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(train_ckpt, tmp_path, monkeypatch):
+    real, calls = train.save_pretrained, []
+
+    def full_disk(model, path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real(model, path)
+
+    monkeypatch.setattr(train, "save_pretrained", full_disk)
+    with pytest.raises(SystemExit) as err:  # step 1 saves, the final save at step 2 fails
+        run_train(train_ckpt, tmp_path, "--steps", "2", "--save-every", "1")
+    assert "could not save" in str(err.value) and "No space left" in str(err.value) and "\n" not in str(err.value)
+    assert train.load_trainer_state(str(tmp_path))["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "log.jsonl"]
+
+
+SIGNAL_RUN = "import sys, train; train.main(sys.argv[1:], reward_fn=lambda t, p: float(len(t.replace(' ', '')) % 2))"
+
+
+def wait_for_log_lines(path, n, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not path.exists() or len(path.read_text().splitlines()) < n):
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckpt, tmp_path, sig, code):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run),
+                             "--threads", "1", "--steps", "200"], cwd=os.path.dirname(train.__file__),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_log_lines(run / "log.jsonl", 2)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, out
+    assert "Traceback" not in out and f"continue with --resume {run}" in out
+    saved = train.load_trainer_state(str(run))["step"]
+    logged = [r["step"] for r in train.read_log(str(run / "log.jsonl"))]
+    assert 2 <= saved < 200 and logged == list(range(saved))  # the checkpoint and the log agree
+    resumed = run_train(train_ckpt, run, "--resume", str(run), "--steps", str(saved + 2))
+    straight = run_train(train_ckpt, tmp_path / "straight", "--steps", str(saved + 2))
+    assert len(resumed) == len(straight) == saved + 2
+    for a, b in zip(resumed, straight):
+        for key in ("reward", "L_token", "L_mem", "response_len"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+
+
+def test_resume_drops_a_cut_last_log_line_and_refuses_a_bad_middle_one(train_ckpt, tmp_path, capsys):
+    run_train(train_ckpt, tmp_path, "--steps", "1", "--save-every", "1")
+    log = tmp_path / "log.jsonl"
+    log.write_text(log.read_text() + '{"step": 1, "rew')  # a crash in the middle of a write
+    resumed = run_train(train_ckpt, tmp_path, "--resume", str(tmp_path), "--steps", "2")
+    assert [r["step"] for r in resumed] == [0, 1] and "unfinished last line" in capsys.readouterr().out
+    log.write_text("garbage\n" + log.read_text())
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path, "--resume", str(tmp_path), "--steps", "3")
+    assert "log.jsonl line 1 is not JSON" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_log_is_strict_json_and_plain_lines_without_a_terminal(train_ckpt, tmp_path, capsys):
+    """Not a terminal (pytest captures): no progress bars, one plain line per step and per
+    evaluation; every log record parses as strict JSON (no NaN) with the step schema."""
+    run_train(train_ckpt, tmp_path, "--steps", "2", "--eval-every", "1", "--eval-problems", "2")
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "\x1b" not in out + err and "it/s" not in err
+    assert [line.split(" |")[0] for line in out.splitlines() if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    assert sum(line.startswith("eval @ step") for line in out.splitlines()) == 3
+
+    def no_constants(name):
+        raise ValueError(f"{name} in log")
+
+    records = [json.loads(line, parse_constant=no_constants) for line in open(tmp_path / "log.jsonl")]
+    assert [list(r) for r in records if "eval" not in r] == [train.STEP_KEYS] * 2
+    assert train.json_safe({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.5}) == {"a": None, "b": {"c": None},
+                                                                                         "d": 1.5}
+
+
+def break_file(path, how):
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        path.write_text(how)
+
+
+BAD_TRAIN_FLAGS = [
+    (["--stage-steps", "0"], "--stage-steps 0 must be at least 1"), (["--train-problems", "0"], "at least 1"),
+    (["--micro-batch", "0"], "--micro-batch 0 must be at least 1"), (["--max-new-tokens", "0"], "at least 1"),
+    (["--temperature", "0"], "--temperature 0.0 must be positive"), (["--eval-rate", "1.5"], "must lie in (0, 1]"),
+    (["--eval-batch", "0"], "at least 1"), (["--lr", "-1"], "--lr -1.0 must be positive"),
+    (["--steps", "-3"], "--steps -3 must be at least 1"), (["--eval-problems", "0"], "at least 1"),
+    (["--device", "foo"], "--device 'foo' is not a device"), (["--retention", "0.9,x"], "comma-separated numbers"),
+    (["--eviction-rate", "1.5"], "must lie in"), (["--delta", "2"], "larger than the window"),
+    (["--group", "1"], "--group"), (["--beta2", "1"], "must lie in [0, 1)"), (["--threads", "0"], "at least 1"),
+    (["--steps", "x"], "invalid int value"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA GPU is visible")])
+BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
+             ("model.safetensors", "truncated", "not a readable safetensors file"),
+             ("tokenizer.json", "{not json", "not a readable tokenizer"),
+             ("config.json", "{not json", "config.json is not valid JSON"),
+             ("config.json", '{"model_type": "qwen2", "vocab_size": 96}', "config.json lacks hidden_size"),
+             ("ngc.json", "[1, 2", "ngc.json is not valid JSON")]
+
+
+@pytest.mark.parametrize("flags, message", BAD_TRAIN_FLAGS, ids=[" ".join(f) for f, _ in BAD_TRAIN_FLAGS])
+def test_bad_training_flags_fail_with_one_line_and_create_nothing(train_ckpt, tmp_path, flags, message):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", train_ckpt, "--out", str(out), *flags])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("file, how, message", BAD_FILES, ids=[f"{f} {h[:9]}" for f, h, _ in BAD_FILES])
+def test_broken_checkpoint_files_fail_with_one_line_and_create_nothing(train_ckpt, tmp_path, file, how, message):
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(train_ckpt, model)
+    break_file(model / file, how)
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", str(model), "--out", str(out)])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_bad_resume_and_run_dirs_fail_with_one_line(train_ckpt, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    run_train(train_ckpt, tmp_path / "run", "--steps", "1")
+    break_file(tmp_path / "run" / "checkpoint" / "trainer.pt", "truncated")
+    for argv, message in [(["--model", train_ckpt, "--out", str(a_file)], "is a file"),
+                          (["--resume", str(tmp_path / "none")], "nothing to resume"),
+                          (["--resume", str(tmp_path / "run")], "trainer.pt is unreadable"),
+                          (["--model", str(tmp_path / "none")], "no config.json")]:
         with pytest.raises(SystemExit) as err:
-            train.main(["--model", train_ckpt, "--out", str(tmp_path / "x"), *flags])
-        assert message in str(err.value) and "\n" not in str(err.value)
+            train.main(argv)
+        assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_help_shows_the_checkpoints_defaults(train_ckpt, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", train_ckpt, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {TRAIN_DEFAULTS['delta']})" in text and "(default 0.75,0.5)" in text  # ngc.json's, not the paper's
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    assert f"(default {make_tiny.TINY_RUN['steps']})" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------
@@ -996,7 +1251,7 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
         calls.append((len(prompts), None if eviction is None else (eviction.policy, eviction.rate)))
         return rollout(model, prompts, sampling, eviction, **kw)
 
-    monkeypatch.setattr(ev, "rollout", counting)
+    monkeypatch.setattr(train, "rollout", counting)
     out = tmp_path / "results.jsonl"
     ev.main(["--model", eval_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
              "0.75", "--problems", "3", "--out", str(out)])
@@ -1030,9 +1285,10 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
 @pytest.mark.parametrize("flags, message", [
     (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
     (["--samples", "0"], "--samples 0 must be at least 1"), (["--problems", "99"], "test split has 4"),
-    (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist")])
+    (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
+    (["--out", "/tmp"], "/tmp is a directory")])
 def test_cli_bad_input_fails_with_one_line(eval_ckpt, flags, message, monkeypatch):
-    monkeypatch.setattr(ev, "rollout", None)  # nothing may run
+    monkeypatch.setattr(train, "rollout", None)  # nothing may run
     with pytest.raises(SystemExit) as err:
         ev.main(["--model", eval_ckpt, *flags])
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)

@@ -2,35 +2,52 @@
 
     python train.py --task countdown                           # the shipped tiny model, on the CPU
     python train.py --task countdown --model DIR --out runs/r1 # a Hugging Face Qwen2 directory
+    python train.py --resume runs/r1                           # continue a run where it stopped
 
 One step: P prompts x G rollouts through the NGC engine (a round every δ tokens at the
 curriculum's ε), binary reward, advantage A = r - mean(group), then the replay pass in
-micro-batches, L = L_token + L_mem (DESIGN §4), AdamW, grad-norm clipping, constant LR.
-Defaults are the paper's; a checkpoint directory may carry an ngc.json whose values replace
-them (the tiny model's does), and any flag replaces both.
+micro-batches, L = L_token + L_mem (eqs. 2-4), one backward, grad-norm clipping, AdamW at a
+constant LR. Defaults are the paper's; a checkpoint directory may carry an ngc.json whose
+values replace them (the tiny model's does), and any flag replaces both.
+
+A run directory holds log.jsonl and checkpoint/ (a Hugging Face model directory plus
+trainer.pt). SIGINT (Ctrl-C) and SIGTERM save a checkpoint and exit with 130 / 143;
+--resume continues with exactly the steps an uninterrupted run would have taken.
 """
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
+import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 import countdown
-from model import CheckpointError, from_pretrained, load_tokenizer, save_pretrained
+from model import CheckpointError, from_pretrained, load_tokenizer, save_pretrained, save_tokenizer
 from ngc import Eviction, Sampling, rollout
 from replay import replay
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = {  # mode -> (evict during rollouts, replay masks for log-probs, eviction loss)
-    "ngc": (True, True, True),
-    "token-only": (True, True, False),  # ablation: replay masks, no L_mem
-    "targeted-dropout": (True, False, False),  # ablation: evict, but score tokens under the causal mask
-    "no-evict": (False, False, False),  # the full-cache upper bound
+
+
+@dataclass(frozen=True)
+class Mode:
+    evict: bool  # evict during rollouts
+    replay_masks: bool  # token log-probs under the per-layer replay masks (else the plain causal mask)
+    eviction_loss: bool  # add L_mem
+
+
+MODES = {
+    "ngc": Mode(evict=True, replay_masks=True, eviction_loss=True),
+    "token-only": Mode(evict=True, replay_masks=True, eviction_loss=False),  # ablation: no L_mem
+    "targeted-dropout": Mode(evict=True, replay_masks=False, eviction_loss=False),  # ablation: causal log-probs
+    "no-evict": Mode(evict=False, replay_masks=False, eviction_loss=False),  # the full-cache upper bound
 }
 PAPER = dict(  # Countdown settings of the paper (§5.2, Table 1), for large models
     prompt="plain", difficulty="paper", train_problems=327_680, eval_problems=1024, seed=0,
@@ -39,7 +56,7 @@ PAPER = dict(  # Countdown settings of the paper (§5.2, Table 1), for large mod
     retention="0.9,0.8,0.7,0.6,0.5", stage_steps=25, alpha=0.6, eviction_rate=None,
     interoception=False, interoception_rates="0.25,0.5,0.75", min_length=0,
     lr=5e-6, beta1=0.9, beta2=0.95, adam_eps=1e-15, weight_decay=0.0, clip=1.0,
-    micro_batch=4, term_grad_norms=True, eval_every=50, eval_rate=None, eval_batch=64, save_every=50,
+    micro_batch=4, term_grad_norms=False, eval_every=50, eval_rate=None, eval_batch=64, save_every=50,
 )
 
 
@@ -48,11 +65,14 @@ def run_defaults(model_dir: str) -> dict:
     d = dict(PAPER)
     path = os.path.join(model_dir, "ngc.json")
     if os.path.exists(path):
-        with open(path) as f:
-            extra = json.load(f)
-        unknown = set(extra) - set(d)
+        try:
+            with open(path) as f:
+                extra = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete it")
+        unknown = set(extra) - set(d) if isinstance(extra, dict) else {"<not an object>"}
         if unknown:
-            raise ValueError(f"{path} has unknown keys {sorted(unknown)}")
+            raise CheckpointError(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
         d.update(extra)
     return d
 
@@ -75,17 +95,20 @@ def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float)
 
 
 def eviction_rate_at(step: int, c) -> float:
+    """ε at a step: the fixed --eviction-rate, or 1 - the curriculum's retention."""
     if c.eviction_rate is not None:
         return c.eviction_rate
-    return 1 - retention_at(step, floats(c.retention), c.stage_steps, c.alpha)
-
-
-def floats(text) -> list[float]:
-    return [float(x) for x in str(text).split(",")] if text is not None else []
+    return 1 - retention_at(step, c.retention, c.stage_steps, c.alpha)
 
 
 # ---------------------------------------------------------------------------------------
-# The objective (DESIGN §4)
+# The objective (paper eqs. 2-4, Dr. GRPO)
+
+
+def group_advantages(reward, group: int):
+    """A_i = r_i - mean of its group's rewards (Dr. GRPO: no division by the std). reward (P·G,)."""
+    r = reward.view(-1, group)
+    return (r - r.mean(1, keepdim=True)).flatten()
 
 
 def policy_losses(model, ro, adv, ev, c, n_total):
@@ -93,102 +116,184 @@ def policy_losses(model, ro, adv, ev, c, n_total):
 
     Both are normalised by the whole step's rollout count n_total (and L_token by the max
     completion length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss."""
-    _, masks, mem = MODES[c.mode]
-    tok_lp, ev_lp = replay(model, ro, ev, c.temperature, causal=not masks)
+    mode = MODES[c.mode]
+    tok_lp, ev_lp = replay(model, ro, ev, c.temperature, causal=not mode.replay_masks)
     l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * c.max_new_tokens)  # eq. (2)
     l_mem = None
-    if mem and ev_lp is not None:
+    if mode.eviction_loss and ev_lp is not None:
         per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
         l_mem = -(adv[:, None] * per_layer).sum() / n_total  # eq. (3), summed over layers
     return l_token, l_mem, tok_lp
 
 
-def train_step(model, opt, tokenizer, problems, step, c, gen, amp, reward_fn=countdown.reward):
+class TokenGradient:
+    """Optional diagnostic (the paper's Figure 5): ‖∇L_token‖ and ‖∇L_mem‖ apart. One extra
+    backward per micro-batch accumulates ∇L_token into a buffer; ∇L_mem is the total minus it."""
+
+    def __init__(self, params):
+        self.params, self.acc = params, [torch.zeros_like(p) for p in params]
+
+    def add(self, l_token):
+        grads = torch.autograd.grad(l_token, self.params, retain_graph=True, allow_unused=True)
+        for a, g in zip(self.acc, grads):
+            if g is not None:
+                a += g
+
+    def norms(self, has_mem: bool) -> dict:
+        norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])).item()
+        total = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return {"grad_norm_token": norm(self.acc),
+                "grad_norm_mem": norm([t - a for t, a in zip(total, self.acc)]) if has_mem else None}
+
+
+def train_step(model, opt, tokenizer, problems, step, c, gen, amp, reward_fn=countdown.reward, progress=False):
+    """rollout → reward → advantage → replay → L_token + L_mem → backward → clip. Returns the
+    step's log record; the caller takes the optimizer step (so that an update and its record
+    land together, see main)."""
     t0 = time.perf_counter()
     device = model.lm_head.weight.device
-    P, G = c.prompts, c.group
+    P, G, mode = c.prompts, c.group, MODES[c.mode]
     eps = eviction_rate_at(step, c)
-    evicting = MODES[c.mode][0]
-    ev = Eviction(c.delta, c.block, c.window, eps, "ngc") if evicting else None
+    ev = Eviction(c.delta, c.block, c.window, eps, "ngc") if mode.evict else None
     group_eps = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.2, Figure 6)
-        choices = torch.tensor(floats(c.interoception_rates)) * eps / final_eviction_rate(c)
+        final = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
+        choices = torch.tensor(c.interoception_rates) * eps / final
         group_eps = choices[torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()].clamp(0.01, 1)
     rates = None if group_eps is None else group_eps.repeat_interleave(G)
     batch = [problems[(step * P + i) % len(problems)] for i in range(P)]
     prompts = [countdown.encode(tokenizer, p, c.prompt, None if group_eps is None else float(group_eps[i]))
                for i, p in enumerate(batch) for _ in range(G)]
-    sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k)
     with amp:
-        ro = rollout(model, prompts, sampling, ev, rates=rates, eos_ids=model.config.eos_ids, generator=gen,
-                     progress=True)
+        ro = rollout(model, prompts, Sampling(c.max_new_tokens, c.temperature, c.top_k), ev, rates=rates,
+                     eos_ids=model.config.eos_ids, generator=gen, progress=progress)
     t_rollout = time.perf_counter() - t0
     texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
     reward = torch.where(ro.lengths.cpu() < c.min_length, 0.0, correct)  # Appendix A.1 penalty
-    adv = (reward.view(P, G) - reward.view(P, G).mean(1, keepdim=True)).flatten().to(device)
+    adv = group_advantages(reward, G).to(device)
 
     # Replay the rollouts that carry signal (A = 0 contributes nothing), in micro-batches.
     params = [p for p in model.parameters() if p.requires_grad]
-    grads, losses = {}, {"token": 0.0, "mem": 0.0 if MODES[c.mode][2] else None}
+    diag = TokenGradient(params) if c.term_grad_norms else None
+    l_token_sum, l_mem_sum = 0.0, 0.0 if mode.eviction_loss else None
     learn = torch.nonzero(adv).flatten()
-    for rows in learn.split(c.micro_batch) if len(learn) else []:
-        sub = ro.select(rows)
+    for rows in learn.split(c.micro_batch) if len(learn) else ():
         with amp:
-            l_token, l_mem, _ = policy_losses(model, sub, adv[rows], ev, c, n_total=P * G)
-        terms = {"token": l_token, **({"mem": l_mem} if l_mem is not None else {})}
-        if c.term_grad_norms:  # a separate gradient per term, to log each one's norm
-            for i, (name, loss) in enumerate(terms.items()):
-                g = torch.autograd.grad(loss, params, retain_graph=i + 1 < len(terms), allow_unused=True)
-                acc = grads.setdefault(name, [torch.zeros_like(p) for p in params])
-                for a, gi in zip(acc, g):
-                    if gi is not None:
-                        a += gi
-        else:
-            sum(terms.values()).backward()
-        for name, loss in terms.items():
-            losses[name] += loss.item()
-    for name, acc in grads.items():
-        for p, a in zip(params, acc):
-            p.grad = a if p.grad is None else p.grad + a
-    norms = {f"grad_norm_{k}": torch.linalg.vector_norm(torch.stack([a.norm() for a in v])).item()
-             for k, v in grads.items()}
-    grad_norm = 0.0
-    if len(learn):
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip).item()
-        opt.step()
-    opt.zero_grad(set_to_none=True)
+            l_token, l_mem, _ = policy_losses(model, ro.select(rows), adv[rows], ev, c, n_total=P * G)
+        if diag:
+            diag.add(l_token)
+        (l_token if l_mem is None else l_token + l_mem).backward()
+        l_token_sum += l_token.item()
+        l_mem_sum = None if l_mem is None else l_mem_sum + l_mem.item()
+    norms = diag.norms(mode.eviction_loss) if diag and len(learn) else {"grad_norm_token": None, "grad_norm_mem": None}
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip).item() if len(learn) else 0.0
 
     new_tokens = (ro.lengths - ro.prompt_lens).sum().item()
     return {"step": step, "reward": reward.mean().item(), "accuracy": correct.mean().item(), "eps": eps,
             "response_len": (ro.lengths - ro.prompt_lens).float().mean().item(),
-            "rounds": ro.n_rounds.float().mean().item(), "L_token": losses["token"], "L_mem": losses["mem"],
+            "rounds": ro.n_rounds.float().mean().item(), "L_token": l_token_sum, "L_mem": l_mem_sum,
             "grad_norm": grad_norm, **norms, "peak_kv": ro.peak_kv.float().mean().item(),
             "step_time": time.perf_counter() - t0, "tokens_per_s": new_tokens / t_rollout}
 
 
-def final_eviction_rate(c) -> float:
-    return c.eviction_rate if c.eviction_rate is not None else 1 - floats(c.retention)[-1]
+# ---------------------------------------------------------------------------------------
+# Held-out evaluation (paper §5.1): eval.py, make_tiny.py and reproduce.py call these too
+
+
+@torch.no_grad()
+def solve(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
+          generator=None, samples=1, batch_size=64, desc=None):
+    """Roll out `samples` completions per problem. Returns rewards, completion lengths, rounds and
+    peak KV entries, each (problems, samples), and the completions' texts (problems x samples).
+    encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt)."""
+    encode = encode or countdown.encode
+    jobs = [p for p in problems for _ in range(samples)]
+    out = {"reward": [], "length": [], "rounds": [], "peak_kv": []}
+    texts = []
+    for start in tqdm(range(0, len(jobs), batch_size), desc=desc, leave=False, disable=desc is None):
+        chunk = jobs[start:start + batch_size]
+        ro = rollout(model, [encode(tokenizer, p) for p in chunk], sampling, eviction, eos_ids=model.config.eos_ids,
+                     generator=generator, progress=desc is not None)
+        chunk_texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
+        texts += chunk_texts
+        out["reward"] += [reward_fn(t, p) for t, p in zip(chunk_texts, chunk)]
+        out["length"] += (ro.lengths - ro.prompt_lens).tolist()
+        out["rounds"] += ro.n_rounds.tolist()
+        out["peak_kv"] += ro.peak_kv.tolist()
+    out = {k: torch.tensor(v, dtype=torch.float64).view(len(problems), samples) for k, v in out.items()}
+    out["texts"] = [texts[i * samples:(i + 1) * samples] for i in range(len(problems))]
+    return out
+
+
+def kv_reduction(ref_peak, peak) -> float:
+    """§5.1: mean over problems of peak(no eviction) / peak(policy); rows are problems, columns
+    samples (a problem's peak is the mean over its samples)."""
+    return (ref_peak.mean(1) / peak.mean(1)).mean().item()
+
+
+def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, batch_size=64,
+             progress=False):
+    """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
+    peak-KV reduction: the held-out numbers train.py logs every --eval-every steps."""
+    s = Sampling(max_new_tokens=max_new_tokens, greedy=True)
+    greedy = Eviction(eviction.delta, eviction.block, eviction.window, eviction.rate, "ngc-greedy")
+    full = solve(model, tokenizer, problems, s, None, encode, batch_size=batch_size,
+                 desc="eval full cache" if progress else None)
+    ev = solve(model, tokenizer, problems, s, greedy, encode, batch_size=batch_size,
+               desc=f"eval ε={eviction.rate:g}" if progress else None)
+    return {"acc_full": full["reward"].mean().item(), "acc": ev["reward"].mean().item(),
+            "kv_reduction": kv_reduction(full["peak_kv"], ev["peak_kv"]),
+            "length": ev["length"].mean().item(), "rounds": ev["rounds"].mean().item()}
 
 
 # ---------------------------------------------------------------------------------------
-# Checkpoints: Hugging Face layout plus trainer state, written to a temporary dir and renamed
+# Checkpoints: a Hugging Face model directory plus trainer.pt, swapped in so that a complete
+# copy exists at every instant:  write checkpoint.tmp/ → rename checkpoint/ to checkpoint.old/
+# → rename checkpoint.tmp/ to checkpoint/ → delete checkpoint.old/.
 
 
-def save_checkpoint(run_dir, model, tokenizer, opt, gen_state, step, c):
-    final, tmp = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
+def recover_checkpoint(run_dir):
+    """Finish or undo a swap that a crash interrupted, leaving checkpoint/ and nothing else."""
+    final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    if not os.path.exists(final) and os.path.exists(old):  # killed between the two renames:
+        os.replace(tmp if os.path.exists(tmp) else old, final)  # checkpoint.tmp/ is complete and newer
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(run_dir, model, tokenizer, source_dir, opt, gen_state, step, c):
+    final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    recover_checkpoint(run_dir)
     save_pretrained(model, tmp)
-    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-    ngc = {k: v for k, v in vars(c).items() if k in PAPER}
+    save_tokenizer(tokenizer, tmp, model.config, source_dir)
+    ngc = {k: settings_value(k, getattr(c, k)) for k in PAPER}
     with open(os.path.join(tmp, "ngc.json"), "w") as f:
-        json.dump(ngc, f, indent=2)
+        json.dump(ngc, f, indent=1)
     torch.save({"step": step, "optimizer": opt.state_dict(), "generator": gen_state, "config": ngc},
                os.path.join(tmp, "trainer.pt"))
     if os.path.exists(final):
-        os.replace(final, final + ".old")
+        os.replace(final, old)
     os.replace(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def settings_value(key, value):
+    """A setting as ngc.json writes it: comma lists back to text."""
+    return ",".join(f"{x:g}" for x in value) if key in LISTS else value
+
+
+def load_trainer_state(run_dir) -> dict:
+    recover_checkpoint(run_dir)
+    path = os.path.join(run_dir, "checkpoint", "trainer.pt")
+    if not os.path.exists(path):
+        raise CheckpointError(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt")
+    try:
+        state = torch.load(path, weights_only=False)
+        return {k: state[k] for k in ("step", "optimizer", "generator", "config")}
+    except Exception as e:  # a truncated or foreign file
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              f"it is not a trainer state this code wrote")
 
 
 def make_optimizer(model, c):
@@ -196,20 +301,93 @@ def make_optimizer(model, c):
                              weight_decay=c.weight_decay)
 
 
+# ---------------------------------------------------------------------------------------
+# The log: one JSON object per line, every step record with the same keys
+
+
+STEP_KEYS = ["step", "reward", "accuracy", "eps", "response_len", "rounds", "L_token", "L_mem", "grad_norm",
+             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "tokens_per_s"]
+
+
+def json_safe(value):
+    """NaN and ±inf are not JSON: they are written as null."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def write_log(path, record):
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+
+
+def read_log(path) -> list[dict]:
+    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is an error."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                print(f"note: dropping the unfinished last line of {path}")
+                break
+            raise CheckpointError(f"{path} line {i + 1} is not JSON; repair or remove that line")
+    return records
 
 
 def keep_log_before(path, step):
-    """On resume, drop log lines of steps that will run again."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if json.loads(line)["step"] < step]
+    """On resume, keep the log records of the steps before `step` (later ones will run again)."""
+    records = [r for r in read_log(path) if r["step"] < step]
     with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
+        f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(path + ".tmp", path)
+
+
+def step_line(m, steps) -> str:
+    mem = "" if m["L_mem"] is None else f" | L_mem {m['L_mem']:+.4f}"
+    return (f"step {m['step'] + 1}/{steps} | reward {m['reward']:.3f} | ε {m['eps']:.2f} | "
+            f"len {m['response_len']:.0f} | L_token {m['L_token']:+.5f}{mem} | {m['step_time']:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------
+# SIGINT and SIGTERM: stop at once and save, but never between an update and its record
+
+
+class Interrupted(Exception):
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT/SIGTERM that arrive inside the block are delivered when it ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # not on Windows
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,27 +395,36 @@ def keep_log_before(path, step):
 
 
 def parse_args(argv=None):
+    """Flags; --help shows the defaults a run would use: the paper's, or --model's ngc.json over them."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default=os.path.join(HERE, "tiny"))
+    try:
+        defaults = run_defaults(pre.parse_known_args(argv)[0].model)
+    except CheckpointError:
+        defaults = PAPER  # resolve() reports the broken ngc.json
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage dump
     p.add_argument("--task", default="countdown", choices=["countdown"])
     p.add_argument("--model", default=os.path.join(HERE, "tiny"),
                    help="Qwen2 checkpoint directory: config.json, *.safetensors, tokenizer.json (default: tiny/)")
     p.add_argument("--out", default=None, help="run directory for log.jsonl and checkpoint/ (default: runs/<mode>)")
+    p.add_argument("--overwrite", action="store_true", help="start afresh in an --out that already holds a run")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run saved in RUN_DIR")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="compute dtype; weights and optimizer stay fp32 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g = p.add_argument_group("task and run")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="seed of the problems, the rollouts and the evictions")
     g.add_argument("--steps", type=int, help="optimizer steps")
     g.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="prompt style")
-    g.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES))
-    g.add_argument("--train-problems", type=int)
+    g.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES), help="problem generator preset")
+    g.add_argument("--train-problems", type=int, help="training problems drawn")
     g = p.add_argument_group("rollouts")
     g.add_argument("--prompts", type=int, help="P: distinct prompts per step")
     g.add_argument("--group", type=int, help="G: rollouts per prompt")
     g.add_argument("--max-new-tokens", type=int, help="completion length cap")
-    g.add_argument("--temperature", type=float)
+    g.add_argument("--temperature", type=float, help="sampling temperature (log-probs use it too)")
     g.add_argument("--top-k", type=int, help="0 disables top-k")
     g = p.add_argument_group("eviction (paper §4.1-4.3, §4.6)")
     g.add_argument("--mode", choices=list(MODES),
@@ -254,127 +441,211 @@ def parse_args(argv=None):
     g.add_argument("--interoception-rates", help="the rates groups draw from (scaled by curriculum progress)")
     g.add_argument("--min-length", type=int, help="reward 0 when prompt+completion is shorter (Appendix A.1)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float)
-    g.add_argument("--beta1", type=float)
-    g.add_argument("--beta2", type=float)
-    g.add_argument("--adam-eps", type=float)
-    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--lr", type=float, help="AdamW learning rate, constant")
+    g.add_argument("--beta1", type=float, help="AdamW β1")
+    g.add_argument("--beta2", type=float, help="AdamW β2")
+    g.add_argument("--adam-eps", type=float, help="AdamW ε")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay")
     g.add_argument("--clip", type=float, help="grad-norm clipping")
     g.add_argument("--micro-batch", type=int, help="rollouts per replay forward/backward")
     g.add_argument("--term-grad-norms", action=argparse.BooleanOptionalAction,
-                   help="log the grad norm of L_token and L_mem separately (one extra backward)")
+                   help="log the grad norms of L_token and L_mem apart (one extra backward per micro-batch "
+                        "and one extra copy of the gradients)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (0: never)")
-    g.add_argument("--eval-problems", type=int)
+    g.add_argument("--eval-problems", type=int, help="held-out problems")
     g.add_argument("--eval-rate", type=float, help="ε for evaluation (default: the final training ε)")
-    g.add_argument("--eval-batch", type=int)
-    g.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--eval-batch", type=int, help="rollouts per evaluation batch")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
+    for action in p._actions:
+        if defaults.get(action.dest) is not None:
+            action.help += f" (default {defaults[action.dest]})".replace("%", "%%")
     return p.parse_args(argv)
 
 
-def resolve(args):
-    """Fill every unset flag from the resumed run, the checkpoint's ngc.json or the paper."""
+LISTS = ("retention", "interoception_rates")  # comma lists, parsed once into lists of floats
+AT_LEAST_ONE = ("steps", "prompts", "train_problems", "eval_problems", "max_new_tokens", "stage_steps",
+                "micro_batch", "eval_batch")
+AT_LEAST_ZERO = ("top_k", "min_length", "eval_every", "save_every", "weight_decay")
+POSITIVE = ("temperature", "lr", "adam_eps", "clip")
+
+
+def resolve(args, state=None):
+    """Fill every unset flag from the resumed run's state, the checkpoint's ngc.json or the paper,
+    then check them all. Raises CheckpointError or ValueError with a one-line message."""
     if args.resume:
-        state = torch.load(os.path.join(args.resume, "checkpoint", "trainer.pt"), weights_only=False)
-        base, args.model, args.out = state["config"], os.path.join(args.resume, "checkpoint"), args.resume
+        if args.out and os.path.abspath(args.out) != os.path.abspath(args.resume):
+            raise ValueError(f"--resume continues in {args.resume} itself; drop --out {args.out} "
+                             f"(or copy the run directory there and resume that)")
+        base = (state or load_trainer_state(args.resume))["config"]
+        args.model, args.out = os.path.join(args.resume, "checkpoint"), args.resume
     else:
         base = run_defaults(args.model)
     for k, v in base.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    args.out = args.out or os.path.join("runs", args.mode)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    for k in LISTS:
+        try:
+            args.__dict__[k] = [float(x) for x in str(getattr(args, k)).split(",")]
+        except ValueError:
+            raise ValueError(f"--{k.replace('_', '-')} {getattr(args, k)!r} must be comma-separated numbers")
+    for k in AT_LEAST_ONE + AT_LEAST_ZERO + POSITIVE:
+        v, least = getattr(args, k), 1 if k in AT_LEAST_ONE else 0
+        if (v <= 0) if k in POSITIVE else (v < least):
+            raise ValueError(f"--{k.replace('_', '-')} {v} must be " + ("positive" if k in POSITIVE else f"at least {least}"))
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads} must be at least 1")
+    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
+        raise ValueError(f"--beta1 {args.beta1} and --beta2 {args.beta2} must lie in [0, 1)")
     if not 0 < args.alpha <= 1:
         raise ValueError(f"--alpha {args.alpha} must lie in (0, 1]")
-    for eps in [eviction_rate_at(s, args) for s in (0, args.steps)] + floats(args.interoception_rates):
-        Eviction(args.delta, args.block, args.window, eps)  # one-line errors for bad δ, b, w, ε
     if args.prompts < 1 or args.group < 2:
         raise ValueError("--prompts must be at least 1 and --group at least 2 (advantages are within a group)")
+    for eps in [eviction_rate_at(s, args) for s in (0, args.steps)] + args.interoception_rates + [args.eval_rate or 0.5]:
+        Eviction(args.delta, args.block, args.window, eps)  # one-line errors for bad δ, b, w, ε
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device {args.device}: " + ("no CUDA GPU is visible here; use --device cpu"
+                                                        if device.type == "cuda" else "use cpu, cuda or cuda:N"))
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    args.out = args.out or os.path.join("runs", args.mode)
+    check_run_dir(args)
     return args
+
+
+RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
+
+
+def check_run_dir(args):
+    """A new run never writes into a directory that holds another run, unless --overwrite."""
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file; the run directory must be a directory")
+    if args.resume or not os.path.isdir(out) or not os.listdir(out):
+        return
+    if not args.overwrite:
+        raise ValueError(f"{out} already holds a run; continue it with --resume {out}, choose another --out, "
+                         f"or pass --overwrite to start afresh there")
+
+
+def load(c):
+    """Model, tokenizer and (when resuming) trainer state, every failure a one-line error."""
+    model = from_pretrained(c.model, dtype=torch.float32, device=torch.device(c.device))
+    tokenizer = load_tokenizer(c.model)
+    if not model.config.eos_ids:
+        raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
+    return model, tokenizer
 
 
 def main(argv=None, reward_fn=countdown.reward):
     args = parse_args(argv)
     try:
-        if args.resume and not os.path.exists(os.path.join(args.resume, "checkpoint", "trainer.pt")):
-            raise CheckpointError(f"nothing to resume in {args.resume!r}: it has no checkpoint/trainer.pt")
-        c = resolve(args)
+        state = load_trainer_state(args.resume) if args.resume else None
+        c = resolve(args, state)
         if c.threads:
             torch.set_num_threads(c.threads)
-        device = torch.device(c.device)
-        model = from_pretrained(c.model, dtype=torch.float32, device=device)
-        tokenizer = load_tokenizer(c.model)
-        if not model.config.eos_ids:
-            raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
+        model, tokenizer = load(c)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16" else contextlib.nullcontext())
+    device = torch.device(c.device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16" else contextlib.nullcontext()
     opt = make_optimizer(model, c)
     gen = torch.Generator(device=device).manual_seed(c.seed)
     step = 0
-    if c.resume:
-        state = torch.load(os.path.join(c.resume, "checkpoint", "trainer.pt"), weights_only=False)
+    if state:
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
         step = state["step"]
+    if c.overwrite:
+        for name in RUN_FILES:
+            path = os.path.join(c.out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
     os.makedirs(c.out, exist_ok=True)
     log_path = os.path.join(c.out, "log.jsonl")
-    keep_log_before(log_path, step)
+    try:
+        keep_log_before(log_path, step)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
 
-    difficulty = countdown.DIFFICULTIES[c.difficulty]
+    interactive = sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
+    final_eps = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
     print(f"NGC on Countdown: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
           f"{c.device} {c.dtype}, mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
-          f"ε -> {final_eviction_rate(c):g}, steps {step}..{c.steps}, run dir {c.out}")
+          f"ε -> {final_eps:g}, steps {step}..{c.steps}, run dir {c.out}", flush=True)
+    difficulty = countdown.DIFFICULTIES[c.difficulty]
     train, test = countdown.splits(c.seed, c.train_problems, c.eval_problems, difficulty, unique=False)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()
     train = [train[i] for i in order]
-    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eviction_rate(c), "ngc-greedy")
+    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eps, "ngc-greedy")
+    encode = lambda tok, p: countdown.encode(tok, p, c.prompt, eval_ev.rate if c.interoception else None)
     evals = []
 
     def run_eval():
-        from eval import evaluate
         with amp:
-            r = evaluate(model, tokenizer, c.prompt, test, eval_ev, c.max_new_tokens, c.eval_batch,
-                         interoception=c.interoception, progress=True)
-        r = {"step": step, "eval": r}
+            r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, c.eval_batch, progress=interactive)
         evals.append(r)
-        write_log(log_path, r)
-        tqdm.write(f"eval @ step {step}: accuracy full cache {r['eval']['acc_full']:.1%}, at ε={eval_ev.rate:g} "
-                   f"{r['eval']['acc']:.1%}, peak-KV reduction {r['eval']['kv_reduction']:.2f}x")
+        write_log(log_path, {"step": step, "eval": r})
+        tqdm.write(f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={eval_ev.rate:g} "
+                   f"{r['acc']:.1%}, peak-KV reduction {r['kv_reduction']:.2f}x")
+
+    def save():
+        save_checkpoint(c.out, model, tokenizer, c.model, opt, gen.get_state(), step, c)
 
     t_start = time.time()
-    gen_state = gen.get_state()
-    try:
-        bar = tqdm(total=c.steps, initial=step, desc="train", unit="step")
-        while step < c.steps:
-            if c.eval_every and step % c.eval_every == 0:
+    with stop_on_signals():
+        try:
+            bar = tqdm(total=c.steps, initial=step, desc="train", unit="step", disable=not interactive)
+            while step < c.steps:
+                if c.eval_every and step % c.eval_every == 0:
+                    run_eval()
+                gen_before = gen.get_state()
+                try:
+                    m = train_step(model, opt, tokenizer, train, step, c, gen, amp, reward_fn, progress=interactive)
+                except Interrupted:
+                    opt.zero_grad(set_to_none=True)  # the step did not happen: rewind its noise too
+                    gen.set_state(gen_before)
+                    raise
+                with signals_held():  # an update and its log record land together, or neither does
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    step += 1
+                    write_log(log_path, {k: m[k] for k in STEP_KEYS})
+                bar.update(1)
+                tqdm.write(step_line(m, c.steps))
+                if c.save_every and step % c.save_every == 0 and step < c.steps:
+                    try_save(save, step)
+            bar.close()
+            if c.eval_every:
                 run_eval()
-            gen_state = gen.get_state()
-            m = train_step(model, opt, tokenizer, train, step, c, gen, amp, reward_fn)
-            step += 1
-            gen_state = gen.get_state()
-            write_log(log_path, m)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward']:.2f}", eps=f"{m['eps']:.2f}", len=f"{m['response_len']:.0f}")
-            if c.save_every and step % c.save_every == 0 and step < c.steps:
-                save_checkpoint(c.out, model, tokenizer, opt, gen_state, step, c)
-        bar.close()
-        if c.eval_every:
-            run_eval()
-    except KeyboardInterrupt:
-        save_checkpoint(c.out, model, tokenizer, opt, gen_state, step, c)
-        print(f"\ninterrupted: saved step {step} to {c.out}/checkpoint; continue with --resume {c.out}")
-        return
-    save_checkpoint(c.out, model, tokenizer, opt, gen_state, step, c)
+            with signals_held():
+                save()
+        except Interrupted as e:
+            with signals_held():
+                try_save(save, step)
+            print(f"\n{e}: saved step {step} to {c.out}/checkpoint; continue with --resume {c.out}", flush=True)
+            sys.exit(128 + e.signum)
+        except OSError as e:
+            sys.exit(f"error: could not save the checkpoint in {c.out} ({e}); the previous one, if any, is kept")
     summary(evals, eval_ev.rate, time.time() - t_start, c.out)
+
+
+def try_save(save, step):
+    """A periodic save that fails (disk full, ...) keeps the previous checkpoint and training goes on."""
+    try:
+        save()
+    except OSError as e:
+        tqdm.write(f"warning: could not save step {step} ({e}); the previous checkpoint is kept")
 
 
 def summary(evals, rate, seconds, out):
     print(f"\ndone in {seconds / 60:.1f} min; checkpoint in {out}/checkpoint, log in {out}/log.jsonl")
     if len(evals) < 1:
         return
-    first, last = evals[0]["eval"], evals[-1]["eval"]
+    first, last = evals[0], evals[-1]
     print(f"{'held-out accuracy':32s} {'before':>8s} {'after':>8s}")
     print(f"{'full cache':32s} {first['acc_full']:8.1%} {last['acc_full']:8.1%}")
     print(f"{f'ε = {rate:g} (greedy top-K)':32s} {first['acc']:8.1%} {last['acc']:8.1%}")
