@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from fractions import Fraction
 from pathlib import Path
 
@@ -143,7 +144,78 @@ def test_eviction_loss_reaches_every_q_and_k_projection(ckpt, sampled):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Batch independence
+# 3. The objective (eqs. 2-4): Dr. GRPO over tokens and evictions
+
+
+def test_group_advantages_are_centred_within_each_group():
+    reward = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    adv = train.group_advantages(reward, group=4)
+    assert adv.view(2, 4).sum(1).abs().max() < 1e-7  # each group's advantages sum to zero
+    assert torch.allclose(adv, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75]))
+    assert torch.equal(train.group_advantages(torch.ones(4), group=2), torch.zeros(4))  # no signal, no update
+
+
+def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
+    """Two rollouts with chosen log-probs, the losses by hand:
+    L_token = -Σ_i A_i Σ_t log π_it / (n · T_max)                       eq. (2), Dr. GRPO's constant
+    L_mem   = -Σ_ℓ (1/n) Σ_i A_i · mean over i's rounds of log p(σ)     eq. (3)"""
+    tok_lp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [-0.5, -0.5, 0.0, 0.0]])
+    ev_lp = torch.tensor([[[-1.0, -2.0], [-3.0, -4.0]],  # rollout 0: 2 rounds x 2 layers
+                          [[-0.5, -1.5], [0.0, 0.0]]])  # rollout 1: 1 round, the second is padding
+    ro = types.SimpleNamespace(n_rounds=torch.tensor([2, 1]))
+    monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, ev_lp))
+    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=10)
+    adv = torch.tensor([0.5, -0.5])
+    l_token, l_mem, _ = train.policy_losses(None, ro, adv, EV, c, n_total=4)
+    # L_token = -(0.5·(-3) + (-0.5)·(-1)) / (4·10) = 1/40
+    assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)
+    # rollout 0: layer means (-1-3)/2 = -2, (-2-4)/2 = -3; rollout 1: -0.5, -1.5 (one round)
+    # L_mem = -(0.5·(-2-3) + (-0.5)·(-0.5-1.5)) / 4 = 1.5/4
+    assert l_mem.item() == pytest.approx(1.5 / 4, abs=1e-9)
+    c.mode = "token-only"
+    assert train.policy_losses(None, ro, adv, EV, c, n_total=4)[1] is None
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_one_step_on_l_mem_moves_log_p_sigma_with_the_advantage(ckpt, sampled, sign):
+    """Gradient descent on L_mem alone raises log p(σ) of a rollout with A > 0 and lowers it with
+    A < 0, for each rollout on its own (so no other rollout's gradient interferes)."""
+    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=30)
+    for row in range(len(sampled.n_rounds)):
+        if sampled.n_rounds[row] == 0:
+            continue
+        model = from_pretrained(ckpt)
+        ro = sampled.select(torch.tensor([row]))
+        before = replay(model, ro, EV, 1.0)[1].sum().item()
+        _, l_mem, _ = train.policy_losses(model, ro, torch.tensor([sign]), EV, c, n_total=1)
+        l_mem.backward()
+        torch.optim.SGD(model.parameters(), lr=1e-3).step()
+        after = replay(model, ro, EV, 1.0)[1].sum().item()
+        assert (after - before) * sign > 0, (row, before, after)
+
+
+def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
+    """--term-grad-norms: one extra backward gives ‖∇L_token‖, and ‖∇L_mem‖ is the total minus it."""
+    model = from_pretrained(ckpt)
+    params = list(model.parameters())
+    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=30)
+    adv = torch.linspace(-1, 1, len(sampled.n_rounds))
+    diag = train.TokenGradient(params)
+    for rows in torch.arange(len(adv)).split(2):  # micro-batches, as in train_step
+        l_token, l_mem, _ = train.policy_losses(model, sampled.select(rows), adv[rows], EV, c, n_total=len(adv))
+        diag.add(l_token)
+        (l_token + l_mem).backward()
+    norms = diag.norms(has_mem=True)
+    l_token, l_mem, _ = train.policy_losses(model, sampled, adv, EV, c, n_total=len(adv))
+    for loss, key in ((l_token, "grad_norm_token"), (l_mem, "grad_norm_mem")):
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        direct = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None])).item()
+        assert norms[key] == pytest.approx(direct, rel=1e-4), key
+    assert abs(norms["grad_norm_token"] - norms["grad_norm_mem"]) > 1e-3 * norms["grad_norm_mem"]  # two different numbers
+
+
+# ---------------------------------------------------------------------------------------
+# 4. Batch independence
 
 
 def test_a_sequence_does_not_depend_on_its_batch(model):
