@@ -179,7 +179,7 @@ def tiny_config(tok, d=192, layers=4, heads=4, kv_heads=2, ffn=512) -> Qwen2Conf
 # Evaluation
 
 
-def evaluate(model, tok, problems, eviction=None, max_new_tokens=400, batch=128):
+def trace_accuracy(model, tok, problems, eviction=None, max_new_tokens=400, batch=128):
     """Greedy accuracy (mean reward), the fraction of completions that replay as correct
     traces, and the mean completion length."""
     out = solve(model, tok, problems, Sampling(max_new_tokens=max_new_tokens, greedy=True), eviction,
@@ -277,10 +277,10 @@ def write_run_defaults(model_dir):
 
 
 def report(model, tok, test):
-    acc, valid, length = evaluate(model, tok, test)
+    acc, valid, length = trace_accuracy(model, tok, test)
     print(f"full cache:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  ({len(test)} held out)")
     ev = Eviction(TINY_RUN["delta"], TINY_RUN["block"], TINY_RUN["window"], rate=0.5, policy="ngc-greedy")
-    acc, valid, length = evaluate(model, tok, test, ev)
+    acc, valid, length = trace_accuracy(model, tok, test, ev)
     print(f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}:  accuracy {acc:.3f}  "
           f"valid traces {valid:.3f}  mean length {length:.0f}")
 
