@@ -458,13 +458,13 @@ def train_ckpt(tmp_path_factory):
     return path
 
 
-def odd_length_reward(text, problem):
+def parity_reward(text, problem):
     """A stand-in reward with variance inside a group (the random model never solves Countdown)."""
-    return float(len(text.replace(" ", "")) % 2)
+    return float(sum(map(ord, text)) % 2)
 
 
 def run_train(ckpt, out, *flags):
-    train.main(["--model", ckpt, "--out", str(out), "--threads", "1", *flags], reward_fn=odd_length_reward)
+    train.main(["--model", ckpt, "--out", str(out), "--threads", "1", *flags], reward_fn=parity_reward)
     return [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
 
 
@@ -528,8 +528,7 @@ def save_small_checkpoint(train_ckpt, run_dir, step=3, scale=1.5):
         m.lm_head.weight.mul_(scale)  # something a fresh load of train_ckpt would not have
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(run_dir), "--overwrite"]))
     opt = train.make_optimizer(m, c)
-    train.save_checkpoint(str(run_dir), m, load_tokenizer(train_ckpt), train_ckpt, opt, torch.Generator().get_state(),
-                          step, c)
+    train.save_checkpoint(str(run_dir), m, load_tokenizer(train_ckpt), train_ckpt, opt, step, c)
     return m
 
 
@@ -559,7 +558,7 @@ def test_checkpoint_carries_the_chat_template_and_generation_config(train_ckpt, 
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "temperature": 0.6, "top_p": 0.95}))
     m, tok = from_pretrained(str(src)), load_tokenizer(str(src))
     c = train.resolve(train.parse_args(["--model", str(src), "--out", str(tmp_path / "run")]))
-    train.save_checkpoint(str(tmp_path / "run"), m, tok, str(src), train.make_optimizer(m, c), None, 0, c)
+    train.save_checkpoint(str(tmp_path / "run"), m, tok, str(src), train.make_optimizer(m, c), 0, c)
     out = tmp_path / "run" / "checkpoint"
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_cfg["chat_template"] == "{{ messages }}" and tok_cfg["pad_token"] == "<pad>"
@@ -662,7 +661,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(train_ckpt, tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "log.jsonl"]
 
 
-SIGNAL_RUN = "import sys, train; train.main(sys.argv[1:], reward_fn=lambda t, p: float(len(t.replace(' ', '')) % 2))"
+SIGNAL_RUN = "import sys, train; train.main(sys.argv[1:], reward_fn=lambda t, p: float(sum(map(ord, t)) % 2))"
 
 
 def wait_for_log_lines(path, n, timeout=60):

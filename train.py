@@ -25,7 +25,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import countdown
@@ -146,13 +148,22 @@ class TokenGradient:
                 "grad_norm_mem": norm([t - a for t, a in zip(total, self.acc)]) if has_mem else None}
 
 
-def train_step(model, opt, tokenizer, problems, step, c, gen, amp, reward_fn=countdown.reward, progress=False):
+def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
+    """The noise of one step on one rank (tokens, Gumbel draws, interoception rates), derived from
+    (seed, rank, step) alone: a resumed run draws exactly what an uninterrupted one would have."""
+    return torch.Generator(device=device).manual_seed(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
+
+
+def train_step(model, tokenizer, problems, step, c, amp, reward_fn=countdown.reward, progress=False):
     """rollout → reward → advantage → replay → L_token + L_mem → backward → clip. Returns the
     step's log record; the caller takes the optimizer step (so that an update and its record
-    land together, see main)."""
+    land together, see main). With several processes each rolls out its share of the P prompts,
+    whole groups each, and the gradients are averaged across them."""
     t0 = time.perf_counter()
     device = model.lm_head.weight.device
-    P, G, mode = c.prompts, c.group, MODES[c.mode]
+    rank, world = rank_and_world()
+    P, G, mode = c.prompts // world, c.group, MODES[c.mode]  # this process's prompts
+    gen = step_generator(c.seed, rank, step, device)
     eps = eviction_rate_at(step, c)
     ev = Eviction(c.delta, c.block, c.window, eps, "ngc") if mode.evict else None
     group_eps = None
@@ -161,7 +172,7 @@ def train_step(model, opt, tokenizer, problems, step, c, gen, amp, reward_fn=cou
         choices = torch.tensor(c.interoception_rates) * eps / final
         group_eps = choices[torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()].clamp(0.01, 1)
     rates = None if group_eps is None else group_eps.repeat_interleave(G)
-    batch = [problems[(step * P + i) % len(problems)] for i in range(P)]
+    batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
     prompts = [countdown.encode(tokenizer, p, c.prompt, None if group_eps is None else float(group_eps[i]))
                for i, p in enumerate(batch) for _ in range(G)]
     with amp:
@@ -172,29 +183,73 @@ def train_step(model, opt, tokenizer, problems, step, c, gen, amp, reward_fn=cou
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
     reward = torch.where(ro.lengths.cpu() < c.min_length, 0.0, correct)  # Appendix A.1 penalty
     adv = group_advantages(reward, G).to(device)
+    losses = backward(model, ro, adv, ev, c, amp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip).item()
 
-    # Replay the rollouts that carry signal (A = 0 contributes nothing), in micro-batches.
+    n_new = (ro.lengths - ro.prompt_lens).float()
+    means = mean_over_processes(dict(reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(),
+                                     rounds=ro.n_rounds.float().mean(), peak_kv=ro.peak_kv.float().mean(),
+                                     tokens_per_s=n_new.sum() / t_rollout))
+    means["tokens_per_s"] *= world  # all processes together
+    return {"step": step, **means, "eps": eps, **losses, "grad_norm": grad_norm,
+            "step_time": time.perf_counter() - t0}
+
+
+def backward(model, ro, adv, ev, c, amp=contextlib.nullcontext()):
+    """Replay the rollouts that carry signal (A = 0 contributes nothing) in micro-batches,
+    accumulate ∇(L_token + L_mem), and average it over the processes. The losses are normalised
+    by this process's rollout count, so the average is the single-process gradient of all of them."""
     params = [p for p in model.parameters() if p.requires_grad]
     diag = TokenGradient(params) if c.term_grad_norms else None
-    l_token_sum, l_mem_sum = 0.0, 0.0 if mode.eviction_loss else None
+    mem = MODES[c.mode].eviction_loss
+    l_token_sum, l_mem_sum = 0.0, 0.0 if mem else None
     learn = torch.nonzero(adv).flatten()
     for rows in learn.split(c.micro_batch) if len(learn) else ():
         with amp:
-            l_token, l_mem, _ = policy_losses(model, ro.select(rows), adv[rows], ev, c, n_total=P * G)
+            l_token, l_mem, _ = policy_losses(model, ro.select(rows), adv[rows], ev, c, n_total=len(adv))
         if diag:
             diag.add(l_token)
         (l_token if l_mem is None else l_token + l_mem).backward()
         l_token_sum += l_token.item()
         l_mem_sum = None if l_mem is None else l_mem_sum + l_mem.item()
-    norms = diag.norms(mode.eviction_loss) if diag and len(learn) else {"grad_norm_token": None, "grad_norm_mem": None}
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip).item() if len(learn) else 0.0
+    average_gradients(params)
+    if diag:
+        average_gradients(params, diag.acc)
+    losses = mean_over_processes({"L_token": l_token_sum, **({"L_mem": l_mem_sum} if mem else {})})
+    norms = diag.norms(mem) if diag else {"grad_norm_token": None, "grad_norm_mem": None}
+    return {"L_token": losses["L_token"], "L_mem": losses.get("L_mem"), **norms}
 
-    new_tokens = (ro.lengths - ro.prompt_lens).sum().item()
-    return {"step": step, "reward": reward.mean().item(), "accuracy": correct.mean().item(), "eps": eps,
-            "response_len": (ro.lengths - ro.prompt_lens).float().mean().item(),
-            "rounds": ro.n_rounds.float().mean().item(), "L_token": l_token_sum, "L_mem": l_mem_sum,
-            "grad_norm": grad_norm, **norms, "peak_kv": ro.peak_kv.float().mean().item(),
-            "step_time": time.perf_counter() - t0, "tokens_per_s": new_tokens / t_rollout}
+
+# ---------------------------------------------------------------------------------------
+# Several processes (torchrun): data parallel, every process holds the whole model
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def average_gradients(params, grads=None):
+    """Average the gradients (p.grad, or the given tensors) over the processes, in place. When no
+    process has any (no learning signal anywhere), they stay None, as in a single process."""
+    world = rank_and_world()[1]
+    grads = grads or [p.grad for p in params]
+    if world == 1 or mean_over_processes({"any": any(g is not None for g in grads)})["any"] == 0:
+        return
+    for p, g in zip(params, grads):
+        if g is None:  # this process had no learning signal: it adds zeros
+            g = p.grad = torch.zeros_like(p)
+        dist.all_reduce(g)
+        g.div_(world)
+
+
+def mean_over_processes(values: dict) -> dict:
+    """Each value averaged over the processes (every process holds the same number of rollouts)."""
+    world = rank_and_world()[1]
+    t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(t)
+    return dict(zip(values, (t / world).tolist()))
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,23 +261,28 @@ def solve(model, tokenizer, problems, sampling, eviction=None, encode=None, rewa
           generator=None, samples=1, batch_size=64, desc=None):
     """Roll out `samples` completions per problem. Returns rewards, completion lengths, rounds and
     peak KV entries, each (problems, samples), and the completions' texts (problems x samples).
-    encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt)."""
+    encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt). With
+    several processes each rolls out every world-th job and all of them get all the results."""
     encode = encode or countdown.encode
+    rank, world = rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]
-    out = {"reward": [], "length": [], "rounds": [], "peak_kv": []}
-    texts = []
-    for start in tqdm(range(0, len(jobs), batch_size), desc=desc, leave=False, disable=desc is None):
-        chunk = jobs[start:start + batch_size]
+    mine = jobs[rank::world]
+    results = []  # (reward, length, rounds, peak KV, text) per job of this process
+    for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
+        chunk = mine[start:start + batch_size]
         ro = rollout(model, [encode(tokenizer, p) for p in chunk], sampling, eviction, eos_ids=model.config.eos_ids,
                      generator=generator, progress=desc is not None)
-        chunk_texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
-        texts += chunk_texts
-        out["reward"] += [reward_fn(t, p) for t, p in zip(chunk_texts, chunk)]
-        out["length"] += (ro.lengths - ro.prompt_lens).tolist()
-        out["rounds"] += ro.n_rounds.tolist()
-        out["peak_kv"] += ro.peak_kv.tolist()
-    out = {k: torch.tensor(v, dtype=torch.float64).view(len(problems), samples) for k, v in out.items()}
-    out["texts"] = [texts[i * samples:(i + 1) * samples] for i in range(len(problems))]
+        texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
+        results += zip([reward_fn(t, p) for t, p in zip(texts, chunk)], (ro.lengths - ro.prompt_lens).tolist(),
+                       ro.n_rounds.tolist(), ro.peak_kv.tolist(), texts)
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, results)
+        results = [parts[i % world][i // world] for i in range(len(jobs))]  # back in job order
+    columns = list(zip(*results)) or [()] * 5
+    out = {k: torch.tensor(v, dtype=torch.float64).view(len(problems), samples)
+           for k, v in zip(("reward", "length", "rounds", "peak_kv"), columns)}
+    out["texts"] = [list(columns[4][i * samples:(i + 1) * samples]) for i in range(len(problems))]
     return out
 
 
@@ -262,7 +322,7 @@ def recover_checkpoint(run_dir):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(run_dir, model, tokenizer, source_dir, opt, gen_state, step, c):
+def save_checkpoint(run_dir, model, tokenizer, source_dir, opt, step, c):
     final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
     recover_checkpoint(run_dir)
     save_pretrained(model, tmp)
@@ -270,7 +330,7 @@ def save_checkpoint(run_dir, model, tokenizer, source_dir, opt, gen_state, step,
     ngc = {k: settings_value(k, getattr(c, k)) for k in PAPER}
     with open(os.path.join(tmp, "ngc.json"), "w") as f:
         json.dump(ngc, f, indent=1)
-    torch.save({"step": step, "optimizer": opt.state_dict(), "generator": gen_state, "config": ngc},
+    torch.save({"step": step, "optimizer": opt.state_dict(), "config": ngc},
                os.path.join(tmp, "trainer.pt"))
     if os.path.exists(final):
         os.replace(final, old)
@@ -290,7 +350,7 @@ def load_trainer_state(run_dir) -> dict:
         raise CheckpointError(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt")
     try:
         state = torch.load(path, weights_only=False)
-        return {k: state[k] for k in ("step", "optimizer", "generator", "config")}
+        return {k: state[k] for k in ("step", "optimizer", "config")}
     except Exception as e:  # a truncated or foreign file
         raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                               f"it is not a trainer state this code wrote")
@@ -511,6 +571,11 @@ def resolve(args, state=None):
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"--device {args.device}: " + ("no CUDA GPU is visible here; use --device cpu"
                                                         if device.type == "cuda" else "use cpu, cuda or cuda:N"))
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:  # torchrun: one GPU each
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.prompts % world:
+        raise ValueError(f"--prompts {args.prompts} must be a multiple of the {world} processes (each takes whole groups)")
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     args.out = args.out or os.path.join("runs", args.mode)
     check_run_dir(args)
@@ -552,30 +617,36 @@ def main(argv=None, reward_fn=countdown.reward):
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     device = torch.device(c.device)
+    ddp = "RANK" in os.environ  # launched by torchrun: one process per device, data parallel
+    if ddp:  # every process has checked its arguments before this rendezvous; none has written
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    master = rank_and_world()[0] == 0  # the one process that prints, logs and saves
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16" else contextlib.nullcontext()
     opt = make_optimizer(model, c)
-    gen = torch.Generator(device=device).manual_seed(c.seed)
     step = 0
     if state:
         opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
         step = state["step"]
-    if c.overwrite:
-        for name in RUN_FILES:
-            path = os.path.join(c.out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-    os.makedirs(c.out, exist_ok=True)
     log_path = os.path.join(c.out, "log.jsonl")
-    try:
-        keep_log_before(log_path, step)
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
-
-    interactive = sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
+    if master:
+        if c.overwrite:
+            for name in RUN_FILES:
+                path = os.path.join(c.out, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        os.makedirs(c.out, exist_ok=True)
+        try:
+            keep_log_before(log_path, step)
+        except CheckpointError as e:
+            sys.exit(f"error: {e}")
+    say = tqdm.write if master else lambda text: None
+    interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     final_eps = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
-    print(f"NGC on Countdown: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
-          f"{c.device} {c.dtype}, mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
-          f"ε -> {final_eps:g}, steps {step}..{c.steps}, run dir {c.out}", flush=True)
+    say(f"NGC on Countdown: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
+        f"{c.device} {c.dtype}" + (f" x {rank_and_world()[1]} processes" if ddp else "") + f", mode {c.mode}, "
+        f"P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, ε -> {final_eps:g}, "
+        f"steps {step}..{c.steps}, run dir {c.out}")
     difficulty = countdown.DIFFICULTIES[c.difficulty]
     train, test = countdown.splits(c.seed, c.train_problems, c.eval_problems, difficulty, unique=False)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()
@@ -588,12 +659,14 @@ def main(argv=None, reward_fn=countdown.reward):
         with amp:
             r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, c.eval_batch, progress=interactive)
         evals.append(r)
-        write_log(log_path, {"step": step, "eval": r})
-        tqdm.write(f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={eval_ev.rate:g} "
-                   f"{r['acc']:.1%}, peak-KV reduction {r['kv_reduction']:.2f}x")
+        if master:
+            write_log(log_path, {"step": step, "eval": r})
+        say(f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={eval_ev.rate:g} "
+            f"{r['acc']:.1%}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
     def save():
-        save_checkpoint(c.out, model, tokenizer, c.model, opt, gen.get_state(), step, c)
+        if master:
+            save_checkpoint(c.out, model, tokenizer, c.model, opt, step, c)
 
     t_start = time.time()
     with stop_on_signals():
@@ -602,20 +675,19 @@ def main(argv=None, reward_fn=countdown.reward):
             while step < c.steps:
                 if c.eval_every and step % c.eval_every == 0:
                     run_eval()
-                gen_before = gen.get_state()
                 try:
-                    m = train_step(model, opt, tokenizer, train, step, c, gen, amp, reward_fn, progress=interactive)
+                    m = train_step(model, tokenizer, train, step, c, amp, reward_fn, progress=interactive)
                 except Interrupted:
-                    opt.zero_grad(set_to_none=True)  # the step did not happen: rewind its noise too
-                    gen.set_state(gen_before)
+                    opt.zero_grad(set_to_none=True)  # the step did not happen
                     raise
                 with signals_held():  # an update and its log record land together, or neither does
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     step += 1
-                    write_log(log_path, {k: m[k] for k in STEP_KEYS})
+                    if master:
+                        write_log(log_path, {k: m[k] for k in STEP_KEYS})
                 bar.update(1)
-                tqdm.write(step_line(m, c.steps))
+                say(step_line(m, c.steps))
                 if c.save_every and step % c.save_every == 0 and step < c.steps:
                     try_save(save, step)
             bar.close()
@@ -626,11 +698,15 @@ def main(argv=None, reward_fn=countdown.reward):
         except Interrupted as e:
             with signals_held():
                 try_save(save, step)
-            print(f"\n{e}: saved step {step} to {c.out}/checkpoint; continue with --resume {c.out}", flush=True)
+            if master:
+                print(f"\n{e}: saved step {step} to {c.out}/checkpoint; continue with --resume {c.out}", flush=True)
             sys.exit(128 + e.signum)
         except OSError as e:
             sys.exit(f"error: could not save the checkpoint in {c.out} ({e}); the previous one, if any, is kept")
-    summary(evals, eval_ev.rate, time.time() - t_start, c.out)
+    if ddp:
+        dist.destroy_process_group()
+    if master:
+        summary(evals, eval_ev.rate, time.time() - t_start, c.out)
 
 
 def try_save(save, step):
