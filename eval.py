@@ -2,6 +2,7 @@
 
     python eval.py --model DIR --task countdown --policy ngc snapkv keydiff knorm streamingllm none \\
         --eviction-rate 0.5 0.75 [--samples k] [--problems n] [--out results.jsonl] [--plot acc.png]
+    torchrun --nproc_per_node 8 eval.py --model DIR ...      # the problems split across 8 GPUs
 
 Policies (CLI name -> the engine's name in ngc.POLICIES):
     ngc -> ngc-greedy      greedy top-K blocks on NGC's scores: the paper's evaluation
@@ -25,6 +26,7 @@ import sys
 from math import comb
 
 import torch
+import torch.distributed as dist
 
 import countdown
 from model import CheckpointError, from_pretrained, load_tokenizer
@@ -148,15 +150,29 @@ def main(argv=None):
                                    difficulty=countdown.DIFFICULTIES[d["difficulty"]])
         if args.problems and args.problems > len(test):
             raise ValueError(f"--problems {args.problems}: the run's test split has {len(test)} problems")
+        if args.device == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
+            args.device = f"cuda:{os.environ['LOCAL_RANK']}"
         model = from_pretrained(args.model, dtype=torch.float32, device=args.device).eval()
         tokenizer = load_tokenizer(args.model)
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     problems = test[: args.problems]
-    bf16 = (args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")) == "bf16"
-    with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16):
+    device = torch.device(args.device)
+    ddp = "RANK" in os.environ  # torchrun: the problems are split across the processes
+    if ddp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    bf16 = (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, d, problems, list(dict.fromkeys(args.policy)),
-                       list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size)
+                       list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
+                       progress=not ddp or dist.get_rank() == 0)
+    if ddp:
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank:  # every process holds every row; the first one reports them
+            return
     print(f"{args.model}: {len(problems)} held-out problems, "
           + (f"{args.samples} samples each (T={d['temperature']:g}, top-k {d['top_k']})" if args.samples else "greedy"))
     print(table(rows))
