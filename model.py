@@ -362,10 +362,11 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     return model.to(device)
 
 
-def save_pretrained(model: Qwen2, path: str):
-    """Write config.json and model.safetensors into path (each file via a temporary name)."""
+def save_pretrained(model: Qwen2, path: str, state: dict | None = None):
+    """Write config.json and model.safetensors (model's weights, or the given state dict) into
+    path, each file via a temporary name."""
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in (state or model.state_dict()).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     config = {**model.config.to_dict(), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}

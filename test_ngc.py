@@ -821,19 +821,24 @@ rows = torch.arange(len(adv)).chunk(world)[rank]  # this process's prompts: whol
 if reduce == "sum":  # the negative control: gradients summed over the processes, not averaged
     train.average_gradients = lambda params, grads=None: [dist.all_reduce(p.grad) for p in params]
 model = from_pretrained(ckpt)
+if reduce == "fsdp":
+    train.shard(model)
 opt = train.make_optimizer(model, c)
 train.backward(model, ro.select(rows), adv[rows], ev, c)
-grads = [p.grad.clone() for p in model.parameters()]
+grads = [p.grad.full_tensor() if reduce == "fsdp" else p.grad.clone() for p in model.parameters()]
 torch.nn.utils.clip_grad_norm_(list(model.parameters()), c.clip)
 opt.step()
+params, _ = train.full_state(model, opt)
 if rank == 0:
-    torch.save({"grads": grads, "params": [p.detach() for p in model.parameters()]}, out)
+    torch.save({"grads": grads, "params": list(params.values())}, out)
 """
 
 
 def test_two_processes_take_the_single_process_step(train_ckpt, sampled, tmp_path):
-    """One step of 2 processes, each replaying its half of the rollouts with averaged gradients,
-    equals one step of 1 process on all of them (1e-6); summed gradients (the control) do not."""
+    """One step of 2 processes, each replaying its half of the rollouts with averaged gradients
+    (whole copies, or FSDP shards), equals one step of 1 process on all of them (1e-6); summed
+    gradients (the control) do not. (Adam's first step is nearly blind to a gradient's scale, so
+    the control shows on the gradients.)"""
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(tmp_path / "run"), "--lr", "1e-3"]))
     adv = torch.tensor([0.5, -0.5, 1.0, -1.0])  # two groups of two, one for each process
     ro = sampled.select(torch.arange(4))
@@ -845,14 +850,14 @@ def test_two_processes_take_the_single_process_step(train_ckpt, sampled, tmp_pat
     grads = [p.grad.clone() for p in model.parameters()]
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), c.clip)
     opt.step()
-    for reduce in ("mean", "sum"):
+    for reduce in ("mean", "fsdp", "sum"):
         torchrun(tmp_path, str(tmp_path / "step.py"), train_ckpt, str(tmp_path / "rollouts.pt"),
                  str(tmp_path / f"{reduce}.pt"), reduce)
         two = torch.load(tmp_path / f"{reduce}.pt")
         grad_err = max((a - b).abs().max().item() for a, b in zip(two["grads"], grads))
         param_err = max((a - b).abs().max().item() for a, b in zip(two["params"], model.parameters()))
         print(f"{reduce}: max |grad - single| {grad_err:.2e}, max |param - single| {param_err:.2e}")
-        if reduce == "mean":
+        if reduce in ("mean", "fsdp"):
             assert grad_err < 1e-6 and param_err < 1e-6
         else:
             assert grad_err > 1e-3

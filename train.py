@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import countdown
@@ -175,7 +177,7 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn=countdown.rew
     batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
     prompts = [countdown.encode(tokenizer, p, c.prompt, None if group_eps is None else float(group_eps[i]))
                for i, p in enumerate(batch) for _ in range(G)]
-    with amp:
+    with amp, whole_model(model):
         ro = rollout(model, prompts, Sampling(c.max_new_tokens, c.temperature, c.top_k), ev, rates=rates,
                      eos_ids=model.config.eos_ids, generator=gen, progress=progress)
     t_rollout = time.perf_counter() - t0
@@ -205,9 +207,13 @@ def backward(model, ro, adv, ev, c, amp=contextlib.nullcontext()):
     mem = MODES[c.mode].eviction_loss
     l_token_sum, l_mem_sum = 0.0, 0.0 if mem else None
     learn = torch.nonzero(adv).flatten()
-    for rows in learn.split(c.micro_batch) if len(learn) else ():
+    chunks = [(rows, adv[rows]) for rows in learn.split(c.micro_batch)] if len(learn) else []
+    if isinstance(model, FSDPModule):  # each backward is a collective: every process runs as many,
+        padding = (learn[:1] if len(learn) else torch.zeros(1, dtype=torch.long, device=adv.device))
+        chunks += [(padding, torch.zeros(1, device=adv.device))] * (max_over_processes(len(chunks)) - len(chunks))
+    for rows, a in chunks:  # (padding has advantage 0: a zero gradient)
         with amp:
-            l_token, l_mem, _ = policy_losses(model, ro.select(rows), adv[rows], ev, c, n_total=len(adv))
+            l_token, l_mem, _ = policy_losses(model, ro.select(rows), a, ev, c, n_total=len(adv))
         if diag:
             diag.add(l_token)
         (l_token if l_mem is None else l_token + l_mem).backward()
@@ -234,7 +240,9 @@ def average_gradients(params, grads=None):
     process has any (no learning signal anywhere), they stay None, as in a single process."""
     world = rank_and_world()[1]
     grads = grads or [p.grad for p in params]
-    if world == 1 or mean_over_processes({"any": any(g is not None for g in grads)})["any"] == 0:
+    if world == 1 or isinstance(params[0], DTensor):  # one process, or FSDP averaged them already
+        return
+    if mean_over_processes({"any": any(g is not None for g in grads)})["any"] == 0:
         return
     for p, g in zip(params, grads):
         if g is None:  # this process had no learning signal: it adds zeros
@@ -243,13 +251,68 @@ def average_gradients(params, grads=None):
         g.div_(world)
 
 
+def comm_device():
+    """Where collectives run: NCCL needs the tensors on the GPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def max_over_processes(n: int) -> int:
+    if rank_and_world()[1] == 1:
+        return n
+    t = torch.tensor([n], device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 def mean_over_processes(values: dict) -> dict:
     """Each value averaged over the processes (every process holds the same number of rollouts)."""
     world = rank_and_world()[1]
     t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
     if world > 1:
+        t = t.to(comm_device())
         dist.all_reduce(t)
     return dict(zip(values, (t / world).tolist()))
+
+
+def shard(model):
+    """--fsdp: every decoder layer, and the rest of the model, sharded across the processes (FSDP2).
+    Gradients are then averaged by FSDP's reduce-scatter, and each process keeps its shard of the
+    optimizer state."""
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+
+@contextlib.contextmanager
+def whole_model(model):
+    """Rollouts under FSDP: gather every layer once and keep it through the decode loop (whose
+    number of forwards differs from process to process), then shard again."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for u in units:
+        u.unshard()
+        u.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for u in units:  # back to FSDP's defaults: the root stays gathered after its forward
+            u.reshard()
+            u.set_reshard_after_forward(u is not model, recurse=False)
+
+
+def full_state(model, opt):
+    """The whole model's and optimizer's state dicts (under FSDP every process must call this)."""
+    if not isinstance(model, FSDPModule):
+        return model.state_dict(), opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, opt, options=options)
+
+
+def load_optimizer_state(model, opt, state):
+    if not isinstance(model, FSDPModule):
+        return opt.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
 
 
 # ---------------------------------------------------------------------------------------
@@ -323,14 +386,18 @@ def recover_checkpoint(run_dir):
 
 
 def save_checkpoint(run_dir, model, tokenizer, source_dir, opt, step, c):
+    """Every process calls this (FSDP gathers the shards); the first one writes."""
+    model_state, opt_state = full_state(model, opt)
+    if rank_and_world()[0] != 0:
+        return
     final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
     recover_checkpoint(run_dir)
-    save_pretrained(model, tmp)
+    save_pretrained(model, tmp, model_state)
     save_tokenizer(tokenizer, tmp, model.config, source_dir)
     ngc = {k: settings_value(k, getattr(c, k)) for k in PAPER}
     with open(os.path.join(tmp, "ngc.json"), "w") as f:
         json.dump(ngc, f, indent=1)
-    torch.save({"step": step, "optimizer": opt.state_dict(), "config": ngc},
+    torch.save({"step": step, "optimizer": opt_state, "config": ngc},
                os.path.join(tmp, "trainer.pt"))
     if os.path.exists(final):
         os.replace(final, old)
@@ -474,6 +541,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="compute dtype; weights and optimizer stay fp32 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model, gradients and optimizer state across the processes (FSDP2) "
+                        "instead of a whole copy each")
     g = p.add_argument_group("task and run")
     g.add_argument("--seed", type=int, help="seed of the problems, the rollouts and the evictions")
     g.add_argument("--steps", type=int, help="optimizer steps")
@@ -574,6 +644,9 @@ def resolve(args, state=None):
     if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:  # torchrun: one GPU each
         args.device = f"cuda:{os.environ['LOCAL_RANK']}"
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.fsdp and "RANK" not in os.environ:
+        raise ValueError("--fsdp runs under torchrun: torchrun --nproc_per_node N train.py ... --fsdp")
+    args.term_grad_norms = args.term_grad_norms and not args.fsdp  # their extra backward is not sharded
     if args.prompts % world:
         raise ValueError(f"--prompts {args.prompts} must be a multiple of the {world} processes (each takes whole groups)")
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -623,11 +696,13 @@ def main(argv=None, reward_fn=countdown.reward):
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     master = rank_and_world()[0] == 0  # the one process that prints, logs and saves
+    if c.fsdp:
+        shard(model)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16" else contextlib.nullcontext()
     opt = make_optimizer(model, c)
     step = 0
     if state:
-        opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, opt, state["optimizer"])
         step = state["step"]
     log_path = os.path.join(c.out, "log.jsonl")
     if master:
@@ -656,7 +731,7 @@ def main(argv=None, reward_fn=countdown.reward):
     evals = []
 
     def run_eval():
-        with amp:
+        with amp, whole_model(model):
             r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, c.eval_batch, progress=interactive)
         evals.append(r)
         if master:
@@ -665,8 +740,7 @@ def main(argv=None, reward_fn=countdown.reward):
             f"{r['acc']:.1%}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
     def save():
-        if master:
-            save_checkpoint(c.out, model, tokenizer, c.model, opt, step, c)
+        save_checkpoint(c.out, model, tokenizer, c.model, opt, step, c)
 
     t_start = time.time()
     with stop_on_signals():
@@ -696,10 +770,12 @@ def main(argv=None, reward_fn=countdown.reward):
             with signals_held():
                 save()
         except Interrupted as e:
+            if c.fsdp:  # saving is a collective, and the processes may be inside different ones now
+                say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
+                sys.exit(128 + e.signum)
             with signals_held():
                 try_save(save, step)
-            if master:
-                print(f"\n{e}: saved step {step} to {c.out}/checkpoint; continue with --resume {c.out}", flush=True)
+            say(f"\n{e}: saved step {step} to {c.out}/checkpoint; continue with --resume {c.out}")
             sys.exit(128 + e.signum)
         except OSError as e:
             sys.exit(f"error: could not save the checkpoint in {c.out} ({e}); the previous one, if any, is kept")
