@@ -647,11 +647,11 @@ def test_a_kill_at_any_point_of_the_checkpoint_swap_leaves_a_checkpoint(train_ck
 def test_a_failed_save_keeps_the_previous_checkpoint(train_ckpt, tmp_path, monkeypatch):
     real, calls = train.save_pretrained, []
 
-    def full_disk(model, path):
+    def full_disk(model, path, state=None):
         calls.append(path)
         if len(calls) > 1:
             raise OSError(28, "No space left on device")
-        real(model, path)
+        real(model, path, state)
 
     monkeypatch.setattr(train, "save_pretrained", full_disk)
     with pytest.raises(SystemExit) as err:  # step 1 saves, the final save at step 2 fails
