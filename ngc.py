@@ -60,6 +60,7 @@ class Sampling:
     max_new_tokens: int = 1024
     temperature: float = 0.9
     top_k: int = 50  # 0 = no top-k truncation
+    top_p: float = 1.0  # nucleus sampling: keep the fewest top tokens whose mass reaches top_p; 1 = off
     greedy: bool = False
 
     def __post_init__(self):
@@ -67,6 +68,8 @@ class Sampling:
             raise ValueError(f"temperature={self.temperature} must be positive (use greedy=True for argmax)")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1]: it is the probability mass kept (1 = all)")
 
 
 @dataclass
@@ -221,6 +224,11 @@ def sample_tokens(logits, s: Sampling, generator=None):
         if s.top_k:
             kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
+        if s.top_p < 1:  # nucleus: drop a token once the tokens ranked above it hold top_p of the mass
+            sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+            probs = sorted_logits.softmax(-1)
+            mass_above = probs.cumsum(-1) - probs  # 0 for the top token, which is always kept
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(mass_above >= s.top_p, float("-inf")))
         tok = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 import countdown as cd
 import eval as ev
 import make_tiny
+import mathtask as mt
 import ngc
 import train
 from countdown import PAPER, TINY, Problem, tiny_prompt
@@ -1033,7 +1035,7 @@ def _boom(*args, **kwargs):
 
 @pytest.fixture
 def no_eval(monkeypatch):
-    """eval and exec raise for the whole test; compile raises while countdown code
+    """eval and exec raise for the whole test; compile raises while countdown or mathtask code
     runs (not throughout: pytest itself needs compile to report a failure)."""
     monkeypatch.setattr(builtins, "eval", _boom)
     monkeypatch.setattr(builtins, "exec", _boom)
@@ -1047,8 +1049,10 @@ def no_eval(monkeypatch):
                 builtins.compile = prev
         return wrapper
 
-    for name in ("reward", "evaluate_expression", "extract_answer", "numbers_in", "solve"):
-        monkeypatch.setattr(cd, name, trapped(getattr(cd, name)))
+    for module, names in ((cd, ("reward", "evaluate_expression", "extract_answer", "numbers_in", "solve")),
+                          (mt, ("reward", "last_boxed", "normalize", "equivalent"))):
+        for name in names:
+            monkeypatch.setattr(module, name, trapped(getattr(module, name)))
 
 
 @pytest.mark.parametrize("completion", [
@@ -1610,3 +1614,381 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
     steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
     assert train.run_defaults(str(tmp_path / "checkpoint"))["prompt"] == "tiny"
+
+
+# ---------------------------------------------------------------------------------------
+# Mathematical reasoning (§5.4, mathtask.py): DAPO-Math-17k → AMC/AIME, boxed answers, top-p
+
+
+BIG = "1000000000000000000001"  # 22 digits: a float cannot tell it from 10^21
+
+MATH_REWARD_CASES = [  # (completion, ground truth, reward)
+    # the last \boxed{...} is read
+    ("\\boxed{42}", "42", 1.0),
+    ("so the answer is \\boxed {42}", "42", 1.0),
+    ("<think>6 * 7 = 42</think> The answer is $\\boxed{42}$.", "42", 1.0),
+    ("\\boxed{41}, no wait: \\boxed{42}", "42", 1.0),
+    ("\\boxed{\\boxed{42}}", "42", 1.0),
+    ("\\boxed{42}. (I was asked to use \\boxed as the format.)", "42", 1.0),  # a bare \boxed is no box
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1.0),  # nested braces
+    ("\\boxed{" + "9" * 999 + "}", "9" * 999, 1.0),  # long but under the cap
+    # normalisation, one item at a time
+    ("\\boxed{ 42 }", "42", 1.0),                                   # spaces
+    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),               # \left, \right
+    ("\\boxed{10\\!000}", "10000", 1.0),                            # \!
+    ("\\boxed{10\\,000}", "10000", 1.0),                            # \,
+    ("\\boxed{$42$}", "42", 1.0),                                   # $
+    ("\\boxed{\\text{(C)}}", "(C)", 1.0),                           # \text{}
+    ("\\boxed{30^\\circ}", "30", 1.0),                              # ^\circ
+    ("\\boxed{30^{\\circ}}", "30", 1.0),
+    ("\\boxed{12.0}", "12", 1.0),                                   # trailing .0
+    ("\\boxed{27}", "27.0", 1.0),                                   # AMC's float answers
+    ("\\boxed{42.}", "42", 1.0),
+    ("\\boxed{x = 5}", "5", 1.0),                                   # a leading "x ="
+    ("\\boxed{n=5}", "5", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),                                # thousands separators
+    ("\\boxed{+42}", "42", 1.0),
+    ("\\boxed{007}", "7", 1.0),
+    # exact numbers
+    ("\\boxed{" + BIG + "}", BIG, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "1/2", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\tfrac{3}{6}}", "1/2", 1.0),
+    ("\\boxed{-\\frac{3}{4}}", "-3/4", 1.0),
+    ("\\boxed{\\frac{-3}{4}}", "-0.75", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    # rejected
+    ("42", "42", 0.0),                                              # no box
+    ("\\boxed42", "42", 0.0),                                       # no braces
+    ("\\Boxed{42}", "42", 0.0),
+    ("\\fbox{42}", "42", 0.0),
+    ("\\boxed{}", "42", 0.0),                                       # empty box
+    ("\\boxed{ $ $ }", "42", 0.0),
+    ("\\boxed{42} no wait, \\boxed{41}", "42", 0.0),                # conflicting boxes ending wrong
+    ("\\boxed{42}, \\boxed{41}, \\boxed{40}", "42", 0.0),
+    ("\\boxed{42", "42", 0.0),                                      # unbalanced braces
+    ("\\boxed{42} and finally \\boxed{\\frac{1}{2}", "42", 0.0),    # the last box never closes
+    ("\\boxed{\\frac{4}{2}", "2", 0.0),
+    ("\\boxed{" + "4" * 100_000 + "}", "4" * 100_000, 0.0),         # a 100k-character answer
+    ("\\boxed{" + "1" * 100_000 + "}", "42", 0.0),
+    ("\\boxed{" + BIG + "}", "1000000000000000000000", 0.0),       # differ in the last digit
+    ("\\boxed{1000000000000000000000}", BIG, 0.0),
+    ("\\boxed{1e21}", "1000000000000000000000", 0.0),
+    ("\\boxed{0.333}", "1/3", 0.0),
+    ("\\boxed{12.5}", "12", 0.0),
+    ("\\boxed{-42}", "42", 0.0),
+    ("\\boxed{\\frac{1}{3}}", "1/2", 0.0),
+    ("\\boxed{-\\frac{1}{2}}", "1/2", 0.0),
+    ("\\boxed{1/0}", "0", 0.0),
+    ("\\boxed{1,00}", "100", 0.0),                                  # not a thousands separator
+    ("\\boxed{x = 6}", "5", 0.0),
+    ("\\boxed{2^{10}}", "1024", 0.0),                               # nothing is evaluated
+    ("\\boxed{6*7}", "42", 0.0),
+    ("\\boxed{__import__('os').getpid() * 0 + 42}", "42", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, truth, expected", MATH_REWARD_CASES,
+                         ids=[f"{i}-{'accept' if r else 'reject'}" for i, (_, _, r) in enumerate(MATH_REWARD_CASES)])
+def test_math_reward_table(completion, truth, expected, no_eval):
+    assert mt.reward(completion, mt.Problem("q", truth)) == expected
+
+
+def test_math_reward_table_covers_both_verdicts():
+    verdicts = [r for _, _, r in MATH_REWARD_CASES]
+    assert len(verdicts) >= 40 and verdicts.count(1.0) >= 20 and verdicts.count(0.0) >= 20
+
+
+def test_last_boxed_and_normalize(no_eval):
+    lb = mt.last_boxed
+    assert lb("\\boxed{a} \\boxed{b{c}d}") == "b{c}d"
+    assert lb("\\boxed  {7}") == "7" and lb("\\boxed{}") == ""
+    assert lb("\\boxed{7} \\boxed") == "7" and lb("\\boxed{7} \\boxed{") is None
+    assert lb("no box") is None and lb("\\boxed{{}") is None
+    cap = mt.MAX_ANSWER_CHARS
+    assert lb("\\boxed{" + "1" * cap + "}") == "1" * cap and lb("\\boxed{" + "1" * (cap + 1) + "}") is None
+    norm = mt.normalize
+    assert norm(" \\left[ 1 ,\\; 2 \\right) ") == "[1,2)"
+    assert norm("\\leftarrow") == "\\leftarrow"  # only \left itself is dropped
+    assert norm("\\text{ m}") == "m" and norm("5\\!\\:\\,$") == "5"
+    assert norm("90^\\circ") == "90" and norm("y=\\dfrac{1}{2}") == "\\frac{1}{2}"
+    assert norm("12,345,678.5") == "12345678.5" and norm("1,23") == "1,23"
+    assert mt.equivalent("3/6", "\\frac{1}{2}") and not mt.equivalent("0.3333333333", "1/3")
+    assert mt.equivalent(BIG, BIG + ".000") and not mt.equivalent(BIG, "1e21")
+    # Negative control: the float comparison these replace cannot tell the big integers apart.
+    assert float(BIG) == float("1000000000000000000000")
+    assert mt.equivalent("1" * 4999, "1" * 4999)  # over int()'s digit limit: compared as strings
+    assert not mt.equivalent("", "") and not mt.equivalent("\\text{ }", "$")  # an empty answer never matches
+
+
+def test_math_reward_runs_nothing_on_10k_noisy_strings(tmp_path, monkeypatch, no_eval):  # tmp_path before the traps
+    """Random strings built from the reward's own syntax: always 0 or 1, never an exception,
+    never a file written, and 1 only when the last box really holds the answer."""
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random(0)
+    alphabet = ["\\boxed{", "\\boxed", "{", "}", "42", "4", "2", " ", "$", "\\frac", "\\left", "x=", ".0", ",",
+                "-", "/", "\\text{", "^\\circ", "\\!", "__import__('os').system('touch pwned')", "\\", "é", "\x00"]
+    n_ones = 0
+    for _ in range(10_000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        got = mt.reward(s, mt.Problem("q", "42"))
+        assert got in (0.0, 1.0)
+        if got:
+            n_ones += 1
+            assert mt._number(mt.normalize(mt.last_boxed(s))) == 42
+    assert n_ones > 10  # the noise does reach right answers
+    assert list(tmp_path.iterdir()) == []
+    # the traps are live: eval and exec are replaced, and a reader built on compile is caught
+    assert builtins.eval is _boom and builtins.exec is _boom
+    monkeypatch.setattr(mt, "_number", lambda text: compile(text, "<boxed>", "eval"))
+    with pytest.raises(AssertionError):
+        mt.reward("\\boxed{42}", mt.Problem("q", "42"))
+
+
+DAPO_ROW = {  # a row of BytedTsinghua-SIA/DAPO-Math-17k, with its verbatim prompt wrapper
+    "data_source": "math_dapo",
+    "prompt": [{"content": "Solve the following math problem step by step. The last line of your response should be "
+                           "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+                           "\n\nWhat is $6 \\times 7$?\n\nRemember to put your answer on its own line after \"Answer:\".",
+                "role": "user"}],
+    "ability": "MATH",
+    "reward_model": {"ground_truth": "42", "style": "rule-lighteval/MATH_v2"},
+    "extra_info": {"index": "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"},
+}
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_load_reads_the_dapo_and_aime_amc_layouts(tmp_path):
+    dapo = _write_jsonl(tmp_path / "dapo.jsonl", [
+        DAPO_ROW,
+        {"prompt": "What is 2 + 2?", "reward_model": {"ground_truth": "4"}, "solution": "4"},  # open-r1's copy
+        {"prompt": [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is 3 + 3?\n" + mt.INSTRUCTION}], "reward_model": {"ground_truth": "6"}},
+    ])
+    assert mt.load(dapo) == [mt.Problem("What is $6 \\times 7$?", "42"), mt.Problem("What is 2 + 2?", "4"),
+                             mt.Problem("What is 3 + 3?", "6")]
+    both = _write_jsonl(tmp_path / "both.jsonl", [{"prompt": "Q?", "problem": "P?", "reward_model": {"ground_truth": "1"},
+                                                   "answer": "2"}])
+    assert mt.load(both) == [mt.Problem("Q?", "1")]  # DAPO's fields win when a row has both layouts
+    aime = _write_jsonl(tmp_path / "aime.jsonl", [
+        {"problem_idx": 1, "problem": "Find $n$.", "answer": 70},  # MathArena: integer answers
+        "",                                                      # blank lines are skipped
+        {"id": 0, "question": "Find $m$.", "answer": 27.0, "url": "x"},  # math-ai/amc23: float answers
+    ])
+    problems = mt.load(aime)
+    assert problems == [mt.Problem("Find $n$.", "70"), mt.Problem("Find $m$.", "27.0")]
+    assert mt.reward("\\boxed{27}", problems[1]) == 1.0 and mt.reward("\\boxed{70}", problems[0]) == 1.0
+
+
+def test_load_field_overrides_take_dotted_paths(tmp_path):
+    path = _write_jsonl(tmp_path / "custom.jsonl", [
+        {"data": {"text": "What is 1 + 1?"}, "meta": {"solution": {"final": "2"}}, "answer": "wrong"}])
+    assert mt.load(path, question_field="data.text", answer_field="meta.solution.final") == [
+        mt.Problem("What is 1 + 1?", "2")]
+    assert mt.load(path, question_field="data.text") == [mt.Problem("What is 1 + 1?", "wrong")]  # the default
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "Q?"}], "gt": 3}])
+    assert mt.load(chat, question_field="messages", answer_field="gt") == [mt.Problem("Q?", "3")]
+
+
+@pytest.mark.parametrize("rows, kwargs, message", [
+    (None, {}, "missing.jsonl: no such file"),
+    ([], {}, "empty.jsonl: no problems"),
+    (["", "  "], {}, "empty.jsonl: no problems"),
+    ([DAPO_ROW, "{not json"], {}, "bad.jsonl:2: not valid JSON"),
+    ([DAPO_ROW, "[1, 2]"], {}, "bad.jsonl:2: expected a JSON object"),
+    ([{"problem": "Q?"}], {}, "bad.jsonl:1: no answer in reward_model.ground_truth or answer"),
+    ([{"answer": "1"}], {}, "bad.jsonl:1: no question text in prompt, problem or question"),
+    ([{"problem": "Q?", "answer": ""}], {}, "bad.jsonl:1: no answer"),
+    ([{"problem": "Q?", "answer": [1]}], {}, "bad.jsonl:1: no answer"),
+    ([{"prompt": [{"role": "system", "content": "hi"}], "answer": "1"}], {}, "bad.jsonl:1: no question text"),
+    ([DAPO_ROW], {"answer_field": "reward_model.truth"}, "bad.jsonl:1: no answer in reward_model.truth"),
+    ([DAPO_ROW], {"question_field": "question"}, "bad.jsonl:1: no question text in question"),
+])
+def test_load_bad_input_fails_with_one_line(tmp_path, rows, kwargs, message):
+    name = message.split(":")[0]
+    path = str(tmp_path / name) if rows is None else _write_jsonl(tmp_path / name, rows)
+    with pytest.raises(ValueError) as e:
+        mt.load(path, **kwargs)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(tmp_path) in str(e.value)  # the message names the file
+
+
+def test_load_wrong_extension_and_parquet_without_pyarrow(tmp_path, monkeypatch):
+    (tmp_path / "x.csv").write_text("problem,answer\n")
+    with pytest.raises(ValueError, match="expected a .jsonl or .parquet file"):
+        mt.load(str(tmp_path / "x.csv"))
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if pyarrow were not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ValueError) as e:
+        mt.load(str(tmp_path / "x.parquet"))
+    assert str(e.value) == "reading .parquet needs pyarrow: pip install pyarrow"
+
+
+def test_load_parquet(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist([DAPO_ROW, {**DAPO_ROW, "reward_model": {"ground_truth": "7", "style": "rule"}}]),
+                   tmp_path / "dapo.parquet")
+    pq.write_table(pa.Table.from_pylist([{"problem": "Find $n$.", "answer": 70}]), tmp_path / "aime.parquet")
+    assert mt.load(str(tmp_path / "dapo.parquet")) == [mt.Problem("What is $6 \\times 7$?", "42"),
+                                                       mt.Problem("What is $6 \\times 7$?", "7")]
+    assert mt.load(str(tmp_path / "aime.parquet")) == [mt.Problem("Find $n$.", "70")]
+    with pytest.raises(ValueError, match=r"aime.parquet:1: no answer in solution"):
+        mt.load(str(tmp_path / "aime.parquet"), answer_field="solution")
+
+
+def test_math_prompt_has_the_r1_instruction_once_and_the_chat_template():
+    q = mt.Problem("What is 6 * 7?", "42")
+    assert mt.prompt_text(q) == "What is 6 * 7?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    already = mt.Problem("Please reason step by step, and put your final answer within \\boxed{}. What is 6 * 7?", "42")
+    assert mt.prompt_text(already) == already.question  # not appended twice
+    chat, plain = _tiny_tokenizer(chat=True), _tiny_tokenizer(chat=False)
+    ids = mt.encode(chat, q)
+    bos, user, assistant = (chat.token_to_id(t) for t in cd.R1_CHAT)
+    assert ids[:2] == [bos, user] and ids[-2:] == [assistant, chat.token_to_id("<think>")] and ids.count(bos) == 1
+    assert ids == cd.encode_prompt(chat, mt.prompt_text(q))
+    assert mt.encode(plain, q) == plain.encode(mt.prompt_text(q), add_special_tokens=False).ids
+    # a DAPO row's prompt asks for \boxed{}, not for DAPO's own "Answer:" line
+    p = mt.Problem(mt._question(DAPO_ROW, None), mt._answer(DAPO_ROW, None))
+    assert "Answer:" not in mt.prompt_text(p) and mt.prompt_text(p).count("\\boxed{}") == 1
+
+
+DEMO_RECOMPUTE = {  # each demo template's answer from its three numbers, written independently
+    "apples are left": lambda a, b, c: a * b - c,
+    "books are on the shelf": lambda a, b, c: a * b + c,
+    "cents of change": lambda a, b, c: c - a * b,
+    "each friend get": lambda a, b, c: a * b // c if a * b % c == 0 else None,
+}
+
+
+def test_demo_set_is_reproducible_correct_and_in_dapo_layout(tmp_path):
+    train, test = mt.make_demo(str(tmp_path / "a"), seed=3, n_train=300, n_test=40)
+    files = {n: (tmp_path / "a" / n).read_bytes() for n in ("train.jsonl", "test.jsonl")}
+    mt.make_demo(str(tmp_path / "b"), seed=3, n_train=300, n_test=40)
+    mt.make_demo(str(tmp_path / "c"), seed=4, n_train=300, n_test=40)
+    assert all((tmp_path / "b" / n).read_bytes() == f for n, f in files.items())  # same seed, same bytes
+    assert (tmp_path / "c" / "train.jsonl").read_bytes() != files["train.jsonl"]    # control: other seed
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["test.jsonl", "train.jsonl"]  # no .tmp left
+    assert (len(train), len(test)) == (300, 40)
+    assert len({p.question for p in train + test}) == 340  # distinct, test disjoint from train
+    row = json.loads(files["train.jsonl"].splitlines()[0])
+    assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"] == mt.prompt_text(train[0])
+    assert row["reward_model"]["ground_truth"] == train[0].answer
+    assert mt.load(str(tmp_path / "a" / "train.jsonl")) == train  # loads back as generated
+    used = set()
+    for p in train + test:
+        (key,) = [k for k in DEMO_RECOMPUTE if k in p.question]
+        used.add(key)
+        a, b, c = map(int, re.findall(r"\d+", p.question))
+        assert p.answer == str(DEMO_RECOMPUTE[key](a, b, c)) and int(p.answer) >= 0, p
+        assert mt.reward(f"So \\boxed{{{p.answer}}}.", p) == 1.0
+        assert mt.reward(f"So \\boxed{{{int(p.answer) + 1}}}.", p) == 0.0
+    assert used == set(DEMO_RECOMPUTE)
+
+
+def test_demo_cli_writes_the_files_and_refuses_bad_sizes(tmp_path):
+    def cli(*flags):
+        return subprocess.run([sys.executable, "mathtask.py", "--make-demo", str(tmp_path / "d"), *flags],
+                              cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+
+    out = cli("--train", "20", "--test", "5")
+    assert out.returncode == 0, out.stderr
+    assert "wrote 20 train and 5 test problems" in out.stdout
+    assert len(mt.load(str(tmp_path / "d" / "test.jsonl"))) == 5
+    out = cli("--train", "0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1] == ("mathtask.py: error: the demo set needs at least one train and one "
+                                           "test problem, got 0 and 200")
+
+
+# top-p (nucleus) sampling, the paper's evaluation setting (top-p 0.95, T = 0.6)
+
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # 0.999 quantiles by dof
+
+
+def _nucleus_reference(logits, temperature, top_k, top_p):
+    """Brute force, one distribution at a time in float64: softmax of logits / T, keep the top_k,
+    renormalise, walk down the sorted probabilities until their sum reaches top_p."""
+    probs = torch.softmax(logits.double() / temperature, -1).tolist()
+    ranked = sorted(range(len(probs)), key=lambda i: -probs[i])[:top_k or None]
+    total = sum(probs[i] for i in ranked)
+    kept, mass = [], 0.0
+    for i in ranked:
+        kept.append(i)
+        mass += probs[i] / total
+        if mass >= top_p:
+            break
+    out = [0.0] * len(probs)
+    for i in kept:
+        out[i] = probs[i] / sum(probs[j] for j in kept)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _ranked_mass(logits, temperature, top_k):
+    """Cumulative probability of the 1, 2, ... most likely tokens among the top_k (float64)."""
+    probs = torch.softmax(logits.double() / temperature, -1).sort(descending=True).values[:top_k or None]
+    return (probs / probs.sum()).cumsum(0)
+
+
+@pytest.mark.parametrize("temperature, top_k, n_kept", [(1.0, 0, 3), (0.6, 0, 2), (1.0, 0, 5), (1.3, 4, 3)])
+def test_top_p_matches_a_brute_force_nucleus(temperature, top_k, n_kept):
+    """120k draws from two interleaved distributions: no token outside the brute-force nucleus,
+    and Pearson's χ² on the rest below its 0.999 quantile."""
+    V, n = 8, 60_000
+    gen = torch.Generator().manual_seed(n_kept)
+    two = torch.randn(2, V, generator=gen) * 1.5  # two different distributions, rows interleaved
+    mass = _ranked_mass(two[0], temperature, top_k)
+    top_p = float(mass[n_kept - 2] + mass[n_kept - 1]) / 2  # halfway between two cuts
+    s = Sampling(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = two.repeat(n, 1)  # (2n, V)
+    tok, logp = ngc.sample_tokens(logits, s, gen)
+    assert torch.allclose(logp, torch.log_softmax(logits / temperature, -1).gather(1, tok[:, None]).squeeze(1))
+    for row in range(2):
+        # the cut is clear of float32 rounding (~1e-7) in both rows, so the reference is unambiguous
+        assert (_ranked_mass(two[row], temperature, top_k) - top_p).abs().min() > 1e-4
+        ref = _nucleus_reference(two[row], temperature, top_k, top_p)
+        counts = torch.bincount(tok[row::2], minlength=V).double()
+        assert (counts[ref == 0] == 0).all()  # nothing outside the nucleus, ever
+        if row == 0:
+            assert int((ref > 0).sum()) == n_kept
+
+        def chi2(p):  # Pearson's goodness of fit over the cells p allows
+            cells = p > 0
+            expected = n * p[cells]
+            return (((counts[cells] - expected) ** 2) / expected).sum().item(), int(cells.sum()) - 1
+
+        stat, dof = chi2(ref)
+        assert dof == 0 or stat < CHI2_999[dof], (row, stat)
+        # Negative control: the same counts against the distribution without the cut fail
+        # (row 0 always has a cut; row 1 only when its own nucleus is smaller than its top-k).
+        full = _nucleus_reference(two[row], temperature, top_k, 1.0)
+        if row == 0 or (full > 0).sum() > (ref > 0).sum():
+            stat, dof = chi2(full)
+            assert stat > CHI2_999[dof], (row, stat)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p_exactly():
+    """Four tied tokens hold exactly 1/4 each (exact in float32): p = 1/2 is reached by two of them,
+    so exactly two are ever sampled, not three; p = 3/4 by three."""
+    logits = torch.tensor([[0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0]]).expand(4000, -1)
+    gen = torch.Generator().manual_seed(0)
+    for top_p, n_kept in [(0.25, 1), (0.5, 2), (0.75, 3), (0.7, 3), (1.0, 4)]:
+        tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=0, top_p=top_p), gen)
+        assert len(set(tok.tolist())) == n_kept and set(tok.tolist()) <= {0, 2, 3, 5}, top_p
+
+
+def test_top_p_tiny_is_argmax_and_one_is_off():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2000, 50, generator=gen) * 2
+    tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=0, top_p=1e-9), gen)
+    assert torch.equal(tok, logits.argmax(-1))
+    # Negative control: without the cut the same rows often sample something else.
+    tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=0, top_p=1.0), gen)
+    assert (tok != logits.argmax(-1)).float().mean() > 0.3
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"top_p=.* must lie in \(0, 1\]"):
+            Sampling(top_p=bad)

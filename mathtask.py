@@ -1,0 +1,293 @@
+"""
+The math task of the NGC paper (§5.4): train on DAPO-Math-17k, evaluate on AMC and AIME.
+
+A problem is a question and its answer as a string. The model reasons, then writes
+its final answer in \\boxed{...}. The reward is 1.0 when the last \\boxed{...} of the
+completion equals the answer after normalisation (integers and simple fractions are
+compared as exact numbers), else 0.0. Answers are read, never evaluated.
+
+Data is read from local files, JSONL always, Parquet when pyarrow is installed; nothing
+is downloaded at run time. Save each set once, on a machine with network, with the
+`datasets` library (pip install datasets):
+
+    from datasets import load_dataset
+    # DAPO-Math-17k, the training set. The original, BytedTsinghua-SIA/DAPO-Math-17k, repeats
+    # each of its ~17.4k problems about 100 times (1.79M rows); this copy is deduplicated
+    # and keeps the original's reward_model.ground_truth:
+    load_dataset("open-r1/DAPO-Math-17k-Processed", "all", split="train").to_json("data/dapo17k.jsonl")
+    # AIME 2025 (30 problems, integer answers 0-999):
+    load_dataset("MathArena/aime_2025", split="train").to_json("data/aime25.jsonl")
+    # AMC 2023 (40 problems):
+    load_dataset("math-ai/amc23", split="test").to_json("data/amc23.jsonl")
+
+AMC 2025 has no canonical copy: any file with a `problem` (or `question`) and an `answer`
+column works, as does any file in DAPO's layout. `load` reads both layouts:
+- DAPO: `prompt` is a chat, a list of {"role", "content"} (or the user message as a string),
+  and the answer is `reward_model.ground_truth`;
+- AIME/AMC: `problem` or `question`, and `answer`;
+other layouts name their fields with question_field / answer_field (dotted paths reach
+into nested records, e.g. "reward_model.ground_truth").
+
+The prompt is the question followed by DeepSeek-R1's recommended instruction for math,
+INSTRUCTION, in R1's chat template. DAPO's own rows ask for an "Answer: ..." last line
+instead; `load` strips that wrapper so the prompt asks for the \\boxed{} the reward reads.
+
+A CPU-sized demonstration set of arithmetic word problems in DAPO's layout:
+    python mathtask.py --make-demo data/math-demo
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from countdown import encode_prompt  # the R1 chat template, shared with Countdown
+
+# -----------------------------------------------------------------------------
+# problems and loading
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: str
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of "
+             "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+def _field(row, path):
+    """row[a][b]... for the dotted path "a.b...", or None when a key is missing."""
+    for key in path.split("."):
+        if not isinstance(row, dict) or key not in row:
+            return None
+        row = row[key]
+    return row
+
+def _first(row, names):
+    """The value of the first of the dotted paths names that row has, or None."""
+    return next((v for v in (_field(row, n) for n in names) if v is not None), None)
+
+def _question(row, field):
+    """The question text of a row (None if there is none): the named field, else DAPO's chat
+    `prompt`, else `problem`, else `question`. A chat (list of messages) gives its user message.
+    DAPO's "Answer: ..." wrapper and a trailing R1 instruction are stripped: prompt_text adds one."""
+    value = _first(row, [field] if field else ["prompt", "problem", "question"])
+    if isinstance(value, list):  # a chat: [{"role": "user", "content": ...}, ...]
+        value = next((m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"), None)
+    if not isinstance(value, str):
+        return None
+    value = value.strip().removeprefix(DAPO_HEAD).removesuffix(DAPO_TAIL).removesuffix(INSTRUCTION)
+    return value.strip() or None
+
+def _answer(row, field):
+    """The answer of a row as a string (None if there is none): the named field, else
+    reward_model.ground_truth, else answer. Numbers become their str(): AMC sets store some
+    answers as floats like 27.0, which normalize reads as the integer 27."""
+    value = _first(row, [field] if field else ["reward_model.ground_truth", "answer"])
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    return str(value).strip() or None
+
+def _rows(path):
+    """(line or row number, record) pairs of a .jsonl or .parquet file."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError("reading .parquet needs pyarrow: pip install pyarrow") from None
+        return list(enumerate(pq.read_table(path).to_pylist(), 1))
+    if not path.endswith(".jsonl"):
+        raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append((i, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+    return rows
+
+def load(path, question_field=None, answer_field=None):
+    """The problems of a local .jsonl / .parquet file, in file order (layouts: module docstring).
+    Raises ValueError with one line naming the file and line on bad input."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file (datasets are read from local files; see mathtask.py's docstring)")
+    rows = _rows(path)
+    if not rows:
+        raise ValueError(f"{path}: no problems in the file")
+    problems = []
+    for i, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+        question, answer = _question(row, question_field), _answer(row, answer_field)
+        fields = ", ".join(map(str, row))
+        if question is None:
+            raise ValueError(f"{path}:{i}: no question text in {question_field or 'prompt, problem or question'} "
+                             f"(fields: {fields}); name the field with question_field")
+        if answer is None:
+            raise ValueError(f"{path}:{i}: no answer in {answer_field or 'reward_model.ground_truth or answer'} "
+                             f"(fields: {fields}); name the field with answer_field")
+        problems.append(Problem(question, answer))
+    return problems
+
+# -----------------------------------------------------------------------------
+# prompt
+
+def prompt_text(problem):
+    """The user message: the question, then R1's math instruction unless it is already there."""
+    q = problem.question
+    return q if INSTRUCTION in q else f"{q}\n{INSTRUCTION}"
+
+def encode(tokenizer, problem):
+    """A problem's prompt token ids, in the R1 chat template when the vocab has it."""
+    return encode_prompt(tokenizer, prompt_text(problem))
+
+# -----------------------------------------------------------------------------
+# reward: the last \boxed{...}, normalised, compared exactly; nothing is evaluated
+
+MAX_ANSWER_CHARS = 1000  # longer boxed answers score 0 (and are not scanned past this)
+
+def last_boxed(text):
+    """The content of the last \\boxed{...} (or \\boxed {...}) in text, braces nested; None when
+    there is none, when it does not close, or when it is over MAX_ANSWER_CHARS long. A bare
+    "\\boxed" not followed by a brace is not a box. Linear time."""
+    start = len(text)
+    while (start := text.rfind("\\boxed", 0, start)) >= 0:
+        i = start + len("\\boxed")
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            break
+    else:
+        return None
+    depth = 0
+    for j in range(i, min(len(text), i + MAX_ANSWER_CHARS + 2)):  # + the box's own two braces
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None  # unbalanced, or too long
+
+_TEXT = re.compile(r"\\text\{([^{}]*)\}")
+_DROPPED = re.compile(r"\s|\$|\\[!,;:]|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\^\{?\\circ\}?")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
+_VARIABLE = re.compile(r"[a-zA-Z]=")
+
+def normalize(answer):
+    """A canonical string for an answer: \\text{..} unwrapped; spaces, $, \\! \\, \\; \\:, \\left and
+    \\right, ^\\circ dropped; \\dfrac and \\tfrac read as \\frac; thousands commas dropped; a
+    leading "x =" dropped. Numbers are then compared exactly by _number."""
+    s = _TEXT.sub(r"\1", answer)
+    s = _DROPPED.sub("", s).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if _VARIABLE.match(s):
+        s = s[2:]
+    return s
+
+_DECIMAL = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")  # 12, -3, 12.0, 0.5, .5, 5.
+_SLASH = re.compile(r"([-+]?\d+)/(\d+)")             # 3/4, -3/4
+_FRAC = re.compile(r"([-+]?)\\frac\{([-+]?\d+)\}\{([-+]?\d+)\}")  # \frac{3}{4}, -\frac{3}{4}
+
+def _number(s):
+    """The exact value of a normalised integer, decimal or simple fraction, else None.
+    Integers and decimals go through Fraction(str): exact, no float rounding."""
+    try:
+        if _DECIMAL.fullmatch(s):
+            return Fraction(s)
+        if m := _SLASH.fullmatch(s):
+            num, den = int(m[1]), int(m[2])
+        elif m := _FRAC.fullmatch(s):
+            num, den = int(m[2]) * (-1 if m[1] == "-" else 1), int(m[3])
+        else:
+            return None
+    except ValueError:  # over Python's 4300-digit limit for int(str)
+        return None
+    return Fraction(num, den) if den else None
+
+def equivalent(given, truth):
+    """Whether two answers agree: as exact numbers when both are numbers, else as normalised strings."""
+    a, b = normalize(given), normalize(truth)
+    if not a or not b:
+        return False
+    x, y = _number(a), _number(b)
+    return x == y if x is not None and y is not None else a == b
+
+def reward(completion, problem):
+    """1.0 if the last \\boxed{...} of the completion equals the problem's answer, else 0.0."""
+    boxed = last_boxed(completion)
+    return 1.0 if boxed is not None and equivalent(boxed, problem.answer) else 0.0
+
+# -----------------------------------------------------------------------------
+# a CPU-sized demonstration set: arithmetic word problems in DAPO's layout
+
+NAMES = ["Tom", "Ana", "Lena", "Ravi", "Mia", "Omar", "Yuki", "Sam"]
+TEMPLATES = [  # (question with a name n and numbers a, b, c in that order, c drawn given a * b, answer)
+    ("{n} has {a} boxes of {b} apples and gives away {c} apples. How many apples are left?",
+     lambda rng, ab: rng.randint(1, ab), lambda a, b, c: a * b - c),
+    ("A shelf has {a} rows of {b} books. {n} adds {c} more books. How many books are on the shelf?",
+     lambda rng, ab: rng.randint(1, ab), lambda a, b, c: a * b + c),
+    ("{n} buys {a} pencils at {b} cents each and pays with {c} cents. How many cents of change does {n} get?",
+     lambda rng, ab: ab + rng.randint(0, 50), lambda a, b, c: c - a * b),
+    ("{n} shares {a} bags of {b} marbles equally among {c} friends. How many marbles does each friend get?",
+     lambda rng, ab: rng.choice([d for d in range(2, 13) if ab % d == 0]), lambda a, b, c: a * b // c),
+]
+
+def demo_problem(rng):
+    """One word problem with a non-negative integer answer (a in 2..12 divides a * b, so the
+    marbles always share out)."""
+    text, draw_c, answer = rng.choice(TEMPLATES)
+    a, b = rng.randint(2, 12), rng.randint(2, 12)
+    c = draw_c(rng, a * b)
+    return Problem(text.format(n=rng.choice(NAMES), a=a, b=b, c=c), str(answer(a, b, c)))
+
+def demo_splits(seed=0, n_train=2000, n_test=200):
+    """(train, test): distinct problems, test disjoint from train, reproducible from seed."""
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n_train + n_test:
+        p = demo_problem(rng)
+        if p.question not in seen:
+            seen.add(p.question)
+            out.append(p)
+    return out[n_test:], out[:n_test]
+
+def dapo_row(problem):
+    """A problem as a row of DAPO-Math-17k: chat prompt with the instruction, ground truth."""
+    return {"data_source": "ngc-demo", "prompt": [{"role": "user", "content": prompt_text(problem)}],
+            "ability": "MATH", "reward_model": {"style": "rule", "ground_truth": problem.answer}}
+
+def write_jsonl(path, rows):
+    """Write rows as JSONL through a temporary file, so a crash never leaves half a file."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+
+def make_demo(out_dir, seed=0, n_train=2000, n_test=200):
+    """Write out_dir/train.jsonl and out_dir/test.jsonl in DAPO's layout."""
+    if n_train < 1 or n_test < 1:
+        raise ValueError(f"the demo set needs at least one train and one test problem, got {n_train} and {n_test}")
+    os.makedirs(out_dir, exist_ok=True)
+    train, test = demo_splits(seed, n_train, n_test)
+    for name, problems in (("train", train), ("test", test)):
+        write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [dapo_row(p) for p in problems])
+    return train, test
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Write the demonstration set of arithmetic word problems.")
+    ap.add_argument("--make-demo", metavar="DIR", required=True, help="output folder for train.jsonl and test.jsonl")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train", type=int, default=2000, help="training problems")
+    ap.add_argument("--test", type=int, default=200, help="held-out problems")
+    args = ap.parse_args()
+    try:
+        train, test = make_demo(args.make_demo, args.seed, args.train, args.test)
+    except ValueError as e:
+        ap.error(str(e))  # one line, no traceback
+    print(f"wrote {len(train)} train and {len(test)} test problems to {args.make_demo}")
