@@ -1,7 +1,9 @@
-"""Held-out evaluation of a checkpoint on Countdown: NGC against the baselines (paper §5.1, Figure 3).
+"""Held-out evaluation of a checkpoint: NGC against the baselines (paper §5.1, Figure 3; §5 math, pass@k).
 
     python eval.py --model DIR --task countdown --policy ngc snapkv keydiff knorm streamingllm none \\
         --eviction-rate 0.5 0.75 [--samples k] [--problems n] [--out results.jsonl] [--plot acc.png]
+    python eval.py --model DIR --task math --eval-data aime25.jsonl --policy none ngc snapkv keydiff \\
+        knorm streamingllm --eviction-rate 0.5      # pass@1..32 at T=0.6, top-p 0.95, 3850 new tokens
     torchrun --nproc_per_node 8 eval.py --model DIR ...      # the problems split across 8 GPUs
 
 Policies (CLI name -> the engine's name in ngc.POLICIES):
@@ -10,9 +12,11 @@ Policies (CLI name -> the engine's name in ngc.POLICIES):
     snapkv, keydiff, knorm, streamingllm   the heuristics of DESIGN §7 (deterministic)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
-The problems are the test split of the run's settings (`train.run_defaults`: the paper's, or the
-checkpoint's ngc.json). Tokens are greedy, one completion per problem; with --samples k, k
-completions per problem at the run's temperature and top-k, pass@1 = mean fraction correct and
+The problems are the held-out split of the run's settings (`train.run_defaults`: the paper's recipe
+for the task, or the checkpoint's ngc.json): Countdown's generated test split, or the math
+--eval-data file. Tokens are greedy, one completion per problem (the Countdown default); with
+--samples k (the math default: 32), k completions per problem at the recipe's evaluation
+temperature, top-k and top-p, pass@1 = mean fraction correct and
 pass@j = 1 - C(n-c, j)/C(n, j) (n = k samples, c correct) for j = 1, 2, 4, ..., k. Every run
 draws its noise from the same seed. The peak-KV reduction (§5.1) divides, per problem, the peak KV
 entries of one shared no-eviction run by the peak under the policy (each a mean over the k
@@ -24,14 +28,14 @@ import json
 import os
 import sys
 from math import comb
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-import countdown
 from model import CheckpointError, from_pretrained, load_tokenizer
 from ngc import Eviction, Sampling
-from train import kv_reduction, run_defaults, solve
+from train import TASK_REWARD, kv_reduction, load_problems, prompt_encoder, run_defaults, solve
 
 CLI_POLICIES = {"ngc": "ngc-greedy", "ngc-sample": "ngc", "snapkv": "snapkv", "keydiff": "keydiff",
                 "knorm": "knorm", "streamingllm": "streamingllm", "none": None}
@@ -45,24 +49,25 @@ def pass_at_k(n: int, c, k: int) -> float:
 def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_size=64, progress=True):
     """One result row per (policy, rate), all against one shared no-eviction reference run."""
     n = samples or 1
-    sampling = Sampling(d["max_new_tokens"], d["temperature"], d["top_k"], greedy=samples is None)
+    c = SimpleNamespace(**d)
+    sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
+                        top_p=c.eval_top_p or c.top_p, greedy=samples is None)
     device = model.lm_head.weight.device
 
     def run(name, rate):
         ev = None if CLI_POLICIES[name] is None else Eviction(d["delta"], d["block"], d["window"], rate,
                                                                CLI_POLICIES[name])
-        tag = rate if d["interoception"] and ev else None
+        encode = prompt_encoder(c, rate if c.interoception and ev else None)
         gen = torch.Generator(device=device).manual_seed(d["seed"])
-        encode = lambda tok, p: countdown.encode(tok, p, d["prompt"], tag)
-        return solve(model, tokenizer, problems, sampling, ev, encode, generator=gen, samples=n,
-                     batch_size=batch_size, desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None)
+        return solve(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
+                     desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None)
 
     ref = run("none", 0.0)
     rows = []
     for name in policies:
         for rate in [0.0] if name == "none" else rates:
             out = ref if name == "none" else run(name, rate)
-            c = out["reward"].sum(1)
+            correct = out["reward"].sum(1)
             row = {"policy": name, "engine_policy": CLI_POLICIES[name], "eviction_rate": rate,
                    "problems": len(problems), "samples": n, "accuracy": out["reward"].mean().item(),
                    "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
@@ -70,7 +75,7 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
                    "kv_reduction": kv_reduction(ref["peak_kv"], out["peak_kv"])}
             if samples:
                 ks = sorted({min(2 ** i, n) for i in range(n.bit_length() + 1)})
-                row["pass_at_k"] = {str(k): pass_at_k(n, c, k) for k in ks}
+                row["pass_at_k"] = {str(k): pass_at_k(n, correct, k) for k in ks}
             rows.append(row)
     return rows
 
@@ -94,19 +99,22 @@ def write_jsonl(rows, path):
 
 
 def plot(rows, path):
-    """Accuracy against peak-KV reduction, one line per policy (paper Figure 3, right)."""
+    """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, one line per policy
+    (the paper's Figure 3, right, and its pass@32 against compression for math)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    n = rows[0]["samples"]
+    score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["kv_reduction"], r["accuracy"]) for r in rows if r["policy"] == name)
+        pts = sorted((r["kv_reduction"], score(r)) for r in rows if r["policy"] == name)
         if name == "none":
             ax.axhline(pts[0][1], color="gray", linestyle="--", label="full cache")
         else:
             ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xlabel("average peak KV cache reduction (x)")
-    ax.set_ylabel("accuracy (pass@1)")
+    ax.set_ylabel(f"pass@{n}" if n > 1 else "accuracy (pass@1)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path + ".tmp", dpi=150, format="png")
@@ -117,11 +125,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage dump
     p.add_argument("--model", required=True, help="Qwen2 checkpoint directory")
-    p.add_argument("--task", default="countdown", choices=["countdown"])
+    p.add_argument("--task", choices=["countdown", "math"], help="default: the checkpoint's ngc.json, else countdown")
+    p.add_argument("--eval-data", help="math: held-out problems, .jsonl or .parquet (default: the run's --eval-data)")
     p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(CLI_POLICIES))
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
-    p.add_argument("--samples", type=int, default=None, help="k sampled completions per problem: pass@1 and pass@k")
+    p.add_argument("--samples", type=int, default=None, help="k sampled completions per problem: pass@1 and pass@k "
+                   "(default: greedy for countdown, 32 for math at T=0.6, top-p 0.95)")
     p.add_argument("--problems", type=int, default=None, help="held-out problems to use (default: all)")
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
@@ -143,11 +153,14 @@ def main(argv=None):
                 raise ValueError(f"{path} is a directory; give a file path")
             if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"cannot write {path}: its directory does not exist")
-        d = run_defaults(args.model)
+        d = run_defaults(args.model, args.task)
+        d["eval_data"] = args.eval_data or d["eval_data"]
+        args.samples = args.samples or d["eval_samples"]
         for rate in args.eviction_rate:
             Eviction(d["delta"], d["block"], d["window"], rate)  # one-line errors for bad ε, δ, b, w
-        _, test = countdown.splits(d["seed"], n_train=0, n_test=d["eval_problems"],
-                                   difficulty=countdown.DIFFICULTIES[d["difficulty"]])
+        if d["task"] == "math" and not (d["eval_data"] and os.path.isfile(d["eval_data"])):
+            raise ValueError(f"--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet); got {d['eval_data']}")
+        _, test = load_problems(SimpleNamespace(**{**d, "train_problems": 0, "data": None}))
         if args.problems and args.problems > len(test):
             raise ValueError(f"--problems {args.problems}: the run's test split has {len(test)} problems")
         if args.device == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
@@ -174,7 +187,7 @@ def main(argv=None):
         if rank:  # every process holds every row; the first one reports them
             return
     print(f"{args.model}: {len(problems)} held-out problems, "
-          + (f"{args.samples} samples each (T={d['temperature']:g}, top-k {d['top_k']})" if args.samples else "greedy"))
+          + (f"{args.samples} samples each" if args.samples else "greedy"))
     print(table(rows))
     if args.out:
         write_jsonl(rows, args.out)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import types
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -1449,7 +1450,7 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
     assert len(printed.strip().splitlines()) == 6 and "KV reduction" in printed
 
     calls.clear()  # sampled: k completions per problem, pass@k, `none` is the reference itself
-    monkeypatch.setattr(ev.countdown, "reward", lambda text, problem: float(len(text) % 2))  # some variance
+    monkeypatch.setitem(train.TASK_REWARD, "countdown", lambda text, problem: float(len(text) % 2))  # some variance
     ev.main(["--model", eval_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
              "--problems", "2", "--out", str(out)])
     assert [c[0] for c in calls] == [6, 6] and calls[1][1] == ("ngc", 0.5)
@@ -1992,3 +1993,51 @@ def test_top_p_tiny_is_argmax_and_one_is_off():
     for bad in (0.0, -0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"top_p=.* must lie in \(0, 1\]"):
             Sampling(top_p=bad)
+
+
+def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, eval_ckpt, tmp_path, monkeypatch):
+    """`train.py --task math` on the demo set in DAPO's layout: the paper's math recipe underneath
+    (here shrunk), one step with the boxed-answer reward and the min-length penalty, an evaluation;
+    `eval.py --task math` then gives pass@k for NGC and a baseline."""
+    mt.make_demo(tmp_path / "data", n_train=8, n_test=3)
+    data, held_out = str(tmp_path / "data" / "train.jsonl"), str(tmp_path / "data" / "test.jsonl")
+    d = train.run_defaults(train_ckpt, "math")
+    assert (d["delta"], d["max_new_tokens"], d["prompts"], d["group"], d["steps"]) == (8, 24, 2, 4, 469)  # ngc.json wins
+    assert (train.MATH["delta"], train.MATH["min_length"], train.MATH["top_k"], train.MATH["beta2"]) == (350, 350, 0, 0.999)
+    calls = []
+    monkeypatch.setitem(train.TASK_REWARD, "math", lambda text, p: calls.append(p) or float(sum(map(ord, text)) % 2))
+    log = run_train_task(train_ckpt, tmp_path / "run", "--task", "math", "--data", data, "--eval-data", held_out,
+                         "--steps", "1", "--eval-every", "1", "--min-length", "20")
+    step = [r for r in log if "eval" not in r][0]
+    assert isinstance(calls[0], mt.Problem) and step["L_mem"] is not None
+    assert json.loads((tmp_path / "run" / "checkpoint" / "ngc.json").read_text())["task"] == "math"
+    monkeypatch.setattr(train, "rollout", counting_rollout(seen := []))
+    ev.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
+             "--out", str(tmp_path / "math.jsonl")])
+    rows = [json.loads(line) for line in (tmp_path / "math.jsonl").read_text().splitlines()]
+    assert [r["policy"] for r in rows] == ["none", "ngc", "knorm"] and all(set(r["pass_at_k"]) == {"1", "2"} for r in rows)
+    s = seen[0]
+    assert (s.temperature, s.top_p, s.max_new_tokens) == (0.6, 0.95, 3850)  # the paper's math evaluation
+
+
+def run_train_task(ckpt, out, *flags):
+    train.main(["--model", ckpt, "--out", str(out), "--threads", "1", *flags])
+    return train.read_log(os.path.join(out, "log.jsonl"))
+
+
+def counting_rollout(seen):
+    def wrapped(model, prompts, sampling, eviction=None, **kw):
+        seen.append(sampling)
+        return rollout(model, prompts, replace(sampling, max_new_tokens=8), eviction, **kw)
+    return wrapped
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--task", "math"], "--task math reads its problems from files"),
+    (["--task", "math", "--data", "/no/such.jsonl", "--eval-every", "0"], "no such file: /no/such.jsonl"),
+    (["--task", "math", "--data", "x.jsonl", "--eval-every", "0", "--interoception"], "has no such tag"),
+    (["--top-p", "0"], "--top-p 0.0 must lie in (0, 1]")])
+def test_bad_math_flags_fail_with_one_line(train_ckpt, tmp_path, flags, message):
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", train_ckpt, "--out", str(tmp_path / "run"), *flags])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)

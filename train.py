@@ -1,14 +1,16 @@
-"""Train NGC on Countdown: Dr. GRPO over tokens and evictions (paper §4.4–4.6, Appendix A.1).
+"""Train NGC: Dr. GRPO over tokens and evictions (paper §4.4–4.6, Appendix A.1), on Countdown or math.
 
     python train.py --task countdown                           # the shipped tiny model, on the CPU
     python train.py --task countdown --model DIR --out runs/r1 # a Hugging Face Qwen2 directory
+    python train.py --task math --model DIR --data dapo.jsonl --eval-data aime25.jsonl
     python train.py --resume runs/r1                           # continue a run where it stopped
+    torchrun --nproc_per_node 8 train.py ...                   # data parallel over 8 GPUs
 
 One step: P prompts x G rollouts through the NGC engine (a round every δ tokens at the
 curriculum's ε), binary reward, advantage A = r - mean(group), then the replay pass in
 micro-batches, L = L_token + L_mem (eqs. 2-4), one backward, grad-norm clipping, AdamW at a
-constant LR. Defaults are the paper's; a checkpoint directory may carry an ngc.json whose
-values replace them (the tiny model's does), and any flag replaces both.
+constant LR. Defaults are the paper's recipe for the task; a checkpoint directory may carry an
+ngc.json whose values replace them (the tiny model's does), and any flag replaces both.
 
 A run directory holds log.jsonl and checkpoint/ (a Hugging Face model directory plus
 trainer.pt). SIGINT (Ctrl-C) and SIGTERM save a checkpoint and exit with 130 / 143;
@@ -33,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import countdown
+import mathtask
 from model import CheckpointError, from_pretrained, load_tokenizer, save_pretrained, save_tokenizer
 from ngc import Eviction, Sampling, rollout
 from replay import replay
@@ -53,32 +56,62 @@ MODES = {
     "targeted-dropout": Mode(evict=True, replay_masks=False, eviction_loss=False),  # ablation: causal log-probs
     "no-evict": Mode(evict=False, replay_masks=False, eviction_loss=False),  # the full-cache upper bound
 }
-PAPER = dict(  # Countdown settings of the paper (§5.2, Table 1), for large models
-    prompt="plain", difficulty="paper", train_problems=327_680, eval_problems=1024, seed=0,
-    steps=250, prompts=32, group=16, max_new_tokens=1024, temperature=0.9, top_k=50,
+COUNTDOWN = dict(  # the paper's Countdown settings (§5.2, Table 1), for large models
+    task="countdown", prompt="plain", difficulty="paper", train_problems=327_680, eval_problems=1024,
+    data=None, eval_data=None, question_field=None, answer_field=None, seed=0,
+    steps=250, prompts=32, group=16, max_new_tokens=1024, temperature=0.9, top_k=50, top_p=1.0,
     mode="ngc", delta=256, block=32, window=5,
     retention="0.9,0.8,0.7,0.6,0.5", stage_steps=25, alpha=0.6, eviction_rate=None,
     interoception=False, interoception_rates="0.25,0.5,0.75", min_length=0,
     lr=5e-6, beta1=0.9, beta2=0.95, adam_eps=1e-15, weight_decay=0.0, clip=1.0,
     micro_batch=4, term_grad_norms=False, eval_every=50, eval_rate=None, eval_batch=64, save_every=50,
+    eval_samples=None, eval_temperature=None, eval_top_p=None, eval_max_new_tokens=None,
 )
+MATH = dict(  # DAPO-17k (§5 "Mathematical reasoning", Appendix Table "DAPO-17k training hyperparameters")
+    COUNTDOWN, task="math", prompt=None, difficulty=None, train_problems=None, eval_problems=None,
+    steps=469, prompts=256, group=8, max_new_tokens=1050, temperature=1.0, top_k=0, delta=350,
+    min_length=350,  # Appendix A.1: reward 0 for a rollout that ends before the first round (δ)
+    beta2=0.999, adam_eps=1e-8, eval_samples=32, eval_temperature=0.6, eval_top_p=0.95, eval_max_new_tokens=3850,
+)  # The paper does not give the math run's curriculum; it is Countdown's, in stages of 50 steps.
+MATH["stage_steps"] = 50
+RECIPES = {"countdown": COUNTDOWN, "math": MATH}
+TASK_REWARD = {"countdown": countdown.reward, "math": mathtask.reward}
 
 
-def run_defaults(model_dir: str) -> dict:
-    """The paper's defaults, replaced by the checkpoint's ngc.json where it has one."""
-    d = dict(PAPER)
+def run_defaults(model_dir: str, task: str | None = None) -> dict:
+    """The paper's recipe for the task, replaced by the checkpoint's ngc.json where it has one.
+    The task is `task`, else the one ngc.json names, else Countdown."""
     path = os.path.join(model_dir, "ngc.json")
+    extra = {}
     if os.path.exists(path):
         try:
             with open(path) as f:
                 extra = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete it")
-        unknown = set(extra) - set(d) if isinstance(extra, dict) else {"<not an object>"}
+        unknown = set(extra) - set(COUNTDOWN) if isinstance(extra, dict) else {"<not an object>"}
         if unknown:
             raise CheckpointError(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
-        d.update(extra)
-    return d
+    task = task or extra.get("task") or "countdown"
+    return {**RECIPES[task], **extra, "task": task}
+
+
+def load_problems(c):
+    """(training, held-out) problems of the run's task: Countdown's are generated from the seed,
+    math problems are read from --data and --eval-data."""
+    if c.task == "countdown":
+        difficulty = countdown.DIFFICULTIES[c.difficulty]
+        return countdown.splits(c.seed, c.train_problems, c.eval_problems, difficulty, unique=False)
+    train = mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems] if c.data else []
+    test = mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data else []
+    return train, test[: c.eval_problems]
+
+
+def prompt_encoder(c, eviction_rate=None):
+    """encode(tokenizer, problem) -> prompt ids for the run's task (Countdown: with the budget tag)."""
+    if c.task == "math":
+        return mathtask.encode
+    return lambda tokenizer, problem: countdown.encode(tokenizer, problem, c.prompt, eviction_rate)
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,7 +189,7 @@ def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
 
 
-def train_step(model, tokenizer, problems, step, c, amp, reward_fn=countdown.reward, progress=False):
+def train_step(model, tokenizer, problems, step, c, amp, reward_fn, progress=False):
     """rollout → reward → advantage → replay → L_token + L_mem → backward → clip. Returns the
     step's log record; the caller takes the optimizer step (so that an update and its record
     land together, see main). With several processes each rolls out its share of the P prompts,
@@ -175,10 +208,10 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn=countdown.rew
         group_eps = choices[torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()].clamp(0.01, 1)
     rates = None if group_eps is None else group_eps.repeat_interleave(G)
     batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
-    prompts = [countdown.encode(tokenizer, p, c.prompt, None if group_eps is None else float(group_eps[i]))
+    prompts = [prompt_encoder(c, None if group_eps is None else float(group_eps[i]))(tokenizer, p)
                for i, p in enumerate(batch) for _ in range(G)]
     with amp, whole_model(model):
-        ro = rollout(model, prompts, Sampling(c.max_new_tokens, c.temperature, c.top_k), ev, rates=rates,
+        ro = rollout(model, prompts, Sampling(c.max_new_tokens, c.temperature, c.top_k, top_p=c.top_p), ev, rates=rates,
                      eos_ids=model.config.eos_ids, generator=gen, progress=progress)
     t_rollout = time.perf_counter() - t0
     texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
@@ -355,15 +388,15 @@ def kv_reduction(ref_peak, peak) -> float:
     return (ref_peak.mean(1) / peak.mean(1)).mean().item()
 
 
-def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, batch_size=64,
-             progress=False):
+def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
+             batch_size=64, progress=False):
     """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
     peak-KV reduction: the held-out numbers train.py logs every --eval-every steps."""
     s = Sampling(max_new_tokens=max_new_tokens, greedy=True)
     greedy = Eviction(eviction.delta, eviction.block, eviction.window, eviction.rate, "ngc-greedy")
-    full = solve(model, tokenizer, problems, s, None, encode, batch_size=batch_size,
+    full = solve(model, tokenizer, problems, s, None, encode, reward_fn, batch_size=batch_size,
                  desc="eval full cache" if progress else None)
-    ev = solve(model, tokenizer, problems, s, greedy, encode, batch_size=batch_size,
+    ev = solve(model, tokenizer, problems, s, greedy, encode, reward_fn, batch_size=batch_size,
                desc=f"eval ε={eviction.rate:g}" if progress else None)
     return {"acc_full": full["reward"].mean().item(), "acc": ev["reward"].mean().item(),
             "kv_reduction": kv_reduction(full["peak_kv"], ev["peak_kv"]),
@@ -394,7 +427,7 @@ def save_checkpoint(run_dir, model, tokenizer, source_dir, opt, step, c):
     recover_checkpoint(run_dir)
     save_pretrained(model, tmp, model_state)
     save_tokenizer(tokenizer, tmp, model.config, source_dir)
-    ngc = {k: settings_value(k, getattr(c, k)) for k in PAPER}
+    ngc = {k: settings_value(k, getattr(c, k)) for k in COUNTDOWN}
     with open(os.path.join(tmp, "ngc.json"), "w") as f:
         json.dump(ngc, f, indent=1)
     torch.save({"step": step, "optimizer": opt_state, "config": ngc},
@@ -525,13 +558,16 @@ def parse_args(argv=None):
     """Flags; --help shows the defaults a run would use: the paper's, or --model's ngc.json over them."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default=os.path.join(HERE, "tiny"))
+    pre.add_argument("--task", choices=list(RECIPES))
+    known = pre.parse_known_args(argv)[0]
     try:
-        defaults = run_defaults(pre.parse_known_args(argv)[0].model)
+        defaults = run_defaults(known.model, known.task)
     except CheckpointError:
-        defaults = PAPER  # resolve() reports the broken ngc.json
+        defaults = RECIPES[known.task or "countdown"]  # resolve() reports the broken ngc.json
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage dump
-    p.add_argument("--task", default="countdown", choices=["countdown"])
+    p.add_argument("--task", choices=list(RECIPES), help="countdown (generated problems) or math (DAPO-17k from "
+                   "--data, AIME/AMC from --eval-data); default: the checkpoint's ngc.json, else countdown")
     p.add_argument("--model", default=os.path.join(HERE, "tiny"),
                    help="Qwen2 checkpoint directory: config.json, *.safetensors, tokenizer.json (default: tiny/)")
     p.add_argument("--out", default=None, help="run directory for log.jsonl and checkpoint/ (default: runs/<mode>)")
@@ -549,13 +585,18 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=int, help="optimizer steps")
     g.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="prompt style")
     g.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES), help="problem generator preset")
-    g.add_argument("--train-problems", type=int, help="training problems drawn")
+    g.add_argument("--train-problems", type=int, help="training problems (drawn for countdown, the first N of --data)")
+    g.add_argument("--data", help="math: training problems, .jsonl or .parquet (DAPO-Math-17k layout)")
+    g.add_argument("--eval-data", help="math: held-out problems, .jsonl or .parquet (AIME/AMC layout)")
+    g.add_argument("--question-field", help="math: the question's field in --data/--eval-data rows (a.b for nested)")
+    g.add_argument("--answer-field", help="math: the answer's field (a.b for nested)")
     g = p.add_argument_group("rollouts")
     g.add_argument("--prompts", type=int, help="P: distinct prompts per step")
     g.add_argument("--group", type=int, help="G: rollouts per prompt")
     g.add_argument("--max-new-tokens", type=int, help="completion length cap")
     g.add_argument("--temperature", type=float, help="sampling temperature (log-probs use it too)")
     g.add_argument("--top-k", type=int, help="0 disables top-k")
+    g.add_argument("--top-p", type=float, help="nucleus sampling, 1 disables it")
     g = p.add_argument_group("eviction (paper §4.1-4.3, §4.6)")
     g.add_argument("--mode", choices=list(MODES),
                    help="ngc | token-only (no L_mem) | targeted-dropout (causal log-probs) | no-evict (full cache)")
@@ -610,7 +651,7 @@ def resolve(args, state=None):
         base = (state or load_trainer_state(args.resume))["config"]
         args.model, args.out = os.path.join(args.resume, "checkpoint"), args.resume
     else:
-        base = run_defaults(args.model)
+        base = run_defaults(args.model, args.task)
     for k, v in base.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -621,12 +662,23 @@ def resolve(args, state=None):
             raise ValueError(f"--{k.replace('_', '-')} {getattr(args, k)!r} must be comma-separated numbers")
     for k in AT_LEAST_ONE + AT_LEAST_ZERO + POSITIVE:
         v, least = getattr(args, k), 1 if k in AT_LEAST_ONE else 0
-        if (v <= 0) if k in POSITIVE else (v < least):
+        if v is not None and ((v <= 0) if k in POSITIVE else (v < least)):
             raise ValueError(f"--{k.replace('_', '-')} {v} must be " + ("positive" if k in POSITIVE else f"at least {least}"))
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads} must be at least 1")
     if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
         raise ValueError(f"--beta1 {args.beta1} and --beta2 {args.beta2} must lie in [0, 1)")
+    if args.task == "math":
+        if not args.data or (args.eval_every and not args.eval_data):
+            raise ValueError("--task math reads its problems from files: --data FILE (training) and --eval-data FILE "
+                             "(held-out; or --eval-every 0), JSONL or Parquet; see mathtask.py for the datasets")
+        if args.interoception:
+            raise ValueError("--interoception writes the budget into Countdown's prompts; --task math has no such tag")
+        for path in (args.data, args.eval_data):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"no such file: {path}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p} must lie in (0, 1]")
     if not 0 < args.alpha <= 1:
         raise ValueError(f"--alpha {args.alpha} must lie in (0, 1]")
     if args.prompts < 1 or args.group < 2:
@@ -679,7 +731,7 @@ def load(c):
     return model, tokenizer
 
 
-def main(argv=None, reward_fn=countdown.reward):
+def main(argv=None, reward_fn=None):
     args = parse_args(argv)
     try:
         state = load_trainer_state(args.resume) if args.resume else None
@@ -718,21 +770,22 @@ def main(argv=None, reward_fn=countdown.reward):
     say = tqdm.write if master else lambda text: None
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     final_eps = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
-    say(f"NGC on Countdown: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
+    say(f"NGC on {c.task}: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
         f"{c.device} {c.dtype}" + (f" x {rank_and_world()[1]} processes" if ddp else "") + f", mode {c.mode}, "
         f"P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, ε -> {final_eps:g}, "
         f"steps {step}..{c.steps}, run dir {c.out}")
-    difficulty = countdown.DIFFICULTIES[c.difficulty]
-    train, test = countdown.splits(c.seed, c.train_problems, c.eval_problems, difficulty, unique=False)
+    train, test = load_problems(c)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()
     train = [train[i] for i in order]
     eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eps, "ngc-greedy")
-    encode = lambda tok, p: countdown.encode(tok, p, c.prompt, eval_ev.rate if c.interoception else None)
+    encode = prompt_encoder(c, eval_ev.rate if c.interoception else None)
+    reward_fn = reward_fn or TASK_REWARD[c.task]
     evals = []
 
     def run_eval():
         with amp, whole_model(model):
-            r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, c.eval_batch, progress=interactive)
+            r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn, c.eval_batch,
+                         progress=interactive)
         evals.append(r)
         if master:
             write_log(log_path, {"step": step, "eval": r})
