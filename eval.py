@@ -3,10 +3,10 @@
     python eval.py --model DIR --task countdown --policy ngc snapkv keydiff knorm streamingllm none \\
         --eviction-rate 0.5 0.75 [--samples k] [--problems n] [--out results.jsonl] [--plot acc.png]
 
-Policies (CLI name -> the engine's name in ngc.POLICIES):
-    ngc -> ngc-greedy      greedy top-K blocks on NGC's scores: the paper's evaluation
-    ngc-sample -> ngc      Gumbel-top-k blocks, as in training
-    snapkv, keydiff, knorm, streamingllm   the heuristics of DESIGN §7 (deterministic)
+Policies:
+    ngc                    greedy top-K blocks on NGC's scores: the paper's evaluation
+    ngc-sample             Gumbel-top-k blocks, as in training
+    snapkv, keydiff, knorm, streamingllm   the heuristics of baselines.py (deterministic)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
 The problems are the test split of the run's settings (train.run_defaults: the paper's, or the
@@ -28,13 +28,16 @@ from math import comb
 import torch
 from tqdm import tqdm
 
+import baselines
 import countdown
 from model import CheckpointError, from_pretrained, load_tokenizer
 from ngc import Eviction, Sampling, rollout
 from train import run_defaults
 
-CLI_POLICIES = {"ngc": "ngc-greedy", "ngc-sample": "ngc", "snapkv": "snapkv", "keydiff": "keydiff",
-                "knorm": "knorm", "streamingllm": "streamingllm", "none": None}
+CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
+    "ngc": dict(greedy=True), "ngc-sample": dict(greedy=False), "snapkv": dict(greedy=True, score=baselines.snapkv),
+    "keydiff": dict(greedy=True, score=baselines.keydiff), "knorm": dict(greedy=True, score=baselines.knorm),
+    "streamingllm": dict(greedy=True, score=baselines.streamingllm), "none": None}
 
 
 def solve(model, tokenizer, style, problems, sampling, eviction, tag_rate=None, generator=None, samples=1,
@@ -72,7 +75,7 @@ def evaluate(model, tokenizer, style, problems, eviction: Eviction, max_new_toke
     """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
     peak-KV reduction. train.py calls this every --eval-every steps."""
     s = Sampling(max_new_tokens=max_new_tokens, greedy=True)
-    greedy = replace(eviction, policy="ngc-greedy" if eviction.policy == "ngc" else eviction.policy)
+    greedy = replace(eviction, greedy=True)
     full = solve(model, tokenizer, style, problems, s, None, batch_size=batch_size,
                  desc="eval full cache" if progress else None)
     ev = solve(model, tokenizer, style, problems, s, greedy, eviction.rate if interoception else None,
@@ -90,7 +93,7 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
 
     def run(name, rate):
         ev = None if CLI_POLICIES[name] is None else Eviction(d["delta"], d["block"], d["window"], rate,
-                                                               CLI_POLICIES[name])
+                                                               **CLI_POLICIES[name])
         tag = rate if d["interoception"] and ev else None
         gen = torch.Generator(device=device).manual_seed(d["seed"])
         return solve(model, tokenizer, d["prompt"], problems, sampling, ev, tag, gen, n, batch_size,
@@ -102,7 +105,7 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
         for rate in [0.0] if name == "none" else rates:
             out = ref if name == "none" else run(name, rate)
             c = out["reward"].sum(1)
-            row = {"policy": name, "engine_policy": CLI_POLICIES[name], "eviction_rate": rate,
+            row = {"policy": name, "eviction_rate": rate,
                    "problems": len(problems), "samples": n, "accuracy": out["reward"].mean().item(),
                    "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
                    "peak_kv": out["peak_kv"].mean().item(),

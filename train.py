@@ -94,7 +94,7 @@ def policy_losses(model, ro, adv, ev, c, n_total):
     Both are normalised by the whole step's rollout count n_total (and L_token by the max
     completion length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss."""
     _, masks, mem = MODES[c.mode]
-    tok_lp, ev_lp = replay(model, ro, ev, c.temperature, causal=not masks)
+    tok_lp, ev_lp = replay(model, ro, causal=not masks)
     l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * c.max_new_tokens)  # eq. (2)
     l_mem = None
     if mem and ev_lp is not None:
@@ -109,7 +109,7 @@ def train_step(model, opt, tokenizer, problems, step, c, gen, amp, reward_fn=cou
     P, G = c.prompts, c.group
     eps = eviction_rate_at(step, c)
     evicting = MODES[c.mode][0]
-    ev = Eviction(c.delta, c.block, c.window, eps, "ngc") if evicting else None
+    ev = Eviction(c.delta, c.block, c.window, eps) if evicting else None
     group_eps = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.2, Figure 6)
         choices = torch.tensor(floats(c.interoception_rates)) * eps / final_eviction_rate(c)
@@ -329,7 +329,7 @@ def main(argv=None, reward_fn=countdown.reward):
     train, test = countdown.splits(c.seed, c.train_problems, c.eval_problems, difficulty, unique=False)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()
     train = [train[i] for i in order]
-    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eviction_rate(c), "ngc-greedy")
+    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eviction_rate(c), greedy=True)
     evals = []
 
     def run_eval():
