@@ -46,7 +46,7 @@ def visibility(death):
 
 def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     """log p(σ) (B, R) of one layer's rounds, from this pass's q (B, H, T, D), k (B, Hkv, T, D)
-    and visibility mask (B, T, T); kept (B, R, Kmax). The same arithmetic as the rollout."""
+    and visibility mask (B, T, T); kept (B, R, Kmax). The same calls as ngc.eviction_round."""
     B, R = kept.shape[:2]
     w = ev.window
     ends = (torch.arange(R, device=q.device) + 1) * ev.delta - 1  # the token after which round r fires
