@@ -53,7 +53,7 @@ def bench(model, args, device):
 
     def step(causal):
         model.zero_grad(set_to_none=True)
-        tok, evict = replay(model, ro, ev, temperature=1.0, causal=causal)
+        tok, evict = replay(model, ro, causal=causal)
         loss = tok.sum() + (0 if evict is None else evict.sum())
         loss.backward()
 

@@ -260,10 +260,16 @@ def numbers_in(text):
     return [int(t) for t in re.findall(r"[0-9]+", text)]
 
 def extract_answer(completion):
-    """Text inside the last complete <answer> ... </answer>, or None."""
-    end = completion.rfind("</answer>")
-    start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
-    return completion[start + len("<answer>"):end].strip() if start >= 0 else None
+    """Text inside the last complete <answer> ... </answer>, or None. The tags pair like brackets:
+    a closing tag with no opening tag before it is ignored, and a nested pair leaves its tags
+    inside the outer answer (which then does not parse)."""
+    opened, answer = [], None
+    for tag in re.finditer(r"</?answer>", completion):
+        if tag.group() == "<answer>":
+            opened.append(tag.end())
+        elif opened:
+            answer = completion[opened.pop():tag.start()].strip()
+    return answer
 
 def reward(completion, problem):
     """1.0 if the last answer uses each number exactly once and equals the target.

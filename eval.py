@@ -6,10 +6,10 @@
         knorm streamingllm --eviction-rate 0.5      # pass@1..32 at T=0.6, top-p 0.95, 3850 new tokens
     torchrun --nproc_per_node 8 eval.py --model DIR ...      # the problems split across 8 GPUs
 
-Policies (CLI name -> the engine's name in ngc.POLICIES):
-    ngc -> ngc-greedy      greedy top-K blocks on NGC's scores: the paper's evaluation
-    ngc-sample -> ngc      Gumbel-top-k blocks, as in training
-    snapkv, keydiff, knorm, streamingllm   the heuristics of DESIGN §7 (deterministic)
+Policies:
+    ngc                    greedy top-K blocks on NGC's scores: the paper's evaluation
+    ngc-sample             Gumbel-top-k blocks, as in training
+    snapkv, keydiff, knorm, streamingllm   the heuristics of baselines.py (deterministic)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
 The problems are the held-out split of the run's settings (`train.run_defaults`: the paper's recipe
@@ -33,12 +33,15 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+import baselines
 from model import CheckpointError, from_pretrained, load_tokenizer
 from ngc import Eviction, Sampling
 from train import TASK_REWARD, kv_reduction, load_problems, prompt_encoder, run_defaults, solve
 
-CLI_POLICIES = {"ngc": "ngc-greedy", "ngc-sample": "ngc", "snapkv": "snapkv", "keydiff": "keydiff",
-                "knorm": "knorm", "streamingllm": "streamingllm", "none": None}
+CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
+    "ngc": dict(greedy=True), "ngc-sample": dict(greedy=False), "snapkv": dict(greedy=True, score=baselines.snapkv),
+    "keydiff": dict(greedy=True, score=baselines.keydiff), "knorm": dict(greedy=True, score=baselines.knorm),
+    "streamingllm": dict(greedy=True, score=baselines.streamingllm), "none": None}
 
 
 def pass_at_k(n: int, c, k: int) -> float:
@@ -56,7 +59,7 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
 
     def run(name, rate):
         ev = None if CLI_POLICIES[name] is None else Eviction(d["delta"], d["block"], d["window"], rate,
-                                                               CLI_POLICIES[name])
+                                                               **CLI_POLICIES[name])
         encode = prompt_encoder(c, rate if c.interoception and ev else None)
         gen = torch.Generator(device=device).manual_seed(d["seed"])
         return solve(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
@@ -68,7 +71,7 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
         for rate in [0.0] if name == "none" else rates:
             out = ref if name == "none" else run(name, rate)
             correct = out["reward"].sum(1)
-            row = {"policy": name, "engine_policy": CLI_POLICIES[name], "eviction_rate": rate,
+            row = {"policy": name, "eviction_rate": rate,
                    "problems": len(problems), "samples": n, "accuracy": out["reward"].mean().item(),
                    "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
                    "peak_kv": out["peak_kv"].mean().item(),

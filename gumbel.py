@@ -1,4 +1,4 @@
-"""Block-level eviction actions (paper §4.2–4.3, DESIGN §1–2).
+"""Block-level eviction actions (paper §4.2–4.3).
 
 The alive keys of one layer, in position order, are cut into N = ceil(T/b) contiguous blocks.
 Per-key scores are pooled into one score per block; K blocks are kept, sampled without
@@ -44,7 +44,9 @@ def block_means(key_scores, alive, block_size: int):
 
 
 def log_block_logits(key_scores, alive, block_size: int):
-    """NGC's policy logits: log of the block-mean attention score (DESIGN §2), fp32."""
+    """NGC's policy logits x_j = log s_j, fp32. The paper's s_j are attention probabilities
+    (spread ≤ 1): as raw logits they give a nearly uniform policy; their log lets Gumbel-top-k
+    keep blocks in proportion to the attention mass they receive, and become as sharp as needed."""
     means, exists = block_means(key_scores, alive, block_size)
     return torch.where(exists, means.clamp(min=TINY).log(), MISSING), exists
 
@@ -72,7 +74,8 @@ def plackett_luce_log_prob(logits, sigma):
     logits (N, M) fp32 with MISSING at absent blocks; sigma (N, Kmax), -1 padded. The
     logits are laid out as [kept blocks in σ order | every other block], so each
     denominator is a suffix log-sum-exp, computed with a reverse logcumsumexp: nothing is
-    subtracted, and it stays exact when the remaining mass is tiny (DESIGN §2)."""
+    subtracted, and it stays exact when the remaining mass is tiny, where the paper's running
+    sum of removed mass, log(1 - cumsum p), gives -inf or NaN in fp32 once the policy is peaked."""
     logits = logits.float()
     present = sigma >= 0
     kept = logits.gather(1, sigma.clamp(min=0)).masked_fill(~present, MISSING)  # (N, Kmax)

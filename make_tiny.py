@@ -279,7 +279,7 @@ def write_run_defaults(model_dir):
 def report(model, tok, test):
     acc, valid, length = trace_accuracy(model, tok, test)
     print(f"full cache:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  ({len(test)} held out)")
-    ev = Eviction(TINY_RUN["delta"], TINY_RUN["block"], TINY_RUN["window"], rate=0.5, policy="ngc-greedy")
+    ev = Eviction(TINY_RUN["delta"], TINY_RUN["block"], TINY_RUN["window"], rate=0.5, greedy=True)
     acc, valid, length = trace_accuracy(model, tok, test, ev)
     print(f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}:  accuracy {acc:.3f}  "
           f"valid traces {valid:.3f}  mean length {length:.0f}")

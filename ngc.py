@@ -1,20 +1,20 @@
 """The NGC rollout engine: batched sampling from a Qwen2 whose KV cache is pruned every δ tokens.
 
-One sequence's life (paper §4.1, DESIGN §1): its tokens are fed in position order; each time
-the sequence's cache has just taken token kδ-1 (prompt included), an eviction round fires.
-At each layer the w newest queries score the alive keys (ψ), the keys are cut into blocks of
-b, and K = keep_count(N, ε) blocks are kept: sampled with Gumbel-top-k (policy "ngc") or taken
-greedily ("ngc-greedy", the paper's evaluation). The rest are gone from that layer for good.
-Token kδ is sampled from the logits computed before the round and attends to the survivors.
-The baselines of DESIGN §7 (SnapKV, KeyDiff, KNorm, StreamingLLM) plug into the same slot:
-same rounds, blocks and K, only the per-key score differs (POLICIES).
+One sequence's life (paper §4.1): its tokens are fed in position order; each time the
+sequence's cache has just taken token kδ-1 (prompt included), an eviction round fires
+(`eviction_round`). At each layer the w newest queries score the alive keys (ψ, §4.2), the keys
+are cut into blocks of b, and K = keep_count(N, ε) blocks are kept: sampled with Gumbel-top-k
+(§4.3, training) or the top K (the paper's evaluation). The rest are gone from that layer for
+good. Token kδ is sampled from the logits computed before the round and attends to the
+survivors. A heuristic baseline (baselines.py) swaps ψ for its own per-key score in the same
+round: same rounds, blocks and K.
 
-Everything the replay pass needs is recorded: tokens, prompt lengths, and the ordered kept
-blocks σ of every (round, layer).
+A Rollout records everything replay needs: tokens, prompt lengths, the ordered kept blocks σ
+of every (round, layer), and the settings it was made with (δ, b, w, each row's ε, temperature).
 """
 import math
 from dataclasses import dataclass
-from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +27,18 @@ from model import KVCache, Qwen2
 
 @dataclass
 class Eviction:
-    """When and how much to evict (paper §4.1–4.2, DESIGN §1–2)."""
+    """When and how much to evict (paper §4.1–4.3), and how the kept blocks are chosen."""
     delta: int = 256  # eviction cadence δ: a round after every δ tokens of a sequence
     block: int = 32  # block size b
     window: int = 5  # scoring window w: the w newest queries score the keys
     rate: float = 0.5  # eviction rate ε: the fraction of blocks evicted per round
-    policy: str = "ngc"  # a key of POLICIES: ngc (Gumbel-top-k), ngc-greedy, or a baseline of DESIGN §7
+    greedy: bool = False  # keep the top K blocks (the paper's evaluation), not a Gumbel-top-k sample (training)
+    score: Callable | None = None  # a baseline's per-key score (ψ, keys, alive) -> (N, S); None: NGC's own ψ
 
     def __post_init__(self):
         check_eviction(self.delta, self.block, self.window, self.rate)
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.score is not None and not self.greedy:
+            raise ValueError("a per-key score other than ψ has no sampling distribution: pass greedy=True")
 
 
 def check_eviction(delta, block, window, rate):
@@ -85,13 +86,17 @@ class Rollout:
     peak_kv: torch.Tensor  # (B,) most KV entries held at once, summed over layers
     kv_slots: int  # most KV slots allocated per batch row, summed over layers
     eos: torch.Tensor  # (B,) bool, finished by EOS (else by max_new_tokens)
+    sampling: Sampling  # how the tokens were drawn: temperature, top-k, greedy
+    eviction: Eviction | None  # δ, b, w and how blocks were chosen; None: the full cache
+    rates: torch.Tensor | None  # (B,) each row's ε (eviction.rate unless rollout's `rates` set it)
 
     def select(self, rows) -> "Rollout":
         """The rollouts of batch rows `rows`, trimmed to their own longest length and round count."""
         T, R = int(self.lengths[rows].max()), int(self.n_rounds[rows].max())
         return Rollout(self.tokens[rows, :T], self.prompt_lens[rows], self.lengths[rows], self.logprobs[rows, :T],
                        self.kept[rows, :R], self.n_rounds[rows], self.evict_logprobs[rows, :R],
-                       self.kv_before_round[rows, :R], self.peak_kv[rows], self.kv_slots, self.eos[rows])
+                       self.kv_before_round[rows, :R], self.peak_kv[rows], self.kv_slots, self.eos[rows],
+                       self.sampling, self.eviction, None if self.rates is None else self.rates[rows])
 
     def completions(self) -> list[list[int]]:
         return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
@@ -112,7 +117,7 @@ def attention_scores(q, k, mask):
 
 
 class QueryWindow:
-    """The post-RoPE queries of each row's w newest tokens, per layer (DESIGN §2)."""
+    """The post-RoPE queries of each row's w newest tokens, per layer: ψ's Q^(ℓ) (paper §4.2)."""
 
     def __init__(self, n_layers: int, batch: int, w: int, device):
         self.w, self.q = w, [None] * n_layers
@@ -131,87 +136,6 @@ class QueryWindow:
         old = self.q[layer] if self.q[layer] is not None else q.new_zeros(B, H, self.w, D)
         both = torch.cat([old, q], dim=2)
         self.q[layer] = both.gather(2, self.idx[:, None, :, None].expand(-1, H, -1, D))
-
-
-# ---------------------------------------------------------------------------------------
-# Eviction policies: a per-key score, pooled to blocks, then K blocks kept (DESIGN §2, §7).
-# Every score function maps (q (N, H, w, D) scoring queries, keys (N, Hkv, S, D), kpos (N, S),
-# alive (N, S), qpos (N, w)) to per-key scores (N, S), higher = keep; dead slots are ignored.
-
-
-def psi(q, keys, kpos, alive, qpos):
-    """NGC's ψ: attention of the w newest queries, averaged over them and the query heads."""
-    mask = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal, alive only
-    return attention_scores(q, keys, mask).mean(1)
-
-
-SNAPKV_KERNEL = 5
-
-
-def snapkv(q, keys, kpos, alive, qpos):
-    """ψ smoothed by a 1-D average pool of kernel 5 over the alive keys in position order
-    (neighbours by alive rank, dead slots skipped). At the edges the window is cut short and
-    the mean is over the alive keys it holds (count_include_pad=False)."""
-    order = torch.argsort((~alive).to(torch.uint8), dim=1, stable=True)  # alive slots first, in position order
-    m = alive.gather(1, order).float()[:, None]  # (N, 1, S)
-    x = psi(q, keys, kpos, alive, qpos).gather(1, order)[:, None] * m
-    pool = partial(F.avg_pool1d, kernel_size=SNAPKV_KERNEL, stride=1, padding=SNAPKV_KERNEL // 2)
-    smooth = (pool(x) / pool(m).clamp(min=1e-9))[:, 0]  # sum over alive neighbours / their count
-    return torch.zeros_like(smooth).scatter(1, order, smooth).masked_fill(~alive, 0.0)
-
-
-def keydiff(q, keys, kpos, alive, qpos):
-    """−cos(k_t, mean of the L2-normalised alive keys), per KV head, averaged over KV heads."""
-    k = keys.float()
-    m = alive[:, None, :, None].float()  # (N, 1, S, 1)
-    anchor = (F.normalize(k, dim=-1) * m).sum(2, keepdim=True) / m.sum(2, keepdim=True).clamp(min=1)
-    return -F.cosine_similarity(k, anchor, dim=-1).mean(1)
-
-
-def knorm(q, keys, kpos, alive, qpos):
-    """−‖k_t‖₂ averaged over KV heads: low-norm keys are kept."""
-    return -keys.float().norm(dim=-1).mean(1)
-
-
-SINKS = 4
-
-
-def streamingllm(q, keys, kpos, alive, qpos):
-    """Attention sinks, then recency: S² for the first 4 alive keys, else the key's rank among the
-    alive keys (newer = higher). A block holding a sink has mean ≥ S²/b ≥ S, above any other
-    block (< S), and the older of two sink blocks wins the tie; so top-K keeps the sink block(s),
-    then the newest blocks."""
-    S = alive.shape[1]
-    rank = (alive.long().cumsum(1) - 1).float()
-    return torch.where(rank < SINKS, float(S * S), rank)
-
-
-def mean_block_logits(key_scores, alive, block: int):
-    """The baselines' block logits: the plain block mean of the per-key scores, fp32."""
-    means, exists = block_means(key_scores, alive, block)
-    return torch.where(exists, means, MISSING), exists
-
-
-POLICIES = {  # name -> (per-key score, block logits from it, how K blocks are chosen)
-    "ngc": (psi, log_block_logits, "sample"),  # training: Gumbel-top-k on log s_j
-    "ngc-greedy": (psi, log_block_logits, "greedy"),  # the paper's evaluation: top-K on log s_j
-    "snapkv": (snapkv, mean_block_logits, "greedy"),
-    "keydiff": (keydiff, mean_block_logits, "greedy"),
-    "knorm": (knorm, mean_block_logits, "greedy"),
-    "streamingllm": (streamingllm, mean_block_logits, "greedy"),
-}
-
-
-def choose_blocks(policy, q, keys, kpos, alive, qpos, block, rate, generator):
-    """One layer's decision for N rows: the ordered kept blocks σ (N, Kmax) and log p(σ) (N,).
-
-    log p(σ) is the Plackett-Luce log-prob of σ under the policy's block logits; it is a
-    probability only for "ngc" (and what replay recomputes, from ψ, whatever the policy)."""
-    score, to_logits, how = POLICIES[policy]
-    logits, exists = to_logits(score(q, keys, kpos, alive, qpos), alive, block)
-    k = keep_count(exists.sum(1), rate)
-    sigma = gumbel_topk(logits, k, generator) if how == "sample" else ordered_topk(logits, k)
-    return sigma, plackett_luce_log_prob(logits, sigma)
 
 
 def sample_tokens(logits, s: Sampling, generator=None):
@@ -278,10 +202,6 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         slots = max(slots, cache.slots())
         return model.logits(h[rows, (n - 1).clamp(min=0)])
 
-    def maybe_evict(fired):
-        if eviction is not None and fired.any():
-            evict(model, cache, window, rows[fired], eviction, rates, generator, record)
-
     # Prefill in chunks that end on eviction boundaries, with a round between chunks.
     chunk = eviction.delta if eviction else int(P.max())
     last_logits = torch.zeros(B, cfg.vocab_size, device=device, dtype=dtype)
@@ -289,7 +209,8 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         n = torch.minimum(P, (fed // chunk + 1) * chunk) - fed
         logits = feed(n)
         last_logits[n > 0] = logits[n > 0]
-        maybe_evict((n > 0) & (fed % chunk == 0))
+        if eviction:
+            eviction_round(cache, window, (n > 0) & (fed % chunk == 0), eviction, rates, generator, record)
 
     # Decode: the one loop over time.
     active = torch.ones(B, dtype=torch.bool, device=device)
@@ -306,24 +227,36 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         if not active.any():
             break
         last_logits = feed(active.long())
-        maybe_evict(active & (fed % chunk == 0))
+        if eviction:
+            eviction_round(cache, window, active & (fed % chunk == 0), eviction, rates, generator, record)
 
     lengths = P + n_new
     return Rollout(tokens[:, : int(lengths.max())], P, lengths, logprobs[:, : int(lengths.max())],
-                   *record.tensors(), peak_kv=peak, kv_slots=slots, eos=hit_eos)
+                   *record.tensors(), peak_kv=peak, kv_slots=slots, eos=hit_eos, sampling=sampling,
+                   eviction=eviction, rates=rates if eviction else None)
 
 
-def evict(model, cache, window, rows, ev: Eviction, rates, generator, record):
-    """One eviction round, at every layer, for the batch rows `rows` (paper §4.1–4.3)."""
+def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record):
+    """One eviction round at every layer, for the batch rows where fired (B,) is True (paper §4.1–4.3)."""
+    rows = fired.nonzero().flatten()
+    if len(rows) == 0:
+        return
     assert window.valid[rows].all(), "an eviction round needs w scored queries (δ > w)"
-    qpos = window.pos[rows]
+    qpos = window.pos[rows]  # (N, w) positions of the w newest tokens
     sigmas, logps, before = [], [], []
     for layer, c in enumerate(cache.layers):
-        alive = c.alive[rows, : c.size]
-        sigma, logp = choose_blocks(ev.policy, window.q[layer][rows], c.keys[rows], c.pos[rows, : c.size],
-                                    alive, qpos, ev.block, rates[rows], generator)
-        c.evict(rows, kept_keys(alive, sigma, ev.block))
-        sigmas.append(sigma), logps.append(logp), before.append(alive.sum(1))
+        alive, keys, kpos = c.alive[rows, : c.size], c.keys[rows], c.pos[rows, : c.size]  # (N, S), (N, Hkv, S, D)
+        seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal, alive keys only
+        psi = attention_scores(window.q[layer][rows], keys, seen).mean(1)  # ψ_t: mean over heads and w queries, §4.2
+        logits, exists = log_block_logits(psi, alive, ev.block)  # x_j = log s_j, s_j = block mean of ψ (§4.2)
+        ranking = logits
+        if ev.score is not None:  # a baseline: the plain block mean of its own per-key score (may be < 0)
+            ranking = torch.where(exists, block_means(ev.score(psi, keys, alive), alive, ev.block)[0], MISSING)
+        K = keep_count(exists.sum(1), rates[rows])  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
+        sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(logits, K, generator)  # σ (N, Kmax), §4.3
+        logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (1)
+        c.evict(rows, kept_keys(alive, sigma, ev.block))  # the rest are dead here; compacted when the buffer fills
+        sigmas.append(sigma), before.append(alive.sum(1))
     record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))
 
 

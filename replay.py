@@ -1,4 +1,4 @@
-"""Replay: one forward pass that reproduces a rollout (paper §4.5, Appendix A.3; DESIGN §3).
+"""Replay: one forward pass that reproduces a rollout (paper §4.5, Appendix A.3).
 
 During a rollout every layer dropped its own blocks at every round, so what token t saw
 differs per layer and is not monotone in t: a key is visible from its own position until
@@ -46,7 +46,7 @@ def visibility(death):
 
 def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     """log p(σ) (B, R) of one layer's rounds, from this pass's q (B, H, T, D), k (B, Hkv, T, D)
-    and visibility mask (B, T, T); kept (B, R, Kmax). The same arithmetic as the rollout."""
+    and visibility mask (B, T, T); kept (B, R, Kmax). The same calls as ngc.eviction_round."""
     B, R = kept.shape[:2]
     w = ev.window
     ends = (torch.arange(R, device=q.device) + 1) * ev.delta - 1  # the token after which round r fires
@@ -59,30 +59,45 @@ def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     return torch.where(torch.arange(R, device=q.device) < n_rounds[:, None], logp, 0.0)
 
 
-def replay(model, ro: Rollout, ev: Eviction | None, temperature: float, causal: bool = False):
+def check_settings(ro: Rollout, ev: Eviction | None, temperature: float | None):
+    """Refuse, in one line, a δ, b, w or temperature that differs from the rollout's own."""
+    if ev is not None and ro.eviction is None:
+        raise ValueError("replay: ev was given, but the rollout was made without eviction")
+    given = [] if ev is None else [(f, getattr(ev, a), getattr(ro.eviction, a))
+                                   for f, a in (("δ", "delta"), ("b", "block"), ("w", "window"))]
+    given += [] if temperature is None else [("temperature", temperature, ro.sampling.temperature)]
+    for name, value, made in given:
+        if value != made:
+            raise ValueError(f"replay: {name}={value} differs from the rollout's {name}={made}")
+
+
+def replay(model, ro: Rollout, ev: Eviction | None = None, temperature: float | None = None, causal: bool = False):
     """Token log-probs (B, T) and eviction log-probs (B, R, L) of rollouts ro, on the graph.
 
-    causal=True (or ev=None) uses the plain causal mask and computes no eviction log-probs:
-    right for rollouts without eviction, and the "targeted dropout" ablation otherwise."""
+    δ, b, w and the temperature are the rollout's own; ev and temperature, if given, are only
+    checked against them. causal=True (or a rollout without eviction) uses the plain causal mask
+    and computes no eviction log-probs: the "targeted dropout" ablation for an evicting rollout."""
+    check_settings(ro, ev, temperature)
+    made = ro.eviction  # δ, b, w as the rollout was made
     B, T = ro.tokens.shape
     pos = torch.arange(T, device=ro.tokens.device).expand(B, T)
     layer_mask, hook, evict_logps = None, None, None
-    if ev is not None and not causal and ro.kept.shape[1] > 0:
-        death = death_times(ro.kept, ro.n_rounds, T, ev.delta, ev.block)
+    if made is not None and not causal and ro.kept.shape[1] > 0:
+        death = death_times(ro.kept, ro.n_rounds, T, made.delta, made.block)
         per_layer = [None] * death.shape[1]
 
         def layer_mask(layer):
             return visibility(death[:, layer])
 
         def hook(layer, q, k, mask):
-            per_layer[layer] = round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, ev)
+            per_layer[layer] = round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, made)
 
     h = model(ro.tokens, pos, layer_mask=layer_mask, qk_hook=hook)
     if hook is not None:
         evict_logps = torch.stack(per_layer, dim=2)  # (B, R, L)
     t = torch.arange(1, T, device=pos.device)
     target = (t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None])  # (B, T-1): completion tokens
-    logits = model.logits(h[:, :-1][target]).float() / temperature  # (N, V), completion positions only
+    logits = model.logits(h[:, :-1][target]).float() / ro.sampling.temperature  # (N, V), completion positions only
     lp = logits.gather(1, ro.tokens[:, 1:][target][:, None]).squeeze(1) - logits.logsumexp(-1)
     token_logps = torch.zeros(B, T - 1, device=lp.device).masked_scatter(target, lp)
     return torch.nn.functional.pad(token_logps, (1, 0)), evict_logps

@@ -21,12 +21,14 @@ import types
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+import baselines
 import countdown as cd
 import eval as ev
 import make_tiny
@@ -36,9 +38,10 @@ import train
 from countdown import PAPER, TINY, Problem, tiny_prompt
 
 from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk, plackett_luce_log_prob
-from model import CheckpointError, KVCache, Qwen2, Qwen2Config, from_pretrained, init_weights, load_tokenizer, save_pretrained
+from model import (CheckpointError, KVCache, LayerCache, Qwen2, Qwen2Config, from_pretrained, init_weights,
+                   load_tokenizer, save_pretrained)
 from make_tiny import build_tokenizer, replay_trace, split_problems, trace
-from ngc import Eviction, Sampling, choose_blocks, rollout
+from ngc import Eviction, Sampling, rollout
 from replay import replay
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
@@ -125,6 +128,49 @@ def test_replay_without_eviction_is_causal(model):
     completion = tok_lp != 0
     assert completion.sum() == (ro.lengths - ro.prompt_lens).sum()
     assert (tok_lp - ro.logprobs).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="made without eviction"):
+        replay(model, ro, EV)
+
+
+EV10 = Eviction(delta=10, block=2, window=3, rate=0.5)
+
+
+@pytest.fixture(scope="module")
+def made_with_delta_10(model):
+    return rollout(model, prompts_of([4, 13, 8]), Sampling(max_new_tokens=30, temperature=0.8, top_k=20), EV10,
+                   rates=[0.5, 0.25, 0.5], generator=torch.Generator().manual_seed(1))
+
+
+def test_a_rollout_knows_how_it_was_made(model, made_with_delta_10):
+    ro = made_with_delta_10
+    assert ro.eviction == EV10 and (ro.sampling.temperature, ro.sampling.top_k) == (0.8, 20)
+    assert ro.rates.tolist() == [0.5, 0.25, 0.5] and int(ro.n_rounds.min()) >= 2
+    tok_lp, ev_lp = replay(model, ro)  # δ, b, w and the temperature from the rollout
+    completion = (tok_lp != 0) | (ro.logprobs != 0)
+    assert (tok_lp - ro.logprobs)[completion].abs().max() < 1e-5
+    assert (ev_lp - ro.evict_logprobs).abs().max() < 1e-4
+    same_lp, _ = replay(model, ro, replace(EV10, rate=0.9), temperature=0.8)  # matching settings pass (ε is unused)
+    assert torch.equal(same_lp, tok_lp)
+    row = ro.select(torch.tensor([1]))  # select keeps the settings
+    assert row.eviction == EV10 and row.sampling == ro.sampling and row.rates.tolist() == [0.25]
+    n = int(row.lengths[0])
+    assert (replay(model, row)[0][0, :n] - tok_lp[1, :n]).abs().max() < 1e-5
+    # Negative control: the same records relabelled with another δ or temperature replay to other log-probs.
+    for wrong in (replace(ro, eviction=replace(EV10, delta=9)), replace(ro, eviction=replace(EV10, block=3)),
+                  replace(ro, sampling=replace(ro.sampling, temperature=1.0))):
+        assert (replay(model, wrong)[0] - ro.logprobs)[completion].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ev=replace(EV10, delta=12)), "δ=12 differs from the rollout's δ=10"),
+    (dict(ev=replace(EV10, block=3)), "b=3 differs from the rollout's b=2"),
+    (dict(ev=replace(EV10, window=4)), "w=4 differs from the rollout's w=3"),
+    (dict(temperature=1.0), "temperature=1.0 differs from the rollout's temperature=0.8"),
+])
+def test_replay_refuses_settings_other_than_the_rollouts(model, made_with_delta_10, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        replay(model, made_with_delta_10, **kwargs)
+    assert str(err.value) == "replay: " + message
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,7 +268,7 @@ def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
 
 
 def test_a_sequence_does_not_depend_on_its_batch(model):
-    ev = Eviction(delta=10, block=2, window=3, rate=0.5, policy="ngc-greedy")
+    ev = Eviction(delta=10, block=2, window=3, rate=0.5, greedy=True)
     s = Sampling(max_new_tokens=40, greedy=True)
     prompts = prompts_of([3, 14, 7, 22, 5], seed=1)
     batch = rollout(model, prompts, s, ev, eos_ids=[EOS])
@@ -234,12 +280,12 @@ def test_a_sequence_does_not_depend_on_its_batch(model):
         K = alone.kept.shape[3]
         assert torch.equal(alone.kept[0], batch.kept[i, :R, :, :K])
         assert (batch.kept[i, :R, :, K:] == -1).all()
-        lp_alone, _ = replay(model, alone, ev, temperature=1.0)
-        lp_batch, _ = replay(model, batch, ev, temperature=1.0)
+        lp_alone, _ = replay(model, alone, ev)
+        lp_batch, _ = replay(model, batch, ev)
         n = int(alone.lengths[0])
         assert (lp_alone[0, :n] - lp_batch[i, :n]).abs().max() < 1e-5
     # Negative control: the same prompt under a different eviction rate decides differently.
-    other = rollout(model, [prompts[2]], s, Eviction(delta=10, block=2, window=3, rate=0.8, policy="ngc-greedy"),
+    other = rollout(model, [prompts[2]], s, Eviction(delta=10, block=2, window=3, rate=0.8, greedy=True),
                     eos_ids=[EOS])
     assert other.kept.shape[3] != batch.kept.shape[3] or not torch.equal(other.kept[0], batch.kept[2])
 
@@ -415,7 +461,7 @@ def test_cache_size_converges_to_delta_over_eps(model):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(rate=0.0), "must lie in"), (dict(rate=1.5), "must lie in"), (dict(block=0), "block size"),
     (dict(window=0), "window"), (dict(delta=4, window=4), "larger than the window"),
-    (dict(delta=8, block=16, window=2), "at least the block size"), (dict(policy="lru"), "unknown eviction policy"),
+    (dict(delta=8, block=16, window=2), "at least the block size"), (dict(score=baselines.knorm), "pass greedy=True"),
 ])
 def test_bad_eviction_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
@@ -1065,6 +1111,7 @@ def no_eval(monkeypatch):
     "<answer>\n(3 + 5) * 2\n</answer>",
     "<think>try 3*5+2 = 17, no</think> so <answer> (3 + 5) * 2 </answer>",
     "<answer> 3 + 5 </answer> wait, that's wrong. <answer> (3 + 5) * 2 </answer>",
+    "<answer>(5+3)*2</answer>\n</answer>",  # a stray closing tag after the last complete pair
 ])
 def test_reward_correct(completion, no_eval):
     assert cd.reward(completion, P) == 1.0
@@ -1174,6 +1221,7 @@ def test_evaluate_expression_grammar():
         assert ev(bad) is None, bad
     assert cd.numbers_in("(12 + 3) * 45") == [12, 3, 45]
     assert cd.extract_answer("a <answer> x </answer> b <answer> y </answer> c") == "y"
+    assert cd.extract_answer("<answer> x </answer> </answer> <answer> y") == "x"  # the last complete pair
     assert cd.extract_answer("no tags") is None
 
 
@@ -1234,7 +1282,7 @@ def test_reward_10k_random_strings(no_eval, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------
-# Baselines (ngc.POLICIES) and eval.py
+# Baselines (baselines.py) and eval.py
 
 
 def hand_built_cache(S=12, D=4, H=4, Hkv=2, w=3, seed=0, holes=(2, 7)):
@@ -1249,13 +1297,58 @@ def hand_built_cache(S=12, D=4, H=4, Hkv=2, w=3, seed=0, holes=(2, 7)):
     return q, keys, kpos, alive, qpos
 
 
+def one_round(c, block, rate, policy):
+    """The engine's eviction round on the hand-built cache c under a --policy name: σ and log p(σ)."""
+    q, keys, kpos, alive, qpos = c
+    layer = LayerCache(1, keys.shape[1], keys.shape[3], torch.float32, "cpu")
+    layer.append(keys, keys, kpos, alive)
+    window = ngc.QueryWindow(1, 1, q.shape[2], "cpu")
+    window.q[0], window.pos, window.valid = q, qpos, torch.ones(qpos.shape, dtype=torch.bool)
+    record = ngc.Recorder(1, 1, "cpu")
+    e = Eviction(delta=64, block=block, window=q.shape[2], rate=rate, **ev.CLI_POLICIES[policy])
+    ngc.eviction_round(SimpleNamespace(layers=[layer]), window, torch.tensor([True]), e, torch.tensor([rate]), None,
+                       record)
+    kept, _, logps, _ = record.tensors()
+    assert torch.equal(layer.alive[:, : layer.size], kept_keys(alive, kept[:, 0, 0], block))  # the rest are gone
+    return kept[0, 0, 0][kept[0, 0, 0] >= 0].tolist(), logps[0, 0, 0].item()
+
+
 def keep(policy, c, block, rate):
-    sigma, _ = choose_blocks(policy, *c, block, torch.tensor([rate]), None)
-    return sigma[0].tolist()
+    return one_round(c, block, rate, policy)[0]
+
+
+def psi_by_hand(c):
+    """ψ (S,): softmax per query head and query over the alive keys it may see, averaged (paper §4.2)."""
+    q, keys, kpos, alive, qpos = c
+    H, w, D = q.shape[1:]
+    psi = torch.zeros(alive.shape[1])
+    for h, i in itertools.product(range(H), range(w)):
+        seen = [t for t in range(alive.shape[1]) if alive[0, t] and t <= qpos[0, i]]
+        logits = torch.stack([q[0, h, i] @ keys[0, h // (H // keys.shape[1]), t] / math.sqrt(D) for t in seen])
+        psi[seen] += logits.softmax(0) / (H * w)
+    return psi
+
+
+def test_ngc_round_by_hand():
+    """NGC's round on a hand-built cache: ψ, the block means s_j, the top K blocks of log s_j, and
+    log p(σ) of eq. (1) as a plain loop over the kept blocks."""
+    c = hand_built_cache(S=14, holes=(1, 6, 7))  # 11 alive keys, blocks of 3: N = 4 (the last holds 2)
+    psi = psi_by_hand(c)[c[3][0]]  # the alive keys, in position order
+    x = [psi[j:j + 3].mean().log().item() for j in range(0, 11, 3)]
+    sigma, logp = one_round(c, 3, 0.5, "ngc")
+    assert sigma == sorted(range(4), key=lambda j: -x[j])[:2]  # K = round(0.5 · 4) = 2
+
+    def log_p(x):
+        return sum(x[s] - math.log(sum(math.exp(x[i]) for i in range(4) if i not in sigma[:j]))
+                   for j, s in enumerate(sigma))
+
+    assert abs(logp - log_p(x)) < 1e-5
+    # Negative control: the block means themselves as logits (no log) give another log p(σ).
+    assert abs(logp - log_p([math.exp(v) for v in x])) > 1e-2
 
 
 # ---------------------------------------------------------------------------------------
-# Each baseline's scores equal DESIGN §7's formula
+# Each baseline's scores equal its formula
 
 
 def test_knorm_scores_and_keeps_the_low_norm_blocks():
@@ -1265,11 +1358,11 @@ def test_knorm_scores_and_keeps_the_low_norm_blocks():
     keys[:, 1] *= 2  # head 1 twice as long: the mean over heads is 1.5 x norm
     c = (q, keys, kpos, alive, qpos)
     expected = -torch.tensor([[sum(keys[0, h, t].norm().item() for h in range(2)) / 2 for t in range(12)]])
-    assert torch.allclose(ngc.knorm(*c), expected, atol=1e-5)
+    assert torch.allclose(baselines.knorm(None, keys, alive), expected, atol=1e-5)
     assert torch.allclose(expected[0, ::2], -1.5 * norms, atol=1e-5)
     assert keep("knorm", c, 2, 0.5) == [3, 1, 5]  # the three lowest norms, lowest first
     # Negative control: NGC's attention scores keep a different set.
-    assert sorted(keep("ngc-greedy", c, 2, 0.5)) != [1, 3, 5]
+    assert sorted(keep("ngc", c, 2, 0.5)) != [1, 3, 5]
 
 
 def test_keydiff_scores_use_the_mean_of_normalised_alive_keys():
@@ -1280,10 +1373,10 @@ def test_keydiff_scores_use_the_mean_of_normalised_alive_keys():
         anchor = sum(keys[0, h, t] / keys[0, h, t].norm() for t in live) / len(live)
         for t in range(12):
             expected[t] -= torch.dot(keys[0, h, t], anchor) / (keys[0, h, t].norm() * anchor.norm()) / 2
-    got = ngc.keydiff(*c)[0]
+    got = baselines.keydiff(None, keys, alive)[0]
     assert torch.allclose(got[alive[0]], expected[alive[0]], atol=1e-5)
     # Negative control: an anchor over every slot, dead keys included, scores differently.
-    everything = ngc.keydiff(q, keys, kpos, torch.ones_like(alive), qpos)[0]
+    everything = baselines.keydiff(None, keys, torch.ones_like(alive))[0]
     assert (everything - got)[alive[0]].abs().max() > 1e-3
     # The most diverse block (lowest mean cosine to the anchor) is kept first.
     means, _ = block_means(expected[None], alive, 3)
@@ -1292,21 +1385,18 @@ def test_keydiff_scores_use_the_mean_of_normalised_alive_keys():
 
 def test_snapkv_is_psi_smoothed_by_a_5_pool_over_alive_keys():
     q, keys, kpos, alive, qpos = c = hand_built_cache(S=14, holes=(1, 6, 7))
-    # ψ by hand: softmax per query head and query over the alive keys it may see, then the mean.
-    psi = torch.zeros(14)
-    for h, i in itertools.product(range(4), range(3)):
-        seen = [t for t in range(14) if alive[0, t] and t <= qpos[0, i]]
-        logits = torch.stack([q[0, h, i] @ keys[0, h // 2, t] / 2 for t in seen])  # √d = 2
-        psi[seen] += logits.softmax(0) / 12
-    assert torch.allclose(ngc.psi(*c)[0], psi, atol=1e-6)
+    psi = psi_by_hand(c)
     live = alive[0].nonzero().flatten().tolist()  # neighbours are the alive keys in position order
     expected = torch.zeros(14)
     for r, t in enumerate(live):
         window = live[max(r - 2, 0): r + 3]  # cut short at the edges (count_include_pad=False)
         expected[t] = psi[window].mean()
-    got = ngc.snapkv(*c)[0]
+    got = baselines.snapkv(psi[None], keys, alive)[0]
     assert torch.allclose(got, expected, atol=1e-6)
     assert got[~alive[0]].eq(0).all()
+    # The round feeds SnapKV the engine's own ψ and keeps the top K blocks of the smoothed means.
+    means, _ = block_means(expected[None], alive, 3)
+    assert keep("snapkv", c, 3, 0.5) == ordered_topk(means, torch.tensor([2]))[0].tolist()
     # Negative control: pooling over slots (dead ones counted as zeros) is not the same.
     slots = torch.nn.functional.avg_pool1d(torch.where(alive, psi, 0.0)[None], 5, 1, 2)[0, 0]
     assert (slots - expected)[alive[0]].abs().max() > 1e-3
@@ -1331,18 +1421,20 @@ def test_streamingllm_keeps_the_sink_block_and_the_newest(block, rate, sinks):
 # ---------------------------------------------------------------------------------------
 # Every policy keeps K blocks per layer and replay still reproduces the rollout
 
+EVAL_POLICIES = [name for name in ev.CLI_POLICIES if name != "none"]
+
 
 @pytest.fixture(scope="module")
 def rollouts(model):
     runs = {}
-    for policy in ngc.POLICIES:
-        e = Eviction(delta=12, block=3, window=4, rate=0.6, policy=policy)
+    for policy in EVAL_POLICIES:
+        e = Eviction(delta=12, block=3, window=4, rate=0.6, **ev.CLI_POLICIES[policy])
         runs[policy] = e, rollout(model, prompts_of([5, 17, 9]), Sampling(max_new_tokens=40, temperature=1.0, top_k=0),
                                   e, eos_ids=[EOS], generator=torch.Generator().manual_seed(0))
     return runs
 
 
-@pytest.mark.parametrize("policy", list(ngc.POLICIES))
+@pytest.mark.parametrize("policy", EVAL_POLICIES)
 def test_policy_keeps_k_blocks_and_replay_matches_rollout(model, rollouts, policy):
     e, ro = rollouts[policy]
     assert int(ro.n_rounds.min()) >= 2
@@ -1359,8 +1451,8 @@ def test_policy_keeps_k_blocks_and_replay_matches_rollout(model, rollouts, polic
     tok_lp, ev_lp = replay(model, ro, e, temperature=1.0)
     completion = (tok_lp != 0) | (ro.logprobs != 0)
     assert (tok_lp - ro.logprobs)[completion].abs().max() < 1e-5
-    if policy == "ngc":  # replay recomputes NGC's log p(σ): equal to the rollout's for ngc only
-        assert (ev_lp - ro.evict_logprobs).abs().max() < 1e-4
+    # The round records log p(σ) under NGC's policy whichever policy chose σ: what replay recomputes.
+    assert (ev_lp - ro.evict_logprobs).abs().max() < 1e-4
     # Negative control: the plain causal mask on the same tokens does not match.
     causal, _ = replay(model, ro, e, temperature=1.0, causal=True)
     assert (causal - ro.logprobs)[completion].abs().max() > 1e-2
@@ -1368,7 +1460,7 @@ def test_policy_keeps_k_blocks_and_replay_matches_rollout(model, rollouts, polic
 
 def test_policies_decide_differently(rollouts):
     first = {p: ro.kept[:, 0] for p, (_, ro) in rollouts.items()}  # the first round (prompt only)
-    names = [p for p in first if p != "ngc"]
+    names = [p for p in first if p != "ngc-sample"]
     for a, b in itertools.combinations(names, 2):
         assert not torch.equal(first[a], first[b]), (a, b)
 
@@ -1382,7 +1474,7 @@ def test_peak_kv_reduction_of_a_constructed_case(model):
     sampled is never fed). Without eviction the peak is 3·24 = 72. With it, each layer holds 8,
     keeps 4; 4+8 = 12, keeps 6; 6+8 = 14, keeps 8: peak 3·14 = 42. With 12 new tokens: 16 fed,
     peak 3·16 = 48 against 3·12 = 36."""
-    e = Eviction(delta=8, block=2, window=3, rate=0.5, policy="ngc-greedy")
+    e = Eviction(delta=8, block=2, window=3, rate=0.5, greedy=True)
     peaks = []
     for m in (20, 12):
         s = Sampling(max_new_tokens=m, greedy=True)
@@ -1427,7 +1519,7 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
     calls = []
 
     def counting(model, prompts, sampling, eviction=None, **kw):
-        calls.append((len(prompts), None if eviction is None else (eviction.policy, eviction.rate)))
+        calls.append((len(prompts), None if eviction is None else (eviction.score, eviction.greedy, eviction.rate)))
         return rollout(model, prompts, sampling, eviction, **kw)
 
     monkeypatch.setattr(train, "rollout", counting)
@@ -1437,8 +1529,8 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
     printed = capsys.readouterr().out
     print(printed)
     assert [c for c in calls if c[1] is None] == [(3, None)]  # one reference run, shared
-    assert sorted(c[1] for c in calls if c[1]) == [("knorm", 0.5), ("knorm", 0.75), ("ngc-greedy", 0.5),
-                                                   ("ngc-greedy", 0.75)]
+    assert [c[1] for c in calls if c[1]] == [(None, True, 0.5), (None, True, 0.75), (baselines.knorm, True, 0.5),
+                                             (baselines.knorm, True, 0.75)]  # ngc: greedy top-K on ψ
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["policy"], r["eviction_rate"]) for r in rows] == [("ngc", 0.5), ("ngc", 0.75), ("knorm", 0.5),
                                                                  ("knorm", 0.75)]
@@ -1453,7 +1545,7 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
     monkeypatch.setitem(train.TASK_REWARD, "countdown", lambda text, problem: float(len(text) % 2))  # some variance
     ev.main(["--model", eval_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
              "--problems", "2", "--out", str(out)])
-    assert [c[0] for c in calls] == [6, 6] and calls[1][1] == ("ngc", 0.5)
+    assert [c[0] for c in calls] == [6, 6] and calls[1][1] == (None, False, 0.5)  # ngc-sample: Gumbel-top-k
     none, sampled = [json.loads(line) for line in out.read_text().splitlines()]
     assert none["kv_reduction"] == 1.0 and none["eviction_rate"] == 0.0 and none["rounds"] == 0
     assert sampled["samples"] == 3 and set(sampled["pass_at_k"]) == {"1", "2", "3"}

@@ -25,7 +25,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -154,7 +154,7 @@ def policy_losses(model, ro, adv, ev, c, n_total):
     Both are normalised by the whole step's rollout count n_total (and L_token by the max
     completion length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss."""
     mode = MODES[c.mode]
-    tok_lp, ev_lp = replay(model, ro, ev, c.temperature, causal=not mode.replay_masks)
+    tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)
     l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * c.max_new_tokens)  # eq. (2)
     l_mem = None
     if mode.eviction_loss and ev_lp is not None:
@@ -200,7 +200,7 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn, progress=Fal
     P, G, mode = c.prompts // world, c.group, MODES[c.mode]  # this process's prompts
     gen = step_generator(c.seed, rank, step, device)
     eps = eviction_rate_at(step, c)
-    ev = Eviction(c.delta, c.block, c.window, eps, "ngc") if mode.evict else None
+    ev = Eviction(c.delta, c.block, c.window, eps) if mode.evict else None
     group_eps = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.2, Figure 6)
         final = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
@@ -393,7 +393,7 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, enc
     """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
     peak-KV reduction: the held-out numbers train.py logs every --eval-every steps."""
     s = Sampling(max_new_tokens=max_new_tokens, greedy=True)
-    greedy = Eviction(eviction.delta, eviction.block, eviction.window, eviction.rate, "ngc-greedy")
+    greedy = replace(eviction, greedy=True)
     full = solve(model, tokenizer, problems, s, None, encode, reward_fn, batch_size=batch_size,
                  desc="eval full cache" if progress else None)
     ev = solve(model, tokenizer, problems, s, greedy, encode, reward_fn, batch_size=batch_size,
@@ -777,7 +777,7 @@ def main(argv=None, reward_fn=None):
     train, test = load_problems(c)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()
     train = [train[i] for i in order]
-    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eps, "ngc-greedy")
+    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eps, greedy=True)
     encode = prompt_encoder(c, eval_ev.rate if c.interoception else None)
     reward_fn = reward_fn or TASK_REWARD[c.task]
     evals = []
