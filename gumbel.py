@@ -69,7 +69,7 @@ def gumbel_topk(logits, k, generator=None):
 
 
 def plackett_luce_log_prob(logits, sigma):
-    """log p(σ) = Σ_{j<K} [ x_{σ_j} − log Σ_{i ∉ {σ_1..σ_{j-1}}} exp x_i ]   # paper eq. (1)
+    """log p(σ) = Σ_{j<K} [ x_{σ_j} − log Σ_{i ∉ {σ_1..σ_{j-1}}} exp x_i ]   # paper eq. (2)
 
     logits (N, M) fp32 with MISSING at absent blocks; sigma (N, Kmax), -1 padded. The
     logits are laid out as [kept blocks in σ order | every other block], so each

@@ -254,7 +254,7 @@ def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record)
             ranking = torch.where(exists, block_means(ev.score(psi, keys, alive), alive, ev.block)[0], MISSING)
         K = keep_count(exists.sum(1), rates[rows])  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(logits, K, generator)  # σ (N, Kmax), §4.3
-        logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (1)
+        logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
         c.evict(rows, kept_keys(alive, sigma, ev.block))  # the rest are dead here; compacted when the buffer fills
         sigmas.append(sigma), before.append(alive.sum(1))
     record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))

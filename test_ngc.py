@@ -193,7 +193,7 @@ def test_eviction_loss_reaches_every_q_and_k_projection(ckpt, sampled):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. The objective (eqs. 2-4): Dr. GRPO over tokens and evictions
+# 3. The objective (eqs. 3-5): Dr. GRPO over tokens and evictions
 
 
 def test_group_advantages_are_centred_within_each_group():
@@ -206,8 +206,8 @@ def test_group_advantages_are_centred_within_each_group():
 
 def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
     """Two rollouts with chosen log-probs, the losses by hand:
-    L_token = -Σ_i A_i Σ_t log π_it / (n · T_max)                       eq. (2), Dr. GRPO's constant
-    L_mem   = -Σ_ℓ (1/n) Σ_i A_i · mean over i's rounds of log p(σ)     eq. (3)"""
+    L_token = -Σ_i A_i Σ_t log π_it / (n · T_max)                       eq. (3), Dr. GRPO's constant
+    L_mem   = -Σ_ℓ (1/n) Σ_i A_i · mean over i's rounds of log p(σ)     eq. (4)"""
     tok_lp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [-0.5, -0.5, 0.0, 0.0]])
     ev_lp = torch.tensor([[[-1.0, -2.0], [-3.0, -4.0]],  # rollout 0: 2 rounds x 2 layers
                           [[-0.5, -1.5], [0.0, 0.0]]])  # rollout 1: 1 round, the second is padding
@@ -1331,7 +1331,7 @@ def psi_by_hand(c):
 
 def test_ngc_round_by_hand():
     """NGC's round on a hand-built cache: ψ, the block means s_j, the top K blocks of log s_j, and
-    log p(σ) of eq. (1) as a plain loop over the kept blocks."""
+    log p(σ) of eq. (2) as a plain loop over the kept blocks."""
     c = hand_built_cache(S=14, holes=(1, 6, 7))  # 11 alive keys, blocks of 3: N = 4 (the last holds 2)
     psi = psi_by_hand(c)[c[3][0]]  # the alive keys, in position order
     x = [psi[j:j + 3].mean().log().item() for j in range(0, 11, 3)]

@@ -8,7 +8,7 @@
 
 One step: P prompts x G rollouts through the NGC engine (a round every δ tokens at the
 curriculum's ε), binary reward, advantage A = r - mean(group), then the replay pass in
-micro-batches, L = L_token + L_mem (eqs. 2-4), one backward, grad-norm clipping, AdamW at a
+micro-batches, L = L_token + L_mem (eqs. 3-5), one backward, grad-norm clipping, AdamW at a
 constant LR. Defaults are the paper's recipe for the task; a checkpoint directory may carry an
 ngc.json whose values replace them (the tiny model's does), and any flag replaces both.
 
@@ -119,8 +119,8 @@ def prompt_encoder(c, eviction_rate=None):
 
 
 def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float) -> float:
-    """Staircase over retention p0 = 1 - ε: hold ρ_ℓ for the first (1 - α) of stage ℓ, then
-    blend linearly to ρ_{ℓ+1}; the last stage holds ρ_K."""
+    """Staircase over retention p0 = 1 - ε (eq. 6): hold ρ_ℓ for the first (1 - α) of stage ℓ,
+    then blend linearly to ρ_{ℓ+1}; the last stage holds ρ_K."""
     last = len(stages) - 1
     stage = min(step // stage_steps, last)
     if stage == last:
@@ -139,7 +139,7 @@ def eviction_rate_at(step: int, c) -> float:
 
 
 # ---------------------------------------------------------------------------------------
-# The objective (paper eqs. 2-4, Dr. GRPO)
+# The objective (paper eqs. 3-5, Dr. GRPO)
 
 
 def group_advantages(reward, group: int):
@@ -155,11 +155,11 @@ def policy_losses(model, ro, adv, ev, c, n_total):
     completion length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss."""
     mode = MODES[c.mode]
     tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)
-    l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * c.max_new_tokens)  # eq. (2)
+    l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * c.max_new_tokens)  # eq. (3)
     l_mem = None
     if mode.eviction_loss and ev_lp is not None:
         per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
-        l_mem = -(adv[:, None] * per_layer).sum() / n_total  # eq. (3), summed over layers
+        l_mem = -(adv[:, None] * per_layer).sum() / n_total  # eq. (4), summed over layers
     return l_token, l_mem, tok_lp
 
 
