@@ -215,14 +215,14 @@ def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
     monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, ev_lp))
     c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=10)
     adv = torch.tensor([0.5, -0.5])
-    l_token, l_mem, _ = train.policy_losses(None, ro, adv, EV, c, n_total=4)
+    l_token, l_mem, _ = train.policy_losses(None, ro, adv, c, n_total=4)
     # L_token = -(0.5·(-3) + (-0.5)·(-1)) / (4·10) = 1/40
     assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)
     # rollout 0: layer means (-1-3)/2 = -2, (-2-4)/2 = -3; rollout 1: -0.5, -1.5 (one round)
     # L_mem = -(0.5·(-2-3) + (-0.5)·(-0.5-1.5)) / 4 = 1.5/4
     assert l_mem.item() == pytest.approx(1.5 / 4, abs=1e-9)
     c.mode = "token-only"
-    assert train.policy_losses(None, ro, adv, EV, c, n_total=4)[1] is None
+    assert train.policy_losses(None, ro, adv, c, n_total=4)[1] is None
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -236,7 +236,7 @@ def test_one_step_on_l_mem_moves_log_p_sigma_with_the_advantage(ckpt, sampled, s
         model = from_pretrained(ckpt)
         ro = sampled.select(torch.tensor([row]))
         before = replay(model, ro, EV, 1.0)[1].sum().item()
-        _, l_mem, _ = train.policy_losses(model, ro, torch.tensor([sign]), EV, c, n_total=1)
+        _, l_mem, _ = train.policy_losses(model, ro, torch.tensor([sign]), c, n_total=1)
         l_mem.backward()
         torch.optim.SGD(model.parameters(), lr=1e-3).step()
         after = replay(model, ro, EV, 1.0)[1].sum().item()
@@ -251,11 +251,11 @@ def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
     adv = torch.linspace(-1, 1, len(sampled.n_rounds))
     diag = train.TokenGradient(params)
     for rows in torch.arange(len(adv)).split(2):  # micro-batches, as in train_step
-        l_token, l_mem, _ = train.policy_losses(model, sampled.select(rows), adv[rows], EV, c, n_total=len(adv))
+        l_token, l_mem, _ = train.policy_losses(model, sampled.select(rows), adv[rows], c, n_total=len(adv))
         diag.add(l_token)
         (l_token + l_mem).backward()
     norms = diag.norms(has_mem=True)
-    l_token, l_mem, _ = train.policy_losses(model, sampled, adv, EV, c, n_total=len(adv))
+    l_token, l_mem, _ = train.policy_losses(model, sampled, adv, c, n_total=len(adv))
     for loss, key in ((l_token, "grad_norm_token"), (l_mem, "grad_norm_mem")):
         grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         direct = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None])).item()
@@ -552,7 +552,7 @@ def test_targeted_dropout_scores_tokens_under_the_causal_mask(train_ckpt, model)
     ro = rollout(model, prompts_of([5, 9, 3]), Sampling(max_new_tokens=30, temperature=1.0, top_k=0), EV,
                  eos_ids=[EOS], generator=torch.Generator().manual_seed(0))
     adv = torch.tensor([1.0, -1.0, 0.5])
-    _, l_mem, tok_lp = train.policy_losses(model, ro, adv, EV, c, n_total=3)
+    _, l_mem, tok_lp = train.policy_losses(model, ro, adv, c, n_total=3)
     assert l_mem is None
     causal, _ = replay(model, ro, EV, 1.0, causal=True)
     masked, _ = replay(model, ro, EV, 1.0)
@@ -873,7 +873,7 @@ model = from_pretrained(ckpt)
 if reduce == "fsdp":
     train.shard(model)
 opt = train.make_optimizer(model, c)
-train.backward(model, ro.select(rows), adv[rows], ev, c)
+train.backward(model, ro.select(rows), adv[rows], c)
 grads = [p.grad.full_tensor() if reduce == "fsdp" else p.grad.clone() for p in model.parameters()]
 torch.nn.utils.clip_grad_norm_(list(model.parameters()), c.clip)
 opt.step()
@@ -895,7 +895,7 @@ def test_two_processes_take_the_single_process_step(train_ckpt, sampled, tmp_pat
     (tmp_path / "step.py").write_text(DDP_STEP)
     model = from_pretrained(train_ckpt)
     opt = train.make_optimizer(model, c)
-    train.backward(model, ro, adv, EV, c)
+    train.backward(model, ro, adv, c)
     grads = [p.grad.clone() for p in model.parameters()]
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), c.clip)
     opt.step()

@@ -148,7 +148,7 @@ def group_advantages(reward, group: int):
     return (r - r.mean(1, keepdim=True)).flatten()
 
 
-def policy_losses(model, ro, adv, ev, c, n_total):
+def policy_losses(model, ro, adv, c, n_total):
     """L_token and L_mem (None when the mode has none) of rollouts ro with advantages adv (B,).
 
     Both are normalised by the whole step's rollout count n_total (and L_token by the max
@@ -218,7 +218,7 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn, progress=Fal
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
     reward = torch.where(ro.lengths.cpu() < c.min_length, 0.0, correct)  # Appendix A.1 penalty
     adv = group_advantages(reward, G).to(device)
-    losses = backward(model, ro, adv, ev, c, amp)
+    losses = backward(model, ro, adv, c, amp)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip).item()
 
@@ -231,7 +231,7 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn, progress=Fal
             "step_time": time.perf_counter() - t0}
 
 
-def backward(model, ro, adv, ev, c, amp=contextlib.nullcontext()):
+def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     """Replay the rollouts that carry signal (A = 0 contributes nothing) in micro-batches,
     accumulate ∇(L_token + L_mem), and average it over the processes. The losses are normalised
     by this process's rollout count, so the average is the single-process gradient of all of them."""
@@ -246,7 +246,7 @@ def backward(model, ro, adv, ev, c, amp=contextlib.nullcontext()):
         chunks += [(padding, torch.zeros(1, device=adv.device))] * (max_over_processes(len(chunks)) - len(chunks))
     for rows, a in chunks:  # (padding has advantage 0: a zero gradient)
         with amp:
-            l_token, l_mem, _ = policy_losses(model, ro.select(rows), a, ev, c, n_total=len(adv))
+            l_token, l_mem, _ = policy_losses(model, ro.select(rows), a, c, n_total=len(adv))
         if diag:
             diag.add(l_token)
         (l_token if l_mem is None else l_token + l_mem).backward()
