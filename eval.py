@@ -1,4 +1,4 @@
-"""Held-out evaluation of a checkpoint: NGC against the baselines (paper §5.1, Figure 3; §5 math, pass@k).
+"""Held-out evaluation of a checkpoint: NGC against the baselines (paper §5.1, Figure 3; §5.4, pass@k).
 
     python eval.py --model DIR --task countdown --policy ngc snapkv keydiff knorm streamingllm none \\
         --eviction-rate 0.5 0.75 [--samples k] [--problems n] [--out results.jsonl] [--plot acc.png]

@@ -67,7 +67,7 @@ COUNTDOWN = dict(  # the paper's Countdown settings (§5.2, Table 1), for large 
     micro_batch=4, term_grad_norms=False, eval_every=50, eval_rate=None, eval_batch=64, save_every=50,
     eval_samples=None, eval_temperature=None, eval_top_p=None, eval_max_new_tokens=None,
 )
-MATH = dict(  # DAPO-17k (§5 "Mathematical reasoning", Appendix Table "DAPO-17k training hyperparameters")
+MATH = dict(  # DAPO-17k (§5.4, Appendix A.1 "DAPO-17k training hyperparameters")
     COUNTDOWN, task="math", prompt=None, difficulty=None, train_problems=None, eval_problems=None,
     steps=469, prompts=256, group=8, max_new_tokens=1050, temperature=1.0, top_k=0, delta=350,
     min_length=350,  # Appendix A.1: reward 0 for a rollout that ends before the first round (δ)
@@ -202,7 +202,7 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn, progress=Fal
     eps = eviction_rate_at(step, c)
     ev = Eviction(c.delta, c.block, c.window, eps) if mode.evict else None
     group_eps = None
-    if c.interoception:  # one ε per group, written into its prompts (paper §5.2, Figure 6)
+    if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
         final = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
         choices = torch.tensor(c.interoception_rates) * eps / final
         group_eps = choices[torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()].clamp(0.01, 1)
