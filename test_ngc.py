@@ -79,7 +79,7 @@ def prompts_of(lengths, seed=0):
 
 
 # ---------------------------------------------------------------------------------------
-# 1. Replay = rollout
+# 1. Replay = rollout (§4.5, App. A.3)
 
 
 EV = Eviction(delta=12, block=3, window=4, rate=0.5)
@@ -174,7 +174,7 @@ def test_replay_refuses_settings_other_than_the_rollouts(model, made_with_delta_
 
 
 # ---------------------------------------------------------------------------------------
-# 2. Gradients reach θ through evictions
+# 2. Gradients reach θ through evictions (§4.4-4.5)
 
 
 def test_eviction_loss_reaches_every_q_and_k_projection(ckpt, sampled):
@@ -193,7 +193,7 @@ def test_eviction_loss_reaches_every_q_and_k_projection(ckpt, sampled):
 
 
 # ---------------------------------------------------------------------------------------
-# 3. The objective (eqs. 3-5): Dr. GRPO over tokens and evictions
+# 3. The objective (eqs. 3-5): Dr. GRPO over tokens and evictions (§4.4)
 
 
 def test_group_advantages_are_centred_within_each_group():
@@ -264,7 +264,7 @@ def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Batch independence
+# 4. Batch independence (§4.1: rounds are per sequence)
 
 
 def test_a_sequence_does_not_depend_on_its_batch(model):
@@ -291,7 +291,7 @@ def test_a_sequence_does_not_depend_on_its_batch(model):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Gumbel-top-k is the distribution it claims
+# 5. Gumbel-top-k is the distribution it claims (§4.3, eq. 2)
 
 
 def test_gumbel_topk_matches_plackett_luce():
@@ -355,7 +355,7 @@ def test_block_pooling_and_keep_count():
 
 
 # ---------------------------------------------------------------------------------------
-# 5. The model is Qwen2
+# 6. The model is Qwen2
 
 
 def test_cached_decode_equals_full_forward(model):
@@ -431,7 +431,7 @@ def test_config_generations_and_refusals(ckpt, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# 6. Memory bound
+# 7. Memory bound (App. A.2)
 
 
 def test_cache_size_converges_to_delta_over_eps(model):
@@ -455,7 +455,7 @@ def test_cache_size_converges_to_delta_over_eps(model):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. Bad arguments
+# 8. Bad arguments
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -491,7 +491,7 @@ def test_cuda_bf16_replay_agrees_by_argmax(ckpt):
 
 
 # ---------------------------------------------------------------------------------------
-# Training (train.py)
+# 9. Training (train.py): curriculum (§4.6), modes, checkpoints, signals, logs, bad input
 
 
 TRAIN_DEFAULTS = dict(difficulty="tiny", train_problems=64, eval_problems=4, prompts=2, group=4, max_new_tokens=24,
@@ -844,7 +844,7 @@ def test_help_shows_the_checkpoints_defaults(train_ckpt, capsys):
 
 
 # ---------------------------------------------------------------------------------------
-# Several processes (torchrun, Gloo on the CPU)
+# 10. Several processes (torchrun, Gloo on the CPU)
 
 
 def torchrun(tmp_path, *args, nproc=2, timeout=240):
@@ -912,8 +912,8 @@ def test_two_processes_take_the_single_process_step(train_ckpt, sampled, tmp_pat
             assert grad_err > 1e-3
 
 
-def test_eval_over_two_processes_gives_the_rows_of_one(eval_ckpt, tmp_path):
-    flags = ["--model", eval_ckpt, "--policy", "none", "ngc", "knorm", "--eviction-rate", "0.5", "--problems", "4",
+def test_eval_over_two_processes_gives_the_rows_of_one(train_ckpt, tmp_path):
+    flags = ["--model", train_ckpt, "--policy", "none", "ngc", "knorm", "--eviction-rate", "0.5", "--problems", "4",
              "--batch-size", "3"]
     ev.main(flags + ["--out", str(tmp_path / "one.jsonl")])
     torchrun(tmp_path, "eval.py", *flags, "--out", str(tmp_path / "two.jsonl"))
@@ -947,7 +947,7 @@ def test_two_process_run_interrupted_and_resumed_logs_what_an_uninterrupted_one_
 
 
 # ---------------------------------------------------------------------------------------
-# Countdown (countdown.py): solver, generator, prompt and reward
+# 11. Countdown (§5.2, countdown.py): solver, generator, prompt and reward
 
 
 def test_solve_finds_valid_expressions_and_none_when_unsolvable():
@@ -1282,7 +1282,7 @@ def test_reward_10k_random_strings(no_eval, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------
-# Baselines (baselines.py) and eval.py
+# 12. Baselines (§5.1, baselines.py) and eval.py
 
 
 def hand_built_cache(S=12, D=4, H=4, Hkv=2, w=3, seed=0, holes=(2, 7)):
@@ -1507,15 +1507,7 @@ def test_pass_at_k_matches_its_closed_form():
 # The CLI
 
 
-@pytest.fixture(scope="module")
-def eval_ckpt(tmp_path_factory):
-    path = write_checkpoint(tmp_path_factory.mktemp("eval_model"), seed=1)
-    with open(os.path.join(path, "ngc.json"), "w") as f:
-        json.dump(TRAIN_DEFAULTS, f)
-    return path
-
-
-def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, monkeypatch, capsys):
+def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, monkeypatch, capsys):
     calls = []
 
     def counting(model, prompts, sampling, eviction=None, **kw):
@@ -1524,7 +1516,7 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
 
     monkeypatch.setattr(train, "rollout", counting)
     out = tmp_path / "results.jsonl"
-    ev.main(["--model", eval_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
+    ev.main(["--model", train_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
              "0.75", "--problems", "3", "--out", str(out)])
     printed = capsys.readouterr().out
     print(printed)
@@ -1543,7 +1535,7 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
 
     calls.clear()  # sampled: k completions per problem, pass@k, `none` is the reference itself
     monkeypatch.setitem(train.TASK_REWARD, "countdown", lambda text, problem: float(len(text) % 2))  # some variance
-    ev.main(["--model", eval_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
+    ev.main(["--model", train_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
              "--problems", "2", "--out", str(out)])
     assert [c[0] for c in calls] == [6, 6] and calls[1][1] == (None, False, 0.5)  # ngc-sample: Gumbel-top-k
     none, sampled = [json.loads(line) for line in out.read_text().splitlines()]
@@ -1558,19 +1550,19 @@ def test_cli_two_policies_two_rates_share_one_reference(eval_ckpt, tmp_path, mon
     (["--samples", "0"], "--samples 0 must be at least 1"), (["--problems", "99"], "test split has 4"),
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory")])
-def test_cli_bad_input_fails_with_one_line(eval_ckpt, flags, message, monkeypatch):
+def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
     monkeypatch.setattr(train, "rollout", None)  # nothing may run
     with pytest.raises(SystemExit) as err:
-        ev.main(["--model", eval_ckpt, *flags])
+        ev.main(["--model", train_ckpt, *flags])
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_cli_plot_without_matplotlib_fails_early(eval_ckpt, tmp_path, monkeypatch):
+def test_cli_plot_without_matplotlib_fails_early(train_ckpt, tmp_path, monkeypatch):
     real = ev.importlib.util.find_spec
     monkeypatch.setattr(ev.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real(name))
     monkeypatch.setattr(ev, "from_pretrained", None)  # fails before loading anything
     with pytest.raises(SystemExit) as err:
-        ev.main(["--model", eval_ckpt, "--plot", str(tmp_path / "acc.png")])
+        ev.main(["--model", train_ckpt, "--plot", str(tmp_path / "acc.png")])
     assert str(err.value) == "error: --plot needs matplotlib: pip install matplotlib"
 
 
@@ -1710,7 +1702,7 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------
-# Mathematical reasoning (§5.4, mathtask.py): DAPO-Math-17k → AMC/AIME, boxed answers, top-p
+# 13. Mathematical reasoning (§5.4, mathtask.py): DAPO-Math-17k → AMC/AIME, boxed answers, top-p
 
 
 BIG = "1000000000000000000001"  # 22 digits: a float cannot tell it from 10^21
@@ -2087,7 +2079,7 @@ def test_top_p_tiny_is_argmax_and_one_is_off():
             Sampling(top_p=bad)
 
 
-def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, eval_ckpt, tmp_path, monkeypatch):
+def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monkeypatch):
     """`train.py --task math` on the demo set in DAPO's layout: the paper's math recipe underneath
     (here shrunk), one step with the boxed-answer reward and the min-length penalty, an evaluation;
     `eval.py --task math` then gives pass@k for NGC and a baseline."""
