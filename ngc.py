@@ -248,8 +248,8 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     T = int(lengths.max())
     t = torch.arange(T, device=device)
     forced = (t >= P[:, None]) & (t < lengths[:, None]) & ((t + 1) % chunk == 0) & (meta is not None)  # (B, T)
-    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, *record.tensors(), peak_kv=peak, kv_slots=slots, eos=hit_eos, sampling=sampling,
-                   eviction=eviction, rates=rates if eviction else None)
+    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, *record.tensors(), peak_kv=peak, kv_slots=slots,
+                   eos=hit_eos, sampling=sampling, eviction=eviction, rates=rates if eviction else None)
 
 
 def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record):
