@@ -14,7 +14,8 @@ Policies:
 
 The problems are the held-out split of the run's settings (`train.run_defaults`: the paper's recipe
 for the task, or the checkpoint's ngc.json): Countdown's generated test split, or the math
---eval-data file. Tokens are greedy, one completion per problem (the Countdown default); with
+--eval-data file. A run trained with --meta-token is evaluated with it: g is forced before every
+round of every policy. Tokens are greedy, one completion per problem (the Countdown default); with
 --samples k (the math default: 32), k completions per problem at the recipe's evaluation
 temperature, top-k and top-p, pass@1 = mean fraction correct and
 pass@j = 1 - C(n-c, j)/C(n, j) (n = k samples, c correct) for j = 1, 2, 4, ..., k. Every run
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import baselines
-from model import CheckpointError, from_pretrained, load_tokenizer
+from model import META_TOKEN, CheckpointError, add_meta_token, from_pretrained, load_tokenizer
 from ngc import Eviction, Sampling
 from train import TASK_REWARD, kv_reduction, load_problems, prompt_encoder, run_defaults, solve
 
@@ -54,7 +55,8 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
     n = samples or 1
     c = SimpleNamespace(**d)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
-                        top_p=c.eval_top_p or c.top_p, greedy=samples is None)
+                        top_p=c.eval_top_p or c.top_p, greedy=samples is None,
+                        meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
     device = model.lm_head.weight.device
 
     def run(name, rate):
@@ -170,6 +172,8 @@ def main(argv=None):
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
         model = from_pretrained(args.model, dtype=torch.float32, device=args.device).eval()
         tokenizer = load_tokenizer(args.model)
+        if d["meta_token"]:  # a run trained with --meta-token saved g; this only adds it to one that lacks it
+            add_meta_token(model, tokenizer)
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     problems = test[: args.problems]

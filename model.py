@@ -417,6 +417,49 @@ def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = 
         _write_atomic(os.path.join(path, name), lambda tmp: Path(tmp).write_text(json.dumps(content, indent=2)))
 
 
+META_TOKEN = "<|meta|>"
+
+
+@torch.no_grad()
+def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = META_TOKEN) -> int:
+    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added to the
+    tokenizer as a special token and to the model when the checkpoint lacks it; its embedding row
+    (and an untied LM head's row) is the mean of the rows of `text`'s tokens. A checkpoint that
+    has g already (one saved by a run that used it) is left as it is: g's row may be trained.
+
+    Grows embed_tokens and lm_head (and config.vocab_size) only when g's id has no row; R1's
+    checkpoints have spare rows past the tokenizer's vocabulary, so there g just takes one. Call
+    it before making the optimizer. save_pretrained and save_tokenizer then carry g."""
+    from tokenizers import AddedToken
+    g = tokenizer.token_to_id(token)
+    if g is not None and g < model.config.vocab_size:
+        return g
+    if g is None:
+        tokenizer.add_special_tokens([AddedToken(token, special=True)])
+        g = tokenizer.token_to_id(token)
+    embed = model.model.embed_tokens
+    unk = getattr(tokenizer.model, "unk_token", None)  # a word-level tokenizer maps unknown words to it
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    ids = [i for i in tokenizer.encode(text, add_special_tokens=False).ids if i != unk_id and i < embed.num_embeddings]
+    if not ids:
+        print(f"note: the tokenizer has no tokens for {text!r}; {token}'s embedding is the mean of all rows")
+        ids = list(range(embed.num_embeddings))
+    if g >= model.config.vocab_size:  # rows up to g: g's is set below (any between stay zero)
+        grow = g + 1 - model.config.vocab_size
+        embed.weight = nn.Parameter(torch.cat([embed.weight, embed.weight.new_zeros(grow, embed.embedding_dim)]))
+        embed.num_embeddings = model.config.vocab_size = g + 1
+        if model.config.tie_word_embeddings:
+            model.lm_head.weight = embed.weight
+        else:
+            head = model.lm_head.weight
+            model.lm_head.weight = nn.Parameter(torch.cat([head, head.new_zeros(grow, head.shape[1])]))
+        model.lm_head.out_features = g + 1
+    embed.weight[g] = embed.weight[ids].mean(0)
+    if not model.config.tie_word_embeddings:
+        model.lm_head.weight[g] = model.lm_head.weight[ids].mean(0)
+    return g
+
+
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -9,8 +9,14 @@ good. Token kδ is sampled from the logits computed before the round and attends
 survivors. A heuristic baseline (baselines.py) swaps ψ for its own per-key score in the same
 round: same rounds, blocks and K.
 
-A Rollout records everything replay needs: tokens, prompt lengths, the ordered kept blocks σ
-of every (round, layer), and the settings it was made with (δ, b, w, each row's ε, temperature).
+With a meta-token g (Sampling.meta_token; paper, Appendix "Compression via Meta-Tokens") the
+token at index kδ-1 of every sequence, the last one before a round, is forced to g instead of
+sampled (constrained decoding); a prompt's own tokens are never forced. g is then an ordinary
+cache entry that the round may keep or evict.
+
+A Rollout records everything replay needs: tokens, prompt lengths, which tokens were forced, the
+ordered kept blocks σ of every (round, layer), and the settings it was made with (δ, b, w, each
+row's ε, temperature, g).
 """
 import math
 from dataclasses import dataclass
@@ -63,6 +69,7 @@ class Sampling:
     top_k: int = 50  # 0 = no top-k truncation
     top_p: float = 1.0  # nucleus sampling: keep the fewest top tokens whose mass reaches top_p; 1 = off
     greedy: bool = False
+    meta_token: int | None = None  # g: forced as the last token before each eviction round; None: never
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -78,7 +85,8 @@ class Rollout:
     tokens: torch.Tensor  # (B, T) prompt + completion, right-padded with 0
     prompt_lens: torch.Tensor  # (B,)
     lengths: torch.Tensor  # (B,) prompt + completion
-    logprobs: torch.Tensor  # (B, T) log softmax(logits / temperature) of each completion token, else 0
+    logprobs: torch.Tensor  # (B, T) log softmax(logits / temperature) of each sampled completion token, else 0
+    forced: torch.Tensor  # (B, T) bool: completion tokens forced to the meta-token g (log-prob 0: not sampled)
     kept: torch.Tensor  # (B, R, L, Kmax) ordered kept blocks σ per round and layer, -1 padded
     n_rounds: torch.Tensor  # (B,) rounds that fired
     evict_logprobs: torch.Tensor  # (B, R, L) log p(σ) of each decision, 0 where none
@@ -94,7 +102,7 @@ class Rollout:
         """The rollouts of batch rows `rows`, trimmed to their own longest length and round count."""
         T, R = int(self.lengths[rows].max()), int(self.n_rounds[rows].max())
         return Rollout(self.tokens[rows, :T], self.prompt_lens[rows], self.lengths[rows], self.logprobs[rows, :T],
-                       self.kept[rows, :R], self.n_rounds[rows], self.evict_logprobs[rows, :R],
+                       self.forced[rows, :T], self.kept[rows, :R], self.n_rounds[rows], self.evict_logprobs[rows, :R],
                        self.kv_before_round[rows, :R], self.peak_kv[rows], self.kv_slots, self.eos[rows],
                        self.sampling, self.eviction, None if self.rates is None else self.rates[rows])
 
@@ -176,6 +184,9 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
     logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
+    meta = sampling.meta_token if eviction else None  # without eviction there are no rounds to precede
+    if meta is not None and not 0 <= meta < cfg.vocab_size:
+        raise ValueError(f"meta_token={meta} is not a token id of this model (vocabulary {cfg.vocab_size})")
     if eviction is not None:
         rates = torch.full((B,), eviction.rate, device=device) if rates is None else torch.as_tensor(rates, device=device)
         check_eviction(eviction.delta, eviction.block, eviction.window, rates)
@@ -219,6 +230,9 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     hit_eos = torch.zeros(B, dtype=torch.bool, device=device)
     for _ in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
         tok, lp = sample_tokens(last_logits, sampling, generator)
+        if meta is not None:  # the token at index kδ-1, the last before a round, is g (constrained decoding)
+            force = (P + n_new + 1) % eviction.delta == 0
+            tok, lp = tok.masked_fill(force, meta), lp.masked_fill(force, 0.0)
         at = (P + n_new)[active]
         tokens[rows[active], at], logprobs[rows[active], at] = tok[active], lp[active]
         n_new += active
@@ -231,9 +245,11 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
             eviction_round(cache, window, active & (fed % chunk == 0), eviction, rates, generator, record)
 
     lengths = P + n_new
-    return Rollout(tokens[:, : int(lengths.max())], P, lengths, logprobs[:, : int(lengths.max())],
-                   *record.tensors(), peak_kv=peak, kv_slots=slots, eos=hit_eos, sampling=sampling,
-                   eviction=eviction, rates=rates if eviction else None)
+    T = int(lengths.max())
+    t = torch.arange(T, device=device)
+    forced = (t >= P[:, None]) & (t < lengths[:, None]) & ((t + 1) % chunk == 0) & (meta is not None)  # (B, T)
+    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, *record.tensors(), peak_kv=peak, kv_slots=slots,
+                   eos=hit_eos, sampling=sampling, eviction=eviction, rates=rates if eviction else None)
 
 
 def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record):

@@ -73,6 +73,7 @@ def check_settings(ro: Rollout, ev: Eviction | None, temperature: float | None):
 
 def replay(model, ro: Rollout, ev: Eviction | None = None, temperature: float | None = None, causal: bool = False):
     """Token log-probs (B, T) and eviction log-probs (B, R, L) of rollouts ro, on the graph.
+    Prompt tokens and forced meta-tokens get token log-prob 0.
 
     δ, b, w and the temperature are the rollout's own; ev and temperature, if given, are only
     checked against them. causal=True (or a rollout without eviction) uses the plain causal mask
@@ -97,6 +98,7 @@ def replay(model, ro: Rollout, ev: Eviction | None = None, temperature: float | 
         evict_logps = torch.stack(per_layer, dim=2)  # (B, R, L)
     t = torch.arange(1, T, device=pos.device)
     target = (t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None])  # (B, T-1): completion tokens
+    target &= ~ro.forced[:, 1:]  # a forced meta-token was not sampled: no log-prob (it stays a key above)
     logits = model.logits(h[:, :-1][target]).float() / ro.sampling.temperature  # (N, V), completion positions only
     lp = logits.gather(1, ro.tokens[:, 1:][target][:, None]).squeeze(1) - logits.logsumexp(-1)
     token_logps = torch.zeros(B, T - 1, device=lp.device).masked_scatter(target, lp)

@@ -38,11 +38,11 @@ import train
 from countdown import PAPER, TINY, Problem, tiny_prompt
 
 from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk, plackett_luce_log_prob
-from model import (CheckpointError, KVCache, LayerCache, Qwen2, Qwen2Config, from_pretrained, init_weights,
-                   load_tokenizer, save_pretrained)
+from model import (META_TOKEN, CheckpointError, KVCache, LayerCache, Qwen2, Qwen2Config, add_meta_token,
+                   from_pretrained, init_weights, load_tokenizer, save_pretrained)
 from make_tiny import build_tokenizer, replay_trace, split_problems, trace
 from ngc import Eviction, Sampling, rollout
-from replay import replay
+from replay import death_times, replay, visibility
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
 EOS = 1
@@ -2125,3 +2125,160 @@ def test_bad_math_flags_fail_with_one_line(train_ckpt, tmp_path, flags, message)
     with pytest.raises(SystemExit) as err:
         train.main(["--model", train_ckpt, "--out", str(tmp_path / "run"), *flags])
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Compression via meta-tokens (Appendix): g forced before every round, the gist mask
+
+
+META = 95  # any id of the tiny vocabulary serves as g for the engine
+
+
+def expected_forced(ro, delta):
+    """The spec: the completion tokens at indices kδ-1, the last before each round (prompts are given)."""
+    t = torch.arange(ro.tokens.shape[1])
+    return (t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None]) & ((t + 1) % delta == 0)
+
+
+def test_meta_token_is_forced_before_every_round_and_replays_exactly(model):
+    """Prompts of 5..17 tokens (17 > δ: its first round falls in the prompt, which is never forced;
+    11 = δ-1: the first sampled token is forced), EOS and max-length endings."""
+    ro = rollout(model, prompts_of([5, 17, 9, 3, 11, 7]), Sampling(max_new_tokens=60, temperature=1.0, top_k=0,
+                 meta_token=META), EV, eos_ids=[EOS], generator=torch.Generator().manual_seed(3))
+    assert torch.equal(ro.forced, expected_forced(ro, EV.delta)) and int(ro.forced.sum()) >= 12
+    assert (ro.tokens[ro.forced] == META).all() and (ro.logprobs[ro.forced] == 0).all()
+    after_g = 0
+    for i in range(len(ro.lengths)):  # every round that fired after decoding began follows a g
+        ends = (torch.arange(int(ro.n_rounds[i])) + 1) * EV.delta - 1
+        decoded = ends[ends >= ro.prompt_lens[i]]
+        assert (ro.tokens[i, decoded] == META).all()
+        after_g += len(decoded)
+    assert after_g >= 8
+    assert ro.tokens[1, EV.delta - 1] == prompts_of([5, 17])[1][EV.delta - 1] and not ro.forced[1, EV.delta - 1]
+    assert ro.forced[4, 11] and ro.sampling.meta_token == META
+    tok_lp, ev_lp = replay(model, ro)
+    completion = expected_forced(ro, 1)  # every completion token
+    assert (tok_lp[ro.forced] == 0).all()  # not sampled: no log-prob in L_token
+    tok_diff = (tok_lp - ro.logprobs)[completion].abs().max().item()
+    ev_diff = (ev_lp - ro.evict_logprobs).abs().max().item()
+    print(f"meta-token rollout, max |replay - rollout|: tokens {tok_diff:.2e}, evictions {ev_diff:.2e}")
+    assert tok_diff < 1e-5 and ev_diff < 1e-4
+    row = ro.select(torch.tensor([4]))  # select keeps the forced positions
+    assert torch.equal(row.forced[0], ro.forced[4, : int(ro.lengths[4])])
+    assert (replay(model, row)[0][0] - tok_lp[4, : int(ro.lengths[4])]).abs().max() < 1e-5
+    # Negative controls: scored as if sampled, g gets a log-prob; the causal mask sees evicted entries.
+    as_sampled, _ = replay(model, replace(ro, forced=torch.zeros_like(ro.forced)))
+    assert as_sampled[ro.forced].max() < -1e-2
+    causal, _ = replay(model, ro, causal=True)
+    assert (causal - ro.logprobs)[completion & ~ro.forced].abs().max() > 1e-2
+    # Without eviction there is no round to precede, so nothing is forced.
+    full = rollout(model, prompts_of([5, 17]), Sampling(max_new_tokens=30, meta_token=META), None,
+                   generator=torch.Generator().manual_seed(3))
+    assert not full.forced.any() and not (full.tokens[:, 11::12] == META).all()
+    with pytest.raises(ValueError, match=r"meta_token=96 is not a token id of this model \(vocabulary 96\)"):
+        rollout(model, prompts_of([5]), Sampling(max_new_tokens=4, meta_token=96), EV)
+
+
+def newest_first(psi, keys, alive):
+    """A per-key score that ranks the newest alive key highest (its rank among the alive keys)."""
+    return alive.long().cumsum(1).float()
+
+
+@pytest.mark.parametrize("rate, gist", [(1.0, True), (0.5, False)])
+def test_when_everything_before_g_is_evicted_the_replay_mask_is_the_gist_mask(model, rate, gist):
+    """b = 1, ε = 1: K = 1 block of one key, the newest, so every round keeps g alone. Then in the
+    replay mask of every layer a token after g sees g and the tokens from g to itself, nothing
+    before g: the gist mask of Mu et al. (the Appendix's figure). Control: ε = 0.5 keeps more."""
+    e = Eviction(delta=6, block=1, window=2, rate=rate, greedy=True, score=newest_first)
+    ro = rollout(model, prompts_of([3, 5, 4]), Sampling(max_new_tokens=40, temperature=1.0, top_k=0, meta_token=META),
+                 e, generator=torch.Generator().manual_seed(0))
+    T = ro.tokens.shape[1]
+    assert int(ro.n_rounds.min()) >= 5
+    tok_lp, _ = replay(model, ro)  # the masks below are the ones the rollout attended with
+    assert (tok_lp - ro.logprobs)[expected_forced(ro, 1)].abs().max() < 1e-5
+    death = death_times(ro.kept, ro.n_rounds, T, e.delta, e.block)
+    s = torch.arange(T)
+    compared, differ = 0, 0
+    for layer in range(model.config.num_hidden_layers):
+        mask = visibility(death[:, layer])  # (B, T, T)
+        for i in range(len(ro.lengths)):
+            for r in range(int(ro.n_rounds[i])):
+                g = (r + 1) * e.delta - 1
+                assert ro.tokens[i, g] == META
+                for t in range(g + 1, min(g + e.delta, int(ro.lengths[i]) - 1) + 1):  # up to the next g
+                    gist_row = (s >= g) & (s <= t)
+                    compared += 1
+                    differ += not torch.equal(mask[i, t], gist_row)
+    assert compared >= 100
+    assert differ == 0 if gist else differ == compared
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_add_meta_token_grows_the_vocabulary_with_the_mean_row(tmp_path, tied):
+    """The tiny tokenizer covers all 96 rows, so g gets id 96 and one new row (tied or untied head),
+    equal to the mean of the rows of the given text's tokens; every other row is unchanged."""
+    path = write_checkpoint(tmp_path / "m", tie_word_embeddings=tied)
+    model, tok = from_pretrained(path), load_tokenizer(path)
+    emb, head = model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone()
+    g = add_meta_token(model, tok, text="w3 w7 w11")
+    assert g == 96 and tok.token_to_id(META_TOKEN) == g and model.config.vocab_size == 97
+    assert tok.encode(f"w3 {META_TOKEN} w5", add_special_tokens=False).ids == [3, g, 5]
+    assert tok.decode([3, g, 5], skip_special_tokens=True) == "w3 w5"  # the reward never reads g
+    new_emb, new_head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert new_emb.shape == new_head.shape == (97, 64) and (new_head is new_emb) == tied
+    assert torch.equal(new_emb[:96], emb) and torch.equal(new_head[:96], head)
+    mean = emb[[3, 7, 11]].mean(0)
+    assert (new_emb[g] - mean).abs().max() < 1e-7
+    assert (new_head[g] - (mean if tied else head[[3, 7, 11]].mean(0))).abs().max() < 1e-7
+    assert (mean - emb[3]).abs().max() > 1e-2  # control: the mean is no single row
+    assert new_emb.requires_grad and model.model.embed_tokens.num_embeddings == model.lm_head.out_features == 97
+    out = model.logits(model(torch.tensor([[3, g, 5]]), torch.arange(3)[None]))
+    assert out.shape == (1, 3, 97)
+
+
+def test_add_meta_token_takes_a_spare_row_and_falls_back_when_the_text_is_unknown(ckpt, capsys):
+    """R1 has more embedding rows than tokens: g takes the first spare one and nothing grows. The tiny
+    word-level tokenizer does not know "tl;dr" (it maps it to <pad>, its unk): g is the mean of all rows."""
+    model = init_weights(Qwen2(Qwen2Config(**{**TINY_MODEL, "vocab_size": 100})), std=0.1)
+    tok = load_tokenizer(ckpt)  # 96 tokens for 100 rows
+    assert tok.encode("tl;dr", add_special_tokens=False).ids == [0]
+    emb, head = model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone()
+    g = add_meta_token(model, tok)
+    assert g == 96 and model.config.vocab_size == 100 and model.lm_head.weight.shape == (100, 64)
+    assert "has no tokens for 'tl;dr'" in capsys.readouterr().out
+    assert (model.model.embed_tokens.weight[g] - emb.mean(0)).abs().max() < 1e-7
+    assert (model.lm_head.weight[g] - head.mean(0)).abs().max() < 1e-7
+    others = torch.arange(100) != g
+    assert torch.equal(model.model.embed_tokens.weight[others], emb[others])
+    assert torch.equal(model.lm_head.weight[others], head[others])
+    assert (emb.mean(0) - emb[0]).abs().max() > 1e-2  # control: not <pad>'s own row
+
+
+def test_train_meta_token_saves_g_and_eval_forces_it(train_ckpt, tmp_path, monkeypatch):
+    """--meta-token: g is added at load, forced in the training and held-out rollouts, saved with the
+    checkpoint (model, tokenizer, ngc.json), and eval.py forces it from the checkpoint's setting.
+    A second load leaves the (possibly trained) row alone. Control: without the flag, no g anywhere."""
+    seen = []
+
+    def recording(model, prompts, sampling, eviction=None, **kw):
+        ro = rollout(model, prompts, sampling, eviction, **kw)
+        seen.append((sampling.meta_token, eviction is not None, bool(ro.forced.any())))
+        return ro
+
+    monkeypatch.setattr(train, "rollout", recording)
+    run_train(train_ckpt, tmp_path / "run", "--meta-token", "--steps", "1", "--eval-every", "1")
+    out = str(tmp_path / "run" / "checkpoint")
+    back, tok = from_pretrained(out), load_tokenizer(out)
+    g = tok.token_to_id(META_TOKEN)
+    assert g == 96 and back.config.vocab_size == 97 and json.loads(Path(out, "ngc.json").read_text())["meta_token"]
+    assert all(meta == g for meta, _, _ in seen) and len(seen) == 5  # eval (full, ε), step, eval (full, ε)
+    assert all(forced == evicting for _, evicting, forced in seen)
+    row = back.model.embed_tokens.weight[g].clone()
+    assert add_meta_token(back, tok) == g and torch.equal(back.model.embed_tokens.weight[g], row)
+    seen.clear()
+    ev.main(["--model", out, "--policy", "none", "ngc", "--problems", "2"])
+    assert [meta for meta, _, _ in seen] == [g, g] and seen[1][2]
+    seen.clear()
+    run_train(train_ckpt, tmp_path / "plain", "--steps", "1")
+    assert seen and all(meta is None and not forced for meta, _, forced in seen)
+    assert load_tokenizer(str(tmp_path / "plain" / "checkpoint")).token_to_id(META_TOKEN) is None

@@ -36,7 +36,8 @@ from tqdm import tqdm
 
 import countdown
 import mathtask
-from model import CheckpointError, from_pretrained, load_tokenizer, save_pretrained, save_tokenizer
+from model import (META_TOKEN, CheckpointError, add_meta_token, from_pretrained, load_tokenizer, save_pretrained,
+                   save_tokenizer)
 from ngc import Eviction, Sampling, rollout
 from replay import replay
 
@@ -62,7 +63,7 @@ COUNTDOWN = dict(  # the paper's Countdown settings (§5.2, Table 1), for large 
     steps=250, prompts=32, group=16, max_new_tokens=1024, temperature=0.9, top_k=50, top_p=1.0,
     mode="ngc", delta=256, block=32, window=5,
     retention="0.9,0.8,0.7,0.6,0.5", stage_steps=25, alpha=0.6, eviction_rate=None,
-    interoception=False, interoception_rates="0.25,0.5,0.75", min_length=0,
+    interoception=False, interoception_rates="0.25,0.5,0.75", min_length=0, meta_token=False,
     lr=5e-6, beta1=0.9, beta2=0.95, adam_eps=1e-15, weight_decay=0.0, clip=1.0,
     micro_batch=4, term_grad_norms=False, eval_every=50, eval_rate=None, eval_batch=64, save_every=50,
     eval_samples=None, eval_temperature=None, eval_top_p=None, eval_max_new_tokens=None,
@@ -210,9 +211,11 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn, progress=Fal
     batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
     prompts = [prompt_encoder(c, None if group_eps is None else float(group_eps[i]))(tokenizer, p)
                for i, p in enumerate(batch) for _ in range(G)]
+    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
+    sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, top_p=c.top_p, meta_token=meta)
     with amp, whole_model(model):
-        ro = rollout(model, prompts, Sampling(c.max_new_tokens, c.temperature, c.top_k, top_p=c.top_p), ev, rates=rates,
-                     eos_ids=model.config.eos_ids, generator=gen, progress=progress)
+        ro = rollout(model, prompts, sampling, ev, rates=rates, eos_ids=model.config.eos_ids, generator=gen,
+                     progress=progress)
     t_rollout = time.perf_counter() - t0
     texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
@@ -389,10 +392,11 @@ def kv_reduction(ref_peak, peak) -> float:
 
 
 def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
-             batch_size=64, progress=False):
+             batch_size=64, progress=False, meta_token=None):
     """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
-    peak-KV reduction: the held-out numbers train.py logs every --eval-every steps."""
-    s = Sampling(max_new_tokens=max_new_tokens, greedy=True)
+    peak-KV reduction: the held-out numbers train.py logs every --eval-every steps. meta_token:
+    g's id, forced before each round under `eviction` (the full cache has no rounds)."""
+    s = Sampling(max_new_tokens=max_new_tokens, greedy=True, meta_token=meta_token)
     greedy = replace(eviction, greedy=True)
     full = solve(model, tokenizer, problems, s, None, encode, reward_fn, batch_size=batch_size,
                  desc="eval full cache" if progress else None)
@@ -611,6 +615,10 @@ def parse_args(argv=None):
                    help="one ε per group, written into its prompts as <eviction_rate>ε%%</eviction_rate>")
     g.add_argument("--interoception-rates", help="the rates groups draw from (scaled by curriculum progress)")
     g.add_argument("--min-length", type=int, help="reward 0 when prompt+completion is shorter (Appendix A.1)")
+    g.add_argument("--meta-token", action=argparse.BooleanOptionalAction,
+                   help=f"force the meta-token {META_TOKEN} as the last token before each round (Appendix, "
+                        "compression via meta-tokens); a checkpoint that lacks it gets it, embedded as the mean of "
+                        "the embeddings of 'tl;dr'")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, help="AdamW learning rate, constant")
     g.add_argument("--beta1", type=float, help="AdamW β1")
@@ -728,6 +736,8 @@ def load(c):
     tokenizer = load_tokenizer(c.model)
     if not model.config.eos_ids:
         raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
+    if c.meta_token:  # before the optimizer is made: g may add a row to the embedding and the LM head
+        add_meta_token(model, tokenizer)
     return model, tokenizer
 
 
@@ -785,7 +795,7 @@ def main(argv=None, reward_fn=None):
     def run_eval():
         with amp, whole_model(model):
             r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn, c.eval_batch,
-                         progress=interactive)
+                         progress=interactive, meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
         evals.append(r)
         if master:
             write_log(log_path, {"step": step, "eval": r})
