@@ -2282,3 +2282,18 @@ def test_train_meta_token_saves_g_and_eval_forces_it(train_ckpt, tmp_path, monke
     run_train(train_ckpt, tmp_path / "plain", "--steps", "1")
     assert seen and all(meta is None and not forced for meta, _, forced in seen)
     assert load_tokenizer(str(tmp_path / "plain" / "checkpoint")).token_to_id(META_TOKEN) is None
+
+
+def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
+    """reproduce.py draws Figure 5 from logs whose steps may carry null grad norms (no learning
+    signal, or --no-term-grad-norms): the figure is written, nothing raises."""
+    pytest.importorskip("matplotlib")
+    import reproduce
+    for name, norms in (("ngc", [0.5, None, 0.7]), ("token-only", [None, None, None])):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        with open(tmp_path / "runs" / name / "log.jsonl", "w") as f:
+            for step, g in enumerate(norms):
+                f.write(json.dumps({**dict.fromkeys(train.STEP_KEYS), "step": step, "reward": 0.5,
+                                    "grad_norm_token": g, "grad_norm_mem": g}) + "\n")
+    reproduce.curves(str(tmp_path), ["ngc", "token-only"], str(tmp_path / "ablations.png"))
+    assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
