@@ -263,6 +263,20 @@ def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
     assert abs(norms["grad_norm_token"] - norms["grad_norm_mem"]) > 1e-3 * norms["grad_norm_mem"]  # two different numbers
 
 
+def test_a_micro_batch_without_rounds_adds_nothing_to_l_mem(ckpt):
+    """A rollout that ends before its first round has no eviction term; its micro-batch adds 0 to
+    L_mem, and the step's L_mem is that of the rollouts that had rounds."""
+    model = from_pretrained(ckpt)
+    ro = rollout(model, prompts_of([3, 14]), Sampling(max_new_tokens=5, temperature=1.0, top_k=0), EV,
+                 eos_ids=[], generator=torch.Generator().manual_seed(0))
+    assert ro.n_rounds.tolist() == [0, 1]  # 3 + 5 tokens never reach δ = 12
+    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=5, micro_batch=1, term_grad_norms=False)
+    adv = torch.tensor([1.0, -1.0])
+    losses = train.backward(model, ro, adv, c)
+    _, l_mem, _ = train.policy_losses(model, ro.select(torch.tensor([1])), adv[1:], c, n_total=2)
+    assert losses["L_mem"] == pytest.approx(l_mem.item(), rel=1e-6) and l_mem.item() != 0
+
+
 # ---------------------------------------------------------------------------------------
 # 4. Batch independence (§4.1: rounds are per sequence)
 
