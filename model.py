@@ -410,8 +410,8 @@ def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = 
             tok_cfg[name] = tokenizer.id_to_token(token_id)
     if tok_cfg.get("pad_token") is None:  # padded batches need one; <pad> if the vocab has it, else EOS
         tok_cfg["pad_token"] = "<pad>" if tokenizer.token_to_id("<pad>") is not None else tok_cfg.get("eos_token")
-    if tok_cfg.get("unk_token") is None and tokenizer.token_to_id("<unk>") is not None:
-        tok_cfg["unk_token"] = "<unk>"
+    if tok_cfg.get("unk_token") is None:  # written even when null, or transformers invents one
+        tok_cfg["unk_token"] = "<unk>" if tokenizer.token_to_id("<unk>") is not None else None
     gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, **source_json("generation_config.json")}
     for name, content in (("tokenizer_config.json", tok_cfg), ("generation_config.json", gen_cfg)):
         _write_atomic(os.path.join(path, name), lambda tmp: Path(tmp).write_text(json.dumps(content, indent=2)))
