@@ -251,7 +251,8 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
             diag.add(l_token)
         (l_token if l_mem is None else l_token + l_mem).backward()
         l_token_sum += l_token.item()
-        l_mem_sum = None if l_mem is None else l_mem_sum + l_mem.item()
+        if l_mem is not None:  # None: no rollout of this micro-batch had a round, so L_mem adds 0
+            l_mem_sum += l_mem.item()
     average_gradients(params)
     if diag:
         average_gradients(params, diag.acc)
