@@ -5,9 +5,11 @@
     python bench.py --shape r1 --device cuda --batch 32 --new-tokens 1024 --delta 256 --block 32
                                          # random weights in DeepSeek-R1-Distill-Qwen-1.5B's shape
 
-Decode: tokens/s with eviction on and off at the same batch (no EOS, so every row decodes
---new-tokens tokens). Replay: forward+backward of the replay pass (per-layer masks plus the
-recomputed eviction log-probs) against a plain causal forward+backward over the same tokens.
+Decode: tokens/s and ms per decode step with eviction on and off at the same batch (no EOS,
+so every row decodes --new-tokens tokens), eager and, with --compile, compiled; on CUDA also
+the fraction of the memory-bandwidth bound (weights + alive KV read per step / peak
+bandwidth). Replay: forward+backward of the replay pass (per-layer masks plus the recomputed
+eviction log-probs) against a plain causal forward+backward over the same tokens.
 """
 import argparse
 import time
@@ -43,12 +45,16 @@ def bench(model, args, device):
     V = model.config.vocab_size
     prompts = torch.randint(0, V, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
     new = args.batch * args.new_tokens
-    for name, e in (("off", None), ("on", ev)):
-        reset_memory(device)
-        sec, ro = timed(lambda: rollout(model, prompts, s, e, eos_ids=[], generator=g), device, args.repeat)
-        print(f"decode, eviction {name:3s}: {new / sec:9.0f} tokens/s   ({sec:.2f} s for {args.batch} x "
-              f"{args.new_tokens} tokens; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}"
-              f"{memory(device)})")
+    for compile in (False, True) if args.compile else (False,):
+        for name, e in (("off", None), ("on", ev)):
+            reset_memory(device)
+            sec, ro = timed(lambda: rollout(model, prompts, s, e, eos_ids=[], generator=g, compile=compile),
+                            device, args.repeat)
+            step = sec / args.new_tokens  # prefill and rounds included
+            print(f"decode, eviction {name:3s}, {'compiled' if compile else 'eager   '}: {new / sec:9.0f} tokens/s "
+                  f"{step * 1e3:8.2f} ms/step{bandwidth(model, ro, e, step, args)}   ({sec:.2f} s for {args.batch} x "
+                  f"{args.new_tokens} tokens; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}"
+                  f"{memory(device)})")
     ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g).select(torch.arange(min(args.replay_batch, args.batch)))
 
     def step(causal):
@@ -65,6 +71,31 @@ def bench(model, args, device):
     B, T = ro.tokens.shape
     print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_memory}   causal fwd+bwd: {t_causal * 1e3:8.1f} ms"
           f"{memory(device)}   ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
+
+
+def bandwidth(model, ro, ev, step_s, args) -> str:
+    """On CUDA: the step time's fraction of the memory-bandwidth bound, the bytes a decode step
+    must read (every weight once, but of an untied embedding table only B rows; every alive
+    KV entry once) / the device's peak bandwidth. Alive entries per layer, averaged over the
+    steps: prompt + half the completion without eviction; with it the cache grows by one a
+    step from (count before a round - δ) to the next round's count, so its mean is the mean
+    count before a round minus δ/2."""
+    if ro.tokens.device.type != "cuda":
+        return ""
+    cfg = model.config
+    embed = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()
+                  if cfg.tie_word_embeddings or p is not embed)
+    R = ro.kv_before_round.shape[1]
+    before = ro.kv_before_round[torch.arange(R, device=ro.n_rounds.device) < ro.n_rounds[:, None]]  # (rounds, L)
+    if ev is None or len(before) == 0:
+        alive = ro.prompt_lens.float().mean().item() + args.new_tokens / 2
+    else:
+        alive = before.float().mean().item() - ev.delta / 2
+    entry = 2 * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()  # K and V
+    read = weights + alive * cfg.num_hidden_layers * entry * ro.tokens.shape[0]  # bytes per step
+    ideal_s = read / (args.peak_bandwidth * 1e12)
+    return f" ({ideal_s / step_s:5.1%} of the bandwidth bound)"
 
 
 def reset_memory(device):
@@ -95,6 +126,9 @@ def main():
     p.add_argument("--replay-batch", type=int, default=8, help="rollouts per replay forward+backward")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--compile", action="store_true", help="also time rollout(compile=True) (CUDA graphs on CUDA)")
+    p.add_argument("--peak-bandwidth", type=float, default=3.35,
+                   help="the device's peak memory bandwidth in TB/s, for the bandwidth bound (default: H100 SXM)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

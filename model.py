@@ -10,8 +10,8 @@ mask (True = attend), so one code path serves
   * plain causal training.
 
 The KV cache below stores post-RoPE keys, so an entry keeps the position it was made at
-for ever, and eviction is a matter of dropping entries: `LayerCache.evict` marks them dead
-and `LayerCache.compact` gathers the survivors to the front of the buffers.
+for ever, and eviction is a matter of dropping entries: `LayerCache.evict` moves a row's
+survivors to the front of buffers allocated once, whose shapes never change.
 """
 import json
 import os
@@ -130,8 +130,12 @@ class Attention(nn.Module):
         if cache is not None:  # attend to everything alive in the cache, plus the new tokens
             cache.append(k, v, pos, valid)
             k, v, mask = cache.keys, cache.values, cache.visibility(pos)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
-                                           is_causal=mask is None, enable_gqa=True)  # (B, H, T, D)
+        if cache is not None and T == 1:  # decode: a KV group's H/Hkv query heads as queries of one head (no GQA)
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, -1, self.head_dim), k, v,
+                                               attn_mask=mask[:, None]).view(B, self.n_head, 1, self.head_dim)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                               is_causal=mask is None, enable_gqa=True)  # (B, H, T, D)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         return y, q_new, k_new
 
@@ -208,88 +212,87 @@ class Qwen2(nn.Module):
 
 
 class LayerCache:
-    """One layer's KV entries for a batch: keys and values after RoPE, each entry's original
-    position and an alive flag. Rows hold different numbers of alive entries; the first
-    `size` slots of the buffers are in use, and within a row alive entries stay in position
-    order. Eviction marks entries dead; `compact` gathers the survivors to the front. It runs
-    whenever an append would not fit, so the buffers grow only when the alive entries need it
-    and the memory held is bounded by the largest alive count plus `chunk`."""
+    """One layer's KV entries for a batch, in buffers allocated once at `capacity` slots per row:
+    keys and values after RoPE, each entry's original position and an alive flag. A row's alive
+    entries are its first `fill` slots, in position order: a new entry goes to slot `fill`, and
+    an eviction round moves the survivors to the front of the same buffers. No shape changes
+    from one token to the next, so a decode step can be captured (torch.compile, CUDA graphs).
+    The capacity is a bound the caller proves (ngc.cache_bound); a row that needs more slots is
+    an error at the next `check`, never a silent drop."""
 
-    def __init__(self, batch: int, n_kv: int, head_dim: int, dtype, device, chunk: int = 64):
-        self.chunk, self.size = chunk, 0
-        self.k = torch.empty(batch, n_kv, 0, head_dim, dtype=dtype, device=device)  # (B, Hkv, S, D)
-        self.v = torch.empty_like(self.k)
-        self.pos = torch.zeros(batch, 0, dtype=torch.long, device=device)  # (B, S)
-        self.alive = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # (B, S)
+    def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device):
+        # zeros, not empty: attention weighs masked slots by 0, and 0 * NaN would be NaN
+        self.k = torch.zeros(batch, capacity, n_kv, head_dim, dtype=dtype, device=device)  # (B, S, Hkv, D)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # (B, S)
+        self.alive = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, S)
+        self.fill = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) slots in use; above S = overflow
+        self.size = capacity  # S; a round reads all S slots, the dead ones masked by their alive flag
 
     @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def keys(self):
-        return self.k[:, :, : self.size]
+    def keys(self):  # (B, Hkv, S, D), a view
+        return self.k.transpose(1, 2)
 
     @property
     def values(self):
-        return self.v[:, :, : self.size]
+        return self.v.transpose(1, 2)
 
     def visibility(self, qpos):
         """(B, T, S) bool: what each of the T newest tokens (positions qpos) attends to."""
-        S, T = self.size, qpos.shape[1]
-        mask = self.alive[:, None, : S] & (self.pos[:, None, : S] <= qpos[:, :, None])
-        own = torch.arange(T, device=qpos.device)
-        mask[:, own, S - T + own] = True  # a padding query sees itself, so no row is empty
-        return mask
+        return self.alive[:, None, :] & (self.pos[:, None, :] <= qpos[:, :, None])
 
-    def append(self, k, v, pos, alive):
-        T = k.shape[2]
-        if self.size + T > self.capacity:
-            self.compact()
-        if self.size + T > self.capacity:
-            self._resize(self.size + T + self.chunk)
-        s = slice(self.size, self.size + T)
-        self.k[:, :, s], self.v[:, :, s], self.pos[:, s], self.alive[:, s] = k, v, pos, alive
-        self.size += T
+    def append(self, k, v, pos, valid):
+        """Write the entries k, v (B, Hkv, T, D) where valid (B, T) is True at each row's next free
+        slots, in order; padding writes back what its slot holds. Slots are taken modulo S, so the
+        T slots of a row are distinct (T <= S) even where padding runs past the end."""
+        n = valid.sum(1, keepdim=True)
+        rank = torch.where(valid, valid.cumsum(1) - 1, n + (~valid).cumsum(1) - 1)  # (B, T): valid ones first
+        row = torch.arange(k.shape[0], device=k.device)[:, None]
+        slot = (self.fill[:, None] + rank) % self.size  # (B, T)
+        new = valid[:, :, None, None]
+        # index_put, not scatter_: torch.compile updates it in place instead of copying the buffer
+        self.k[row, slot] = torch.where(new, k.transpose(1, 2).to(self.k.dtype), self.k[row, slot])  # (B, T, Hkv, D)
+        self.v[row, slot] = torch.where(new, v.transpose(1, 2).to(self.v.dtype), self.v[row, slot])
+        self.pos[row, slot] = torch.where(valid, pos, self.pos[row, slot])
+        self.alive[row, slot] = self.alive[row, slot] | valid
+        self.fill.add_(n[:, 0])
 
     def evict(self, rows, keep):
-        """Kill the entries of batch rows `rows` (N,) where keep (N, size) is False."""
-        self.alive[rows, : self.size] &= keep
+        """Batch rows `rows` (N,) keep the entries where keep (N, S) is True: the survivors move,
+        in order, to the front of their row, in place."""
+        self.check()  # before the survivors are counted: an overflow since the last round is an error
+        order = torch.argsort(keep.to(torch.uint8), dim=1, descending=True, stable=True)  # (N, S): kept first
+        self.k[rows] = self.k[rows[:, None], order]  # (N, S, Hkv, D)
+        self.v[rows] = self.v[rows[:, None], order]
+        self.pos[rows] = self.pos[rows[:, None], order]
+        self.fill[rows] = keep.sum(1)
+        self.alive[rows] = torch.arange(self.size, device=keep.device) < self.fill[rows, None]
 
-    def compact(self):
-        alive = self.alive[:, : self.size]
-        n = int(alive.sum(1).max()) if self.size else 0
-        order = torch.argsort(alive.to(torch.uint8), dim=1, descending=True, stable=True)[:, :n]  # (B, n)
-        kv_order = order[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[3])
-        self.k[:, :, :n] = self.k.gather(2, kv_order)
-        self.v[:, :, :n] = self.v.gather(2, kv_order)
-        self.pos[:, :n] = self.pos.gather(1, order)
-        self.alive[:, :n] = alive.gather(1, order)
-        self.size = n
-
-    def _resize(self, capacity: int):
-        B, H, _, D = self.k.shape
-        k = self.k.new_empty(B, H, capacity, D)
-        v = self.v.new_empty(B, H, capacity, D)
-        pos = self.pos.new_zeros(B, capacity)
-        alive = self.alive.new_zeros(B, capacity)
-        s = slice(0, self.size)
-        k[:, :, s], v[:, :, s], pos[:, s], alive[:, s] = self.keys, self.values, self.pos[:, s], self.alive[:, s]
-        self.k, self.v, self.pos, self.alive = k, v, pos, alive
+    def check(self):
+        if (self.fill > self.size).any():
+            raise RuntimeError(f"KV cache overflow: a row needs {int(self.fill.max())} slots of {self.size} allocated; "
+                               f"the bound that sized the cache is wrong")
 
 
 class KVCache:
-    def __init__(self, cfg: Qwen2Config, batch: int, dtype, device, chunk: int = 64):
-        self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, dtype, device, chunk)
+    def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype, device):
+        self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype, device)
                        for _ in range(cfg.num_hidden_layers)]
 
     def alive_counts(self):
         """(B, L) number of alive entries per row and layer."""
-        return torch.stack([c.alive[:, : c.size].sum(1) for c in self.layers], dim=1)
+        return torch.stack([c.fill for c in self.layers], dim=1)
 
     def slots(self) -> int:
         """Entries physically allocated per row, summed over layers."""
-        return sum(c.capacity for c in self.layers)
+        return sum(c.size for c in self.layers)
+
+    def check(self):
+        for c in self.layers:
+            c.check()
+
+    def buffers(self):
+        return [t for c in self.layers for t in (c.k, c.v, c.pos, c.alive, c.fill)]
 
 
 # ---------------------------------------------------------------------------------------

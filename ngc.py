@@ -18,7 +18,9 @@ A Rollout records everything replay needs: tokens, prompt lengths, which tokens 
 ordered kept blocks σ of every (round, layer), and the settings it was made with (δ, b, w, each
 row's ε, temperature, g).
 """
+import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -125,25 +127,31 @@ def attention_scores(q, k, mask):
 
 
 class QueryWindow:
-    """The post-RoPE queries of each row's w newest tokens, per layer: ψ's Q^(ℓ) (paper §4.2)."""
+    """The post-RoPE queries of each row's w newest tokens, per layer: ψ's Q^(ℓ) (paper §4.2), in
+    buffers updated in place."""
 
-    def __init__(self, n_layers: int, batch: int, w: int, device):
-        self.w, self.q = w, [None] * n_layers
+    def __init__(self, n_layers: int, batch: int, w: int, n_head: int, head_dim: int, dtype, device):
+        self.w = w
+        self.q = [torch.zeros(batch, n_head, w, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         self.pos = torch.zeros(batch, w, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, w, dtype=torch.bool, device=device)
+        self.idx = torch.zeros(batch, w, dtype=torch.long, device=device)
 
     def advance(self, pos, valid):
         """Before a forward: which w of (window + new tokens) are the newest real tokens."""
         cat_valid, cat_pos = torch.cat([self.valid, valid], 1), torch.cat([self.pos, pos], 1)
         order = torch.arange(cat_valid.shape[1], device=pos.device).expand_as(cat_valid)
-        self.idx = torch.where(cat_valid, order, -1).topk(self.w, dim=1).indices.sort(1).values  # (B, w)
-        self.valid, self.pos = cat_valid.gather(1, self.idx), cat_pos.gather(1, self.idx)
+        self.idx.copy_(torch.where(cat_valid, order, -1).topk(self.w, dim=1).indices.sort(1).values)  # (B, w)
+        self.valid.copy_(cat_valid.gather(1, self.idx))
+        self.pos.copy_(cat_pos.gather(1, self.idx))
 
     def __call__(self, layer, q, k, mask):  # the model's qk_hook
         B, H, _, D = q.shape
-        old = self.q[layer] if self.q[layer] is not None else q.new_zeros(B, H, self.w, D)
-        both = torch.cat([old, q], dim=2)
-        self.q[layer] = both.gather(2, self.idx[:, None, :, None].expand(-1, H, -1, D))
+        both = torch.cat([self.q[layer], q.to(self.q[layer].dtype)], dim=2)
+        self.q[layer].copy_(both.gather(2, self.idx[:, None, :, None].expand(-1, H, -1, D)))
+
+    def buffers(self):
+        return [*self.q, self.pos, self.valid, self.idx]
 
 
 def sample_tokens(logits, s: Sampling, generator=None):
@@ -165,13 +173,90 @@ def sample_tokens(logits, s: Sampling, generator=None):
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
+def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
+    """The most KV entries one layer holds at once for a sequence fed `tokens` tokens, with a
+    round after every δ of them: the size of the cache's buffers.
+
+    Paper Appendix A.2: if c_k is a layer's cache just before round k and a round keeps the
+    fraction 1-ε, then c_{k+1} = (1-ε)c_k + δ, which rises to δ/ε. Our rounds keep whole blocks:
+    the c alive keys are cut into N = ceil(c/b) blocks (the last may be short) and K =
+    keep_count(N, ε) of them survive, (1-ε)N rounded half up and at least one. So a round
+    leaves at most
+        g(c) = c      if K = N (nothing is evicted),
+               K·b    if K < N (K whole blocks; keeping the short one leaves fewer),
+    and c_{k+1} <= g(c_k) + δ with c_1 = δ. A prompt longer than δ changes nothing: it is
+    prefilled in chunks that end on the boundaries, with a round after each. g never decreases
+    as c grows (K(N) never decreases, and K(N+1) >= N where K(N) = N), so c_k <= u_k, where
+    u_1 = δ and u_{k+1} = g(u_k) + δ: the cache of a policy that always keeps K whole blocks,
+    so the bound is reached. The u_k never decrease either (u_2 >= u_1) and, as K <= (1-ε)N + 1/2
+    and N < c/b + 1, they stop at a fixed point u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε):
+    δ/ε plus less than 1.5 blocks over ε. The cache only grows between rounds, so with
+    R = tokens // δ rounds a layer never holds more than max(u_R, g(u_R) + tokens - R·δ)."""
+    def survivors(c):  # g(c)
+        n = -(-c // block)
+        k = int(keep_count(torch.tensor([n]), rate))
+        return c if k == n else k * block
+
+    rounds = tokens // delta
+    if rounds == 0:
+        return tokens
+    c = delta  # u_1
+    for _ in range(rounds - 1):
+        if survivors(c) + delta == c:  # u* reached
+            break
+        c = survivors(c) + delta
+    return max(c, survivors(c) + tokens - rounds * delta)
+
+
+def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
+    """Feed one token per row (tok, pos, valid (B, 1)) and return the logits (B, V) after it.
+    Every shape is fixed and nothing reads a tensor's value on the host, so torch.compile can
+    capture it whole; rows with valid False write nothing."""
+    if window is not None:
+        window.advance(pos, valid)
+    h = model(tok, pos, cache=cache, valid=valid, qk_hook=window)
+    return model.logits(h[:, -1])
+
+
+@functools.cache
+def compiled_decode(cuda: bool):
+    """decode_one_token through torch.compile, whole (fullgraph: a host sync would be an error);
+    on CUDA as one CUDA graph per shape ("reduce-overhead")."""
+    return torch.compile(decode_one_token, mode="reduce-overhead" if cuda else None, fullgraph=True)
+
+
+CAPTURED = weakref.WeakKeyDictionary()  # model -> (shape, KVCache, QueryWindow) its compiled step last ran on
+
+
+def decode_state(model, batch: int, capacity: int, w: int, dtype, device, reuse: bool):
+    """A KVCache of `capacity` slots and a QueryWindow of w queries (None if w = 0). reuse=True
+    (compile) hands back the model's last ones when the shapes match, zeroed, so that CUDA graphs
+    captured on their addresses replay instead of being captured again."""
+    shape = (batch, capacity, w, dtype, str(device))
+    if reuse and model in CAPTURED and CAPTURED[model][0] == shape:
+        _, cache, window = CAPTURED[model]
+        for t in cache.buffers() + (window.buffers() if window else []):
+            t.zero_()
+        return cache, window
+    cfg = model.config
+    cache = KVCache(cfg, batch, capacity, dtype, device)
+    L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
+    window = QueryWindow(L, batch, w, H, D, dtype, device) if w else None
+    if reuse:
+        for t in cache.buffers() + (window.buffers() if window else []):
+            torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
+        CAPTURED[model] = shape, cache, window
+    return cache, window
+
+
 @torch.no_grad()
 def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction: Eviction | None = None,
-            rates=None, eos_ids=(), generator=None, progress=False) -> Rollout:
+            rates=None, eos_ids=(), generator=None, progress=False, compile=False) -> Rollout:
     """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
 
     rates: optional per-sequence eviction rates (B,) overriding eviction.rate (interoception).
-    generator: a torch.Generator for the token and Gumbel noise (on the model's device)."""
+    generator: a torch.Generator for the token and Gumbel noise (on the model's device).
+    compile: run the decode step through torch.compile (CUDA graphs on CUDA); same results."""
     if not prompts or min(map(len, prompts)) == 0:
         raise ValueError("rollout needs at least one prompt and every prompt needs at least one token")
     cfg = model.config
@@ -179,27 +264,28 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     if torch.is_autocast_enabled(device.type):  # fp32 weights, bf16 compute: keep the cache in bf16
         dtype = torch.get_autocast_dtype(device.type)
     B, L, M = len(prompts), cfg.num_hidden_layers, sampling.max_new_tokens
-    P = torch.tensor([len(p) for p in prompts], device=device)
-    tokens = torch.zeros(B, int(P.max()) + M, dtype=torch.long, device=device)
+    lens = [len(p) for p in prompts]
+    P = torch.tensor(lens, device=device)
+    tokens = torch.zeros(B, max(lens) + M, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
     logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
     meta = sampling.meta_token if eviction else None  # without eviction there are no rounds to precede
     if meta is not None and not 0 <= meta < cfg.vocab_size:
         raise ValueError(f"meta_token={meta} is not a token id of this model (vocabulary {cfg.vocab_size})")
+    most_fed = max(lens) + M - 1  # the last token sampled is never fed
+    capacity = most_fed
     if eviction is not None:
         rates = torch.full((B,), eviction.rate, device=device) if rates is None else torch.as_tensor(rates, device=device)
         check_eviction(eviction.delta, eviction.block, eviction.window, rates)
-    cache = KVCache(cfg, B, dtype, device)
-    window = QueryWindow(L, B, eviction.window, device) if eviction else None
+        capacity = max(cache_bound(eviction.delta, eviction.block, r, most_fed) for r in set(rates.tolist()))
+    cache, window = decode_state(model, B, capacity, eviction.window if eviction else 0, dtype, device, compile)
+    decode = compiled_decode(device.type == "cuda") if compile else decode_one_token
     rows = torch.arange(B, device=device)
     fed = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row's cache has taken
-    peak = torch.zeros(B, dtype=torch.long, device=device)
     record = Recorder(B, L, device)
-    slots = 0
 
-    def feed(n):  # feed n[i] tokens of row i (a chunk), return the logits after its last token
-        nonlocal peak, slots
+    def feed(n):  # prefill n[i] tokens of row i (a chunk), return the logits after its last token
         T = int(n.max())
         offs = torch.arange(T, device=device)
         pos = fed[:, None] + offs
@@ -209,12 +295,10 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
             window.advance(pos, valid)
         h = model(idx, pos, cache=cache, valid=valid, qk_hook=window)
         fed.add_(n)
-        peak = torch.maximum(peak, cache.alive_counts().sum(1))
-        slots = max(slots, cache.slots())
         return model.logits(h[rows, (n - 1).clamp(min=0)])
 
     # Prefill in chunks that end on eviction boundaries, with a round between chunks.
-    chunk = eviction.delta if eviction else int(P.max())
+    chunk = eviction.delta if eviction else max(lens)
     last_logits = torch.zeros(B, cfg.vocab_size, device=device, dtype=dtype)
     while (fed < P).any():
         n = torch.minimum(P, (fed // chunk + 1) * chunk) - fed
@@ -223,33 +307,48 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         if eviction:
             eviction_round(cache, window, (n > 0) & (fed % chunk == 0), eviction, rates, generator, record)
 
-    # Decode: the one loop over time.
+    # Decode: the one loop over time. A row still going after step t has been fed lens[i] + t + 1
+    # tokens, so the steps after which it fires a round are known in advance: due[t % δ] (B,).
+    due = torch.zeros(chunk, B, dtype=torch.bool, device=device)
+    due[(-P - 1) % chunk, rows] = True
+    phases = {(-p - 1) % chunk for p in lens} if eviction else set()  # the same on the host: no sync
+    new = torch.zeros(B, M, dtype=torch.long, device=device)  # token t of each completion
+    new_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
     active = torch.ones(B, dtype=torch.bool, device=device)
     n_new = torch.zeros(B, dtype=torch.long, device=device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     hit_eos = torch.zeros(B, dtype=torch.bool, device=device)
-    for _ in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
+    for t in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
         tok, lp = sample_tokens(last_logits, sampling, generator)
         if meta is not None:  # the token at index kδ-1, the last before a round, is g (constrained decoding)
             force = (P + n_new + 1) % eviction.delta == 0
             tok, lp = tok.masked_fill(force, meta), lp.masked_fill(force, 0.0)
-        at = (P + n_new)[active]
-        tokens[rows[active], at], logprobs[rows[active], at] = tok[active], lp[active]
+        new[:, t], new_logprobs[:, t] = tok, lp
         n_new += active
         hit_eos |= active & torch.isin(tok, eos)
         active &= ~hit_eos & (n_new < M)
-        if not active.any():
+        if t == M - 1 or (eos.numel() and not active.any()):  # a host sync, needless without EOS ids
             break
-        last_logits = feed(active.long())
-        if eviction:
-            eviction_round(cache, window, active & (fed % chunk == 0), eviction, rates, generator, record)
+        last_logits = decode(model, cache, window, tok[:, None], fed[:, None], active[:, None])
+        fed += active
+        if t % chunk in phases:
+            eviction_round(cache, window, due[t % chunk] & active, eviction, rates, generator, record)
 
+    cache.check()  # an overflow after the last round is an error too
     lengths = P + n_new
+    done = torch.arange(M, device=device) < n_new[:, None]  # (B, M)
+    at = P[:, None] + torch.arange(M, device=device)
+    tokens.scatter_(1, at, torch.where(done, new, 0))
+    logprobs.scatter_(1, at, torch.where(done, new_logprobs, 0.0))
+    kept, n_rounds, evict_logprobs, before = record.tensors()
+    # Alive entries only grow between rounds, so a row holds the most just before a round or at the end.
+    held = torch.cat([before.sum(2), cache.alive_counts().sum(1, keepdim=True)], 1)  # (B, R + 1)
     T = int(lengths.max())
     t = torch.arange(T, device=device)
     forced = (t >= P[:, None]) & (t < lengths[:, None]) & ((t + 1) % chunk == 0) & (meta is not None)  # (B, T)
-    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, *record.tensors(), peak_kv=peak, kv_slots=slots,
-                   eos=hit_eos, sampling=sampling, eviction=eviction, rates=rates if eviction else None)
+    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, kept, n_rounds, evict_logprobs, before,
+                   peak_kv=held.amax(1), kv_slots=cache.slots(), eos=hit_eos, sampling=sampling,
+                   eviction=eviction, rates=rates if eviction else None)
 
 
 def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record):
@@ -271,7 +370,7 @@ def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record)
         K = keep_count(exists.sum(1), rates[rows])  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(logits, K, generator)  # σ (N, Kmax), §4.3
         logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
-        c.evict(rows, kept_keys(alive, sigma, ev.block))  # the rest are dead here; compacted when the buffer fills
+        c.evict(rows, kept_keys(alive, sigma, ev.block))  # the survivors move to the front, the rest are gone
         sigmas.append(sigma), before.append(alive.sum(1))
     record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))
 

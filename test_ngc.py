@@ -376,7 +376,7 @@ def test_cached_decode_equals_full_forward(model):
     x = torch.tensor(prompts_of([20])[0])[None]
     pos = torch.arange(20)[None]
     full = model.logits(model(x, pos))
-    cache = KVCache(model.config, 1, torch.float32, "cpu", chunk=4)
+    cache = KVCache(model.config, 1, 20, torch.float32, "cpu")
     steps = [model.logits(model(x[:, :7], pos[:, :7], cache=cache, valid=torch.ones(1, 7, dtype=torch.bool)))]
     for t in range(7, 20):
         steps.append(model.logits(model(x[:, t:t + 1], pos[:, t:t + 1], cache=cache,
@@ -466,6 +466,122 @@ def test_cache_size_converges_to_delta_over_eps(model):
     full = rollout(model, prompts_of([6]), s, None, eos_ids=[], generator=torch.Generator().manual_seed(0))
     assert full.peak_kv[0] == L * (6 + 300 - 1)  # without eviction it grows linearly
     assert full.kv_slots >= full.peak_kv[0] > 3 * ro.kv_slots
+
+
+def held_after_every_forward(monkeypatch, run):
+    """run() under a spy on LayerCache.append: its result and the alive entries (forwards, L, B)
+    of every layer and row right after each forward (prefill chunk or decode step)."""
+    seen, append = [], LayerCache.append
+
+    def spy(self, *args):
+        append(self, *args)
+        seen.append(self.fill.clone())
+
+    monkeypatch.setattr(LayerCache, "append", spy)
+    out = run()
+    return out, torch.stack(seen).view(-1, TINY_MODEL["num_hidden_layers"], len(out.lengths))
+
+
+# δ, b, ε, prompt lengths: b dividing δ or not, ε from 0.1 to 1, prompts shorter and longer than δ
+BOUND_CASES = [(16, 4, 0.5, [6, 40]), (10, 3, 0.5, [3, 25]), (12, 5, 0.1, [7, 30]), (12, 5, 0.9, [12, 13]),
+               (9, 2, 1.0, [4, 20]), (13, 4, 0.3, [50, 2]), (8, 3, 0.7, [5, 30])]
+
+
+@pytest.mark.parametrize("delta, block, rate, lens", BOUND_CASES)
+def test_alive_entries_never_exceed_the_bound_that_sized_the_cache(model, monkeypatch, delta, block, rate, lens):
+    """200 sampled tokens (Gumbel-top-k rounds, no EOS): after every forward no layer of any row
+    holds more than cache_bound entries, the buffers have exactly that many slots, and peak_kv
+    (computed from the round records after the loop) is the most the rows held at once."""
+    M, L = 200, TINY_MODEL["num_hidden_layers"]
+    ev = Eviction(delta=delta, block=block, window=3, rate=rate)
+    ro, held = held_after_every_forward(monkeypatch, lambda: rollout(
+        model, prompts_of(lens), Sampling(max_new_tokens=M, temperature=1.0, top_k=0), ev, eos_ids=[],
+        generator=torch.Generator().manual_seed(0)))
+    bound = ngc.cache_bound(delta, block, float(ro.rates[0]), max(lens) + M - 1)  # the rollout's ε, float32
+    print(f"δ={delta} b={block} ε={rate}: bound {bound} (δ/ε = {delta / rate:.1f}), most held {int(held.max())}")
+    assert int(held.max()) <= bound
+    assert ro.kv_slots == L * bound
+    assert torch.equal(ro.peak_kv, held.sum(1).amax(0))
+    assert int(ro.n_rounds.min()) >= 200 // delta
+
+
+def test_cache_bound_by_hand():
+    """The cache before each round of a policy that keeps K whole blocks, by hand: δ=10, b=3,
+    ε=0.5 gives 10 (4 blocks, keep 2: 6) -> 16 (6, keep 3: 9) -> 19 (7, keep 4: 12) -> 22
+    (8, keep 4: 12) -> 22; with b | δ it is δ/ε exactly (16, 4, 0.5: 32)."""
+    assert ngc.cache_bound(16, 4, 0.5, 10_000) == 32
+    assert ngc.cache_bound(10, 3, 0.5, 10_000) == 22
+    assert ngc.cache_bound(10, 3, 0.5, 7) == 7  # no round: everything fed
+    assert ngc.cache_bound(10, 3, 0.5, 10) == 10  # one round, after the 10th token
+    assert ngc.cache_bound(10, 3, 0.5, 19) == 15  # one round leaves 6, then 9 more
+    assert ngc.cache_bound(10, 3, 0.5, 25) == 16  # two rounds: 16 before the 2nd, 9 + 5 after it
+    assert ngc.cache_bound(12, 5, 0.1, 25) == 25  # K = N while N <= 5: nothing is evicted yet
+    assert ngc.cache_bound(9, 2, 1.0, 10_000) == 11  # ε = 1 keeps one block: δ + b
+    for delta, block, rate in [(24, 4, 0.5), (256, 32, 0.5), (10, 3, 0.1), (350, 32, 0.25)]:
+        u = ngc.cache_bound(delta, block, rate, 100_000)
+        # K is (1-ε)N rounded half up, so u* lies within (δ ± 1.5 b)/ε of δ/ε (App. A.2's c*)
+        assert (delta - block / 2) / rate <= u
+        assert u <= max(delta + block, (delta + (1 - rate) * (block - 1) + block / 2) / rate)
+
+
+@pytest.mark.parametrize("delta, block, rate, lens, M", [
+    (*BOUND_CASES[0], 200), (*BOUND_CASES[1], 200), (*BOUND_CASES[5], 200),
+    (12, 3, 0.5, [3], 5), (12, 3, 0.5, [3], 10), (12, 3, 0.5, [3], 17), (12, 3, 0.5, [3], 25)])
+def test_rollouts_reach_the_bound(model, monkeypatch, delta, block, rate, lens, M):
+    """The bound is not loose: where b | δ every count is a multiple of b, no block is short, and
+    every policy reaches the bound; where b ∤ δ Gumbel-top-k comes within a block of it. The short
+    ones, 3 + M - 1 tokens fed: 7 (no round), 12 (one round, at the end), 13 (one round leaves 6,
+    then 7 more), 18 (the cache before the second round: 6 + 12)."""
+    ev = Eviction(delta=delta, block=block, window=3, rate=rate)
+    ro, held = held_after_every_forward(monkeypatch, lambda: rollout(
+        model, prompts_of(lens), Sampling(max_new_tokens=M, temperature=1.0, top_k=0), ev, eos_ids=[],
+        generator=torch.Generator().manual_seed(0)))
+    bound = ngc.cache_bound(delta, block, float(ro.rates[0]), max(lens) + M - 1)
+    if delta % block == 0:
+        assert int(held.max()) == bound
+    assert bound - block < int(held.max()) <= bound
+
+
+def test_a_cache_too_small_is_an_error_not_a_silent_drop(model, monkeypatch):
+    """More entries than slots is a one-line RuntimeError, never a silently dropped entry."""
+    layer = LayerCache(1, 2, 4, 3, torch.float32, "cpu")
+    k = torch.randn(1, 2, 4, 4)
+    layer.append(k, k, torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="KV cache overflow: a row needs 4 slots of 3"):
+        layer.check()
+    # One slot short of the bound: the rollout stops with that error (at a round, or at the end).
+    monkeypatch.setattr(ngc, "KVCache", lambda cfg, batch, capacity, *a: KVCache(cfg, batch, capacity - 1, *a))
+    for ev in (Eviction(delta=16, block=4, window=3, rate=0.5), None):
+        with pytest.raises(RuntimeError, match="KV cache overflow") as err:
+            rollout(model, prompts_of([6, 9]), Sampling(max_new_tokens=60, greedy=True), ev)
+        assert "\n" not in str(err.value)
+    # Negative control: the bound itself is enough.
+    monkeypatch.undo()
+    rollout(model, prompts_of([6, 9]), Sampling(max_new_tokens=60, greedy=True),
+            Eviction(delta=16, block=4, window=3, rate=0.5))
+
+
+def test_compiled_decode_step_gives_the_eager_rollout(model):
+    """rollout(compile=True) captures the decode step with torch.compile whole (fullgraph: a host
+    sync or a changing shape in it fails to compile) on the same static buffers: the same greedy
+    tokens and decisions as eager, token log-probs to 1e-5, and replay reproduces it. The second
+    call reuses the buffers and the compiled step."""
+    ev = Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True)
+    s = Sampling(max_new_tokens=40, greedy=True)
+    prompts = prompts_of([3, 14, 7, 22, 5], seed=1)
+    eager = rollout(model, prompts, s, ev, eos_ids=[EOS])
+    for _ in range(2):
+        compiled = rollout(model, prompts, s, ev, eos_ids=[EOS], compile=True)
+        assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.kept, eager.kept)
+        assert torch.equal(compiled.peak_kv, eager.peak_kv) and compiled.kv_slots == eager.kv_slots
+        assert (compiled.logprobs - eager.logprobs).abs().max() < 1e-5
+    assert int(compiled.n_rounds.min()) >= 2
+    tok_lp, _ = replay(model, compiled)
+    completion = (tok_lp != 0) | (compiled.logprobs != 0)
+    assert (tok_lp - compiled.logprobs)[completion].abs().max() < 1e-5
+    # Negative control: the plain causal mask does not reproduce it (the compiled step did evict).
+    causal, _ = replay(model, compiled, causal=True)
+    assert (causal - compiled.logprobs)[completion].abs().max() > 1e-2
 
 
 # ---------------------------------------------------------------------------------------
@@ -1317,16 +1433,17 @@ def hand_built_cache(S=12, D=4, H=4, Hkv=2, w=3, seed=0, holes=(2, 7)):
 def one_round(c, block, rate, policy):
     """The engine's eviction round on the hand-built cache c under a --policy name: σ and log p(σ)."""
     q, keys, kpos, alive, qpos = c
-    layer = LayerCache(1, keys.shape[1], keys.shape[3], torch.float32, "cpu")
+    layer = LayerCache(1, keys.shape[1], keys.shape[3], keys.shape[2], torch.float32, "cpu")
     layer.append(keys, keys, kpos, alive)
-    window = ngc.QueryWindow(1, 1, q.shape[2], "cpu")
+    window = ngc.QueryWindow(1, 1, q.shape[2], q.shape[1], q.shape[3], torch.float32, "cpu")
     window.q[0], window.pos, window.valid = q, qpos, torch.ones(qpos.shape, dtype=torch.bool)
     record = ngc.Recorder(1, 1, "cpu")
     e = Eviction(delta=64, block=block, window=q.shape[2], rate=rate, **ev.CLI_POLICIES[policy])
     ngc.eviction_round(SimpleNamespace(layers=[layer]), window, torch.tensor([True]), e, torch.tensor([rate]), None,
                        record)
     kept, _, logps, _ = record.tensors()
-    assert torch.equal(layer.alive[:, : layer.size], kept_keys(alive, kept[:, 0, 0], block))  # the rest are gone
+    survivors = kept_keys(alive, kept[:, 0, 0], block)  # the rest are gone, the survivors moved to the front
+    assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and int(layer.fill) == survivors.sum()
     return kept[0, 0, 0][kept[0, 0, 0] >= 0].tolist(), logps[0, 0, 0].item()
 
 
