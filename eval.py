@@ -50,7 +50,8 @@ def pass_at_k(n: int, c, k: int) -> float:
     return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
 
 
-def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_size=64, progress=True):
+def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_size=64, progress=True,
+            compile=False):
     """One result row per (policy, rate), all against one shared no-eviction reference run."""
     n = samples or 1
     c = SimpleNamespace(**d)
@@ -65,7 +66,7 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
         encode = prompt_encoder(c, rate if c.interoception and ev else None)
         gen = torch.Generator(device=device).manual_seed(d["seed"])
         return solve(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
-                     desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None)
+                     desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None, compile=compile)
 
     ref = run("none", 0.0)
     rows = []
@@ -143,6 +144,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--compile", action="store_true", help="capture the decode step with torch.compile (CUDA graphs on CUDA)")
     args = p.parse_args(argv)
     try:
         bad = [x for x in args.policy if x not in CLI_POLICIES]
@@ -187,7 +189,7 @@ def main(argv=None):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, d, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
-                       progress=not ddp or dist.get_rank() == 0)
+                       progress=not ddp or dist.get_rank() == 0, compile=args.compile)
     if ddp:
         rank = dist.get_rank()
         dist.destroy_process_group()

@@ -215,7 +215,7 @@ def train_step(model, tokenizer, problems, step, c, amp, reward_fn, progress=Fal
     sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, top_p=c.top_p, meta_token=meta)
     with amp, whole_model(model):
         ro = rollout(model, prompts, sampling, ev, rates=rates, eos_ids=model.config.eos_ids, generator=gen,
-                     progress=progress)
+                     progress=progress, compile=c.compile)
     t_rollout = time.perf_counter() - t0
     texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
@@ -358,7 +358,7 @@ def load_optimizer_state(model, opt, state):
 
 @torch.no_grad()
 def solve(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
-          generator=None, samples=1, batch_size=64, desc=None):
+          generator=None, samples=1, batch_size=64, desc=None, compile=False):
     """Roll out `samples` completions per problem. Returns rewards, completion lengths, rounds and
     peak KV entries, each (problems, samples), and the completions' texts (problems x samples).
     encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt). With
@@ -371,7 +371,7 @@ def solve(model, tokenizer, problems, sampling, eviction=None, encode=None, rewa
     for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
         chunk = mine[start:start + batch_size]
         ro = rollout(model, [encode(tokenizer, p) for p in chunk], sampling, eviction, eos_ids=model.config.eos_ids,
-                     generator=generator, progress=desc is not None)
+                     generator=generator, progress=desc is not None, compile=compile)
         texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
         results += zip([reward_fn(t, p) for t, p in zip(texts, chunk)], (ro.lengths - ro.prompt_lens).tolist(),
                        ro.n_rounds.tolist(), ro.peak_kv.tolist(), texts)
@@ -393,16 +393,16 @@ def kv_reduction(ref_peak, peak) -> float:
 
 
 def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
-             batch_size=64, progress=False, meta_token=None):
+             batch_size=64, progress=False, meta_token=None, compile=False):
     """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
     peak-KV reduction: the held-out numbers train.py logs every --eval-every steps. meta_token:
     g's id, forced before each round under `eviction` (the full cache has no rounds)."""
     s = Sampling(max_new_tokens=max_new_tokens, greedy=True, meta_token=meta_token)
     greedy = replace(eviction, greedy=True)
     full = solve(model, tokenizer, problems, s, None, encode, reward_fn, batch_size=batch_size,
-                 desc="eval full cache" if progress else None)
+                 desc="eval full cache" if progress else None, compile=compile)
     ev = solve(model, tokenizer, problems, s, greedy, encode, reward_fn, batch_size=batch_size,
-               desc=f"eval ε={eviction.rate:g}" if progress else None)
+               desc=f"eval ε={eviction.rate:g}" if progress else None, compile=compile)
     return {"acc_full": full["reward"].mean().item(), "acc": ev["reward"].mean().item(),
             "kv_reduction": kv_reduction(full["peak_kv"], ev["peak_kv"]),
             "length": ev["length"].mean().item(), "rounds": ev["rounds"].mean().item()}
@@ -582,6 +582,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="compute dtype; weights and optimizer stay fp32 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--compile", action="store_true",
+                   help="capture the decode step with torch.compile (CUDA graphs on CUDA); same rollouts, faster on GPUs")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model, gradients and optimizer state across the processes (FSDP2) "
                         "instead of a whole copy each")
@@ -796,7 +798,8 @@ def main(argv=None, reward_fn=None):
     def run_eval():
         with amp, whole_model(model):
             r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn, c.eval_batch,
-                         progress=interactive, meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
+                         progress=interactive, meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None,
+                         compile=c.compile)
         evals.append(r)
         if master:
             write_log(log_path, {"step": step, "eval": r})
