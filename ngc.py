@@ -169,7 +169,12 @@ def sample_tokens(logits, s: Sampling, generator=None):
             probs = sorted_logits.softmax(-1)
             mass_above = probs.cumsum(-1) - probs  # 0 for the top token, which is always kept
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(mass_above >= s.top_p, float("-inf")))
-        tok = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+        # Inverse CDF: one uniform per row, the first token whose cumulative probability passes it
+        # (so torch.multinomial samples one token on CUDA; on the CPU it draws B·V exponentials).
+        cdf = logits.softmax(-1).cumsum(-1)  # (B, V)
+        total = cdf[:, -1:].contiguous()  # (B, 1)
+        u = torch.rand(total.shape, generator=generator, device=total.device) * total
+        tok = torch.searchsorted(cdf, torch.minimum(u, total.nextafter(torch.zeros_like(total))), right=True)[:, 0]
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 

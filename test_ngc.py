@@ -1564,7 +1564,7 @@ def rollouts(model):
     for policy in EVAL_POLICIES:
         e = Eviction(delta=12, block=3, window=4, rate=0.6, **ev.CLI_POLICIES[policy])
         runs[policy] = e, rollout(model, prompts_of([5, 17, 9]), Sampling(max_new_tokens=40, temperature=1.0, top_k=0),
-                                  e, eos_ids=[EOS], generator=torch.Generator().manual_seed(0))
+                                  e, eos_ids=[EOS], generator=torch.Generator().manual_seed(6))
     return runs
 
 
@@ -2211,6 +2211,41 @@ def test_top_p_tiny_is_argmax_and_one_is_off():
     for bad in (0.0, -0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"top_p=.* must lie in \(0, 1\]"):
             Sampling(top_p=bad)
+
+
+def test_sampling_is_softmax_with_one_uniform_per_row(monkeypatch):
+    """sample_tokens is inverse-CDF sampling: 2 x 60k draws match softmax(logits / T) over the
+    top-k (Pearson's χ² below its 0.999 quantile; the same counts against T = 1 fail it), and
+    with the uniform at either end of its range, 0 or 1, each row gets its first or last token
+    with p > 0, never one the top-k cut."""
+    V, n, T = 8, 60_000, 0.7
+    gen = torch.Generator().manual_seed(0)
+    two = torch.randn(2, V, generator=gen) * 1.5  # two distributions, rows interleaved
+    for top_k in (0, 5):
+        tok, _ = ngc.sample_tokens(two.repeat(n, 1), Sampling(max_new_tokens=1, temperature=T, top_k=top_k), gen)
+        for row in range(2):
+            counts = torch.bincount(tok[row::2], minlength=V).double()
+
+            def chi2(p):
+                cells = p > 0
+                return (((counts[cells] - n * p[cells]) ** 2) / (n * p[cells])).sum().item(), int(cells.sum()) - 1
+
+            ref = _nucleus_reference(two[row], T, top_k, 1.0)
+            assert (counts[ref == 0] == 0).all()
+            stat, dof = chi2(ref)
+            assert stat < CHI2_999[dof], (top_k, row, stat)
+            stat, dof = chi2(_nucleus_reference(two[row], 1.0, top_k, 1.0))  # negative control
+            assert stat > CHI2_999[dof], (top_k, row, stat)
+    logits = torch.randn(500, 50, generator=gen) * 3
+    top7 = logits.topk(7, -1).indices
+    for u, expected in ((0.0, top7.amin(-1)), (1.0, top7.amax(-1))):
+        monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u))
+        tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=7))
+        assert torch.equal(tok, expected), u
+    # Negative control: the cumulative sum itself is no strict upper bound: searched for, it is
+    # past the last token.
+    cdf = logits.masked_fill(logits < logits.topk(7, -1).values[:, -1:], float("-inf")).softmax(-1).cumsum(-1)
+    assert (torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=True) == 50).all()
 
 
 def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monkeypatch):
