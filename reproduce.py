@@ -153,7 +153,7 @@ def main():
     p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
     args = p.parse_args()
     if args.jobs < 1 or (args.problems is not None and args.problems < 1):
-        sys.exit(f"error: --jobs and --problems must be at least 1")
+        sys.exit("error: --jobs and --problems must be at least 1")
     t0 = time.time()
     train_all(args.out, args.model, args.jobs, args.train_args.split())
     sections = []
