@@ -1,11 +1,12 @@
-"""Build the tiny Countdown reasoner shipped in tiny/: search traces, a word-level tokenizer,
-a ~2M-parameter Qwen2 and its next-token pretraining on the CPU.
+"""Build the tiny reasoners shipped in tiny/ (Countdown) and tiny-math/ (word problems): traces,
+a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on the CPU.
 
     python make_tiny.py                      # rebuild tiny/ (about 45 minutes on one core)
     python make_tiny.py --steps 300 --out runs/tiny-smoke
+    python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
 
-The model learns to write a depth-first search, Stream-of-Search style. The target appears
-only in the prompt; the trace never restates it, so every leaf's yes/no must look it up
+Countdown: the model learns to write a depth-first search, Stream-of-Search style. The target
+appears only in the prompt; the trace never restates it, so every leaf's yes/no must look it up
 far back and a KV-cache policy that evicts the prompt loses:
 
     prompt:     <bos> Countdown : reach 16 with 3 5 2 .
@@ -15,9 +16,23 @@ far back and a KV-cache policy that evicts the prompt loses:
 (pairs in order, larger first, ops + * - /, / only when exact); with two numbers x >= y
 left, each leaf `op w` is x op y, judged yes (w is the target) or no (leaves above 999
 are skipped). A dead end returns with `back [ ... ]` restating the numbers.
+
+Math (--task math): the word problems of mathtask.py's demo set, prompted exactly as
+`train.py --task math` prompts them (mathtask.encode: the question, then R1's instruction; this
+vocabulary has no chat template). The trace counts a groups of b up to the total, then combines
+it with c in columns (units, tens with the carry or borrow, the two together) and boxes the
+answer. Each count needs a and b from the question and c is first written near the end, so a
+policy that evicts the question loses here too:
+
+    prompt:     A shelf has 8 rows of 12 books. Mia adds 37 more books. How many books are on the shelf?
+                Please reason step by step, and put your final answer within \boxed{}.
+    completion: 1 : 12 , 2 : 24 , ... , 8 : 96 , so 96 books . 96 + 37 : 6 + 7 = 13 ,
+                90 + 30 + 10 = 130 , 130 + 3 = 133 . \boxed { 133 } <eos>
+
 With the same flags (--seed, --steps, --threads, ...), the same torch and the same kind of CPU,
 it writes the same files byte for byte. tiny/ is `python make_tiny.py` with every default, run
-with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine.
+with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine; tiny-math/ is
+`python make_tiny.py --task math` the same way.
 """
 import argparse
 import json
@@ -26,6 +41,8 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +50,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from tqdm import tqdm
 
 import countdown as cd
+import mathtask
 from countdown import tiny_prompt
 from model import Qwen2, Qwen2Config, from_pretrained, init_weights, load_tokenizer, num_params, save_pretrained
 from ngc import Eviction, Sampling
@@ -47,6 +65,20 @@ TINY_RUN = dict(
     lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
     term_grad_norms=True,
 )
+# The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set
+# written by `python mathtask.py --make-demo data/math-demo`. Prompts are 29-33 tokens and full-cache
+# completions 22-80, so the first round comes as the question ends (δ = 32) and c must outlive it.
+MATH_RUN = dict(
+    task="math", data="data/math-demo/train.jsonl", eval_data="data/math-demo/test.jsonl", seed=0,
+    steps=60, prompts=16, group=8, max_new_tokens=128, temperature=1.0, top_k=0, top_p=1.0, min_length=0,
+    delta=32, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
+    lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
+    term_grad_norms=True, eval_max_new_tokens=128,
+)
+MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
+    # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
+    out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
+    max_new_tokens=MATH_RUN["max_new_tokens"])
 MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
@@ -126,12 +158,56 @@ def replay_trace(problem, text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
+# Word-problem traces (mathtask.py's demo set)
+
+MATH_LAST_STEP = {  # the unit after b -> the last step as (x, op, y), from the total a·b and c
+    "apples": lambda total, c: (total, "-", c), "books": lambda total, c: (total, "+", c),
+    "cents": lambda total, c: (c, "-", total), "marbles": lambda total, c: (total, "/", c)}
+MATH_WORDS = sorted(  # the demo questions' words without their placeholders, R1's instruction, the traces'
+    {w for text, _, _ in mathtask.TEMPLATES for w in text.split()} - {"{n}", "{a}", "{b}", "{c}"}
+    | set(mathtask.NAMES) | set(mathtask.INSTRUCTION.split())
+    | {":", ",", ".", "so", "+", "-", "/", "=", "\\boxed", "{", "}"})
+
+
+def columns(x, op, y) -> str:
+    """x + y, or x - y for x >= y, in columns: the units (borrowing 10 when they fall short),
+    the tens with the carry or the borrow, then the two put together."""
+    (tx, ux), (ty, uy) = divmod(x, 10), divmod(y, 10)
+    if op == "+":
+        units = ux + uy
+        carry = " + 10" if units >= 10 else ""
+        tens = 10 * (tx + ty) + 10 * (units >= 10)
+        return f"{ux} + {uy} = {units} , {10 * tx} + {10 * ty}{carry} = {tens} , {tens} + {units % 10} = {x + y}"
+    borrow = ux < uy
+    units = ux + 10 * borrow - uy
+    tens = 10 * (tx - ty - borrow)
+    return (f"{ux + 10 * borrow} - {uy} = {units} , {10 * tx}{' - 10' if borrow else ''} - {10 * ty} = {tens} , "
+            f"{tens} + {units} = {x - y}")
+
+
+def math_trace(problem) -> str:
+    """The step-by-step solution of a demo word problem, ending in `\\boxed { N }` (spaced, so
+    that \\boxed, {, N and } are one word each)."""
+    words = problem.question.split()
+    at = [i for i, w in enumerate(words) if w.isdigit()]  # a, b, c in this order
+    if len(at) != 3 or words[at[1] + 1].rstrip(".") not in MATH_LAST_STEP:
+        raise ValueError(f"not one of mathtask.TEMPLATES' word problems: {problem.question!r}")
+    a, b, c = (int(words[i]) for i in at)
+    unit = words[at[1] + 1].rstrip(".")
+    x, op, y = MATH_LAST_STEP[unit](a * b, c)
+    answer = {"+": x + y, "-": x - y, "/": x // y}[op]
+    last = f"{x} / {y} = {answer}" if op == "/" else f"{x} {op} {y} : {columns(x, op, y)}"
+    groups = " , ".join(f"{k} : {k * b}" for k in range(1, a + 1))
+    return f"{groups} , so {a * b} {unit} . {last} . \\boxed {{ {answer} }}"
+
+
+# ---------------------------------------------------------------------------------------
 # Tokenizer, data and model
 
 
-def build_tokenizer() -> Tokenizer:
-    """Word-level: the trace words and every integer 0..999 are single tokens."""
-    vocab = SPECIALS + WORDS + [str(n) for n in range(MAX_NUM + 1)]
+def build_tokenizer(words=WORDS) -> Tokenizer:
+    """Word-level: the prompt and trace words and every integer 0..999 are single tokens."""
+    vocab = SPECIALS + words + [str(n) for n in range(MAX_NUM + 1)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(SPECIALS)
@@ -145,17 +221,26 @@ def split_problems(seed: int, n_test: int, n_train: int = 300_000):
     return cd.splits(seed, n_train, n_test, cd.TINY, unique=False)
 
 
-def batches(tok, problems, rng, n: int, micro: int):
+def countdown_example(tok, problem, rng):
+    """(prompt ids, completion ids). Half the prompts carry a random budget tag (it says nothing
+    yet) so that train.py --interoception starts from a model that has read it."""
+    rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
+    return tok.encode(tiny_prompt(problem, rate)).ids, tok.encode(trace(problem)).ids
+
+
+def math_example(tok, problem, rng):
+    """(prompt ids, completion ids): the prompt exactly as train.py --task math encodes it."""
+    return mathtask.encode(tok, problem), tok.encode(math_trace(problem)).ids
+
+
+def batches(tok, problems, rng, n: int, micro: int, example=countdown_example):
     """n random training examples as micro-batches of similar length: (tokens, targets),
     targets -100 on the prompt and padding, so only the completion and EOS are learned."""
     eos = tok.token_to_id("<eos>")
     examples = []
     for p in (problems[rng.randrange(len(problems))] for _ in range(n)):
-        # Half the prompts carry a random budget tag (it says nothing yet) so that
-        # train.py --interoception starts from a model that has read it.
-        rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
-        prompt = tok.encode(tiny_prompt(p, rate)).ids
-        examples.append((prompt, tok.encode(trace(p)).ids + [eos]))
+        prompt, completion = example(tok, p, rng)
+        examples.append((prompt, completion + [eos]))
     examples.sort(key=lambda e: len(e[0]) + len(e[1]))
     for i in range(0, n, micro):
         chunk = examples[i: i + micro]
@@ -179,13 +264,38 @@ def tiny_config(tok, d=192, layers=4, heads=4, kv_heads=2, ffn=512) -> Qwen2Conf
 # Evaluation
 
 
-def trace_accuracy(model, tok, problems, eviction=None, max_new_tokens=400, batch=128):
-    """Greedy accuracy (mean reward), the fraction of completions that replay as correct
-    traces, and the mean completion length."""
+def trace_accuracy(model, tok, problems, task, eviction=None, max_new_tokens=400, batch=128):
+    """Greedy accuracy (mean reward), the fraction of completions that are correct traces, and
+    the mean completion length."""
     out = solve(model, tok, problems, Sampling(max_new_tokens=max_new_tokens, greedy=True), eviction,
-                encode=lambda t, p: t.encode(tiny_prompt(p)).ids, batch_size=batch)
-    valid = sum(replay_trace(p, texts[0]) for p, texts in zip(problems, out["texts"]))
+                encode=task.encode, reward_fn=task.reward, batch_size=batch)
+    valid = sum(task.valid(p, texts[0]) for p, texts in zip(problems, out["texts"]))
     return out["reward"].mean().item(), valid / len(problems), out["length"].mean().item()
+
+
+# ---------------------------------------------------------------------------------------
+# The two builds
+
+
+@dataclass(frozen=True)
+class Task:
+    words: list  # the tokenizer's words besides the specials and the integers
+    splits: Callable  # (seed, n_test, n_train) -> (train, held-out) problems
+    example: Callable  # (tokenizer, problem, rng) -> (prompt ids, completion ids) to pretrain on
+    encode: Callable  # (tokenizer, problem) -> prompt ids, as train.py feeds them
+    reward: Callable  # (completion text, problem) -> 1.0 or 0.0
+    valid: Callable  # (problem, completion text) -> whether it is a correct trace
+    run: dict  # ngc.json: train.py's default run on the model
+    flags: dict  # this script's defaults that differ from Countdown's
+
+
+TASKS = {
+    "countdown": Task(WORDS, split_problems, countdown_example, lambda t, p: t.encode(tiny_prompt(p)).ids,
+                      cd.reward, replay_trace, TINY_RUN, {}),
+    "math": Task(MATH_WORDS, lambda seed, n_test, n_train: mathtask.demo_splits(seed, n_train, n_test),
+                 math_example, mathtask.encode, mathtask.reward, lambda p, text: text == math_trace(p),
+                 MATH_RUN, MATH_BUILD),
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,18 +326,25 @@ def main(argv=None):
     ap.add_argument("--ffn", type=int, default=512, help="MLP intermediate size")
     ap.add_argument("--n-test", type=int, default=500, help="held-out problems to evaluate on")
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
+    ap.add_argument("--max-new-tokens", type=int, default=400, help="completion cap of the held-out evaluation")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
+    ap.add_argument("--task", choices=list(TASKS), default="countdown",
+                    help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--task", choices=list(TASKS), default="countdown")
+    task = TASKS[pre.parse_known_args(argv)[0].task]
+    ap.set_defaults(**task.flags)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    train, test = split_problems(args.seed, args.n_test, args.train_problems)
+    train, test = task.splits(args.seed, args.n_test, args.train_problems)
 
     if args.eval_only:
         model, tok = from_pretrained(args.out), load_tokenizer(args.out)
-        report(model, tok, test)
+        report(model, tok, test, task, args.max_new_tokens)
         return
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(task.words)
     model = init_weights(Qwen2(tiny_config(tok, args.d, args.layers, args.heads, ffn=args.ffn)), seed=args.seed)
     print(f"{num_params(model) / 1e6:.2f}M parameters, {len(train)} training / {len(test)} held-out problems")
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -239,7 +356,7 @@ def main(argv=None):
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        micro = list(batches(tok, train, rng, args.batch, args.micro))
+        micro = list(batches(tok, train, rng, args.batch, args.micro, task.example))
         n_targets = sum(int((y != -100).sum()) for _, y in micro)
         total = 0.0
         for x, y in micro:
@@ -262,25 +379,25 @@ def main(argv=None):
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(model.to(torch.bfloat16), tmp)  # bf16 on disk keeps the files small
     tok.save(os.path.join(tmp, "tokenizer.json"))
-    write_run_defaults(tmp)
+    write_run_defaults(tmp, task.run)
     if os.path.exists(args.out):  # swap in the new directory, then drop the old one
         os.rename(args.out, tmp + ".old")
     os.rename(tmp, args.out)
     shutil.rmtree(tmp + ".old", ignore_errors=True)
-    report(from_pretrained(args.out), load_tokenizer(args.out), test)  # the weights as shipped
+    report(from_pretrained(args.out), load_tokenizer(args.out), test, task, args.max_new_tokens)  # as shipped
 
 
-def write_run_defaults(model_dir):
+def write_run_defaults(model_dir, run):
     with open(os.path.join(model_dir, "ngc.json"), "w") as f:
-        json.dump(TINY_RUN, f, indent=1)
+        json.dump(run, f, indent=1)
         f.write("\n")
 
 
-def report(model, tok, test):
-    acc, valid, length = trace_accuracy(model, tok, test)
+def report(model, tok, test, task, max_new_tokens):
+    acc, valid, length = trace_accuracy(model, tok, test, task, max_new_tokens=max_new_tokens)
     print(f"full cache:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  ({len(test)} held out)")
-    ev = Eviction(TINY_RUN["delta"], TINY_RUN["block"], TINY_RUN["window"], rate=0.5, greedy=True)
-    acc, valid, length = trace_accuracy(model, tok, test, ev)
+    ev = Eviction(task.run["delta"], task.run["block"], task.run["window"], rate=0.5, greedy=True)
+    acc, valid, length = trace_accuracy(model, tok, test, task, ev, max_new_tokens)
     print(f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}:  accuracy {acc:.3f}  "
           f"valid traces {valid:.3f}  mean length {length:.0f}")
 

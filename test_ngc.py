@@ -1836,6 +1836,142 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------
+# make_tiny.py --task math: word-problem traces and the shipped tiny-math/ model (the math
+# pipeline of §5.4 in miniature)
+
+TINY_MATH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-math")
+SHELF = mt.Problem("A shelf has 8 rows of 12 books. Mia adds 37 more books. How many books are on the shelf?", "133")
+
+
+def test_math_trace_example():
+    assert make_tiny.math_trace(SHELF) == (
+        "1 : 12 , 2 : 24 , 3 : 36 , 4 : 48 , 5 : 60 , 6 : 72 , 7 : 84 , 8 : 96 , so 96 books . "
+        "96 + 37 : 6 + 7 = 13 , 90 + 30 + 10 = 130 , 130 + 3 = 133 . \\boxed { 133 }")
+    apples = mt.Problem("Tom has 8 boxes of 12 apples and gives away 37 apples. How many apples are left?", "59")
+    assert make_tiny.math_trace(apples).endswith(
+        "so 96 apples . 96 - 37 : 16 - 7 = 9 , 90 - 10 - 30 = 50 , 50 + 9 = 59 . \\boxed { 59 }")
+    with pytest.raises(ValueError, match="not one of mathtask.TEMPLATES"):
+        make_tiny.math_trace(mt.Problem("What is 2 + 3?", "5"))
+
+
+def _column_result(x, y, text):
+    """Check a column sum step by step and return its result: each step `p op q [op r] = s` is
+    right, the units line starts from x's units digit (+ 10 when it borrows) and takes y's, the
+    last line adds the tens line's result and the units line's units digit."""
+    steps = []
+    for step in text.split(" , "):
+        left, right = step.split(" = ")
+        words = left.split()
+        value = int(words[0])
+        for op, n in zip(words[1::2], words[2::2]):
+            value = value + int(n) if op == "+" else value - int(n)
+        assert value == int(right) >= 0, step
+        steps.append((words, value))
+    (first, units), (_, tens), (last, result) = steps
+    assert int(first[0]) in (x % 10, x % 10 + 10) and int(first[2]) == y % 10, text
+    assert last == [str(tens), "+", str(units % 10)], text
+    return result
+
+
+@pytest.mark.parametrize("op", ["+", "-"])
+def test_columns_add_and_subtract(op):
+    for x in range(0, 300, 7):
+        for y in range(0, x + 1, 3):
+            assert _column_result(x, y, make_tiny.columns(x, op, y)) == (x + y if op == "+" else x - y), (x, op, y)
+    with pytest.raises(AssertionError):  # the control: a dropped carry is caught
+        _column_result(96, 37, make_tiny.columns(96, "+", 37).replace(" + 10 = 130", " = 130"))
+
+
+def test_math_traces_decode_to_reward_one():
+    """Every demo template, 400 problems: trace ids + EOS decode (joined with spaces, specials
+    skipped) to a completion whose last \\boxed{...} is the answer; no word is <unk>."""
+    tok = build_tokenizer(make_tiny.MATH_WORDS)
+    unk, eos = tok.token_to_id("<unk>"), tok.token_to_id("<eos>")
+    problems, _ = mt.demo_splits(5, 400, 1)
+    assert {u for p in problems for u in make_tiny.MATH_LAST_STEP if f" {u}" in p.question} == set(make_tiny.MATH_LAST_STEP)
+    for p in problems:
+        ids = tok.encode(make_tiny.math_trace(p)).ids
+        assert unk not in ids and len(ids) == len(make_tiny.math_trace(p).split())
+        completion = tok.decode(ids + [eos], skip_special_tokens=True)
+        assert completion == make_tiny.math_trace(p) and mt.reward(completion, p) == 1.0
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda t: t.replace("{ 133 }", "{ 134 }"),  # wrong answer
+    lambda t: t.replace(" }", ""),  # the box never closes
+    lambda t: t[: t.index("\\boxed")],  # truncated before the box
+    lambda t: t.replace("\\boxed", "boxed"),  # no box
+])
+def test_corrupted_math_trace_scores_zero(corrupt):
+    t = make_tiny.math_trace(SHELF)
+    assert mt.reward(t, SHELF) == 1.0
+    bad = corrupt(t)
+    assert bad != t and mt.reward(bad, SHELF) == 0.0
+
+
+def test_math_prompts_are_mathtask_encode_without_unk():
+    """The prompts pretraining sees are mathtask.encode's (the plain fallback: this vocabulary has
+    no R1 chat tokens), one token per word, none <unk>, for every demo problem; the targets start
+    at the first trace token. Control: a word outside the demo questions is <unk>."""
+    tok = build_tokenizer(make_tiny.MATH_WORDS)
+    unk = tok.token_to_id("<unk>")
+    train_set, test_set = mt.demo_splits(0, 2000, 200)
+    for p in train_set + test_set:
+        ids = mt.encode(tok, p)
+        assert unk not in ids and ids == tok.encode(mt.prompt_text(p)).ids
+        assert tok.decode(ids) == " ".join(mt.prompt_text(p).split())
+    assert unk in mt.encode(tok, mt.Problem("A farmer has 3 cows.", "3"))
+    by_prompt = {tuple(mt.encode(tok, p)): p for p in train_set[:40]}
+    for x, y in make_tiny.batches(tok, train_set[:40], random.Random(0), 40, 8, make_tiny.math_example):
+        for row, target in zip(x.tolist(), y.tolist()):
+            start = next(i for i, v in enumerate(target) if v != -100) + 1  # the first completion token
+            completion = tok.decode([v for v in target if v != -100], skip_special_tokens=True)
+            assert mt.reward(completion, by_prompt[tuple(row[:start])]) == 1.0
+
+
+def _build_small_math(out, seed):
+    make_tiny.main(["--task", "math", "--out", str(out), "--seed", str(seed), "--steps", "3", "--warmup", "1",
+                    "--batch", "8", "--micro", "4", "--d", "32", "--layers", "1", "--heads", "2", "--ffn", "64",
+                    "--train-problems", "300", "--n-test", "2", "--max-new-tokens", "16"])
+    return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
+
+
+def test_make_tiny_math_rebuilds_bit_for_bit(tmp_path, capsys):
+    """make_tiny.py --task math in miniature: one seed writes the same four files byte for byte,
+    another seed other weights (the control); ngc.json is the math run's."""
+    first, again, other = (_build_small_math(tmp_path / name, seed) for name, seed in [("a", 0), ("b", 0), ("c", 1)])
+    assert sorted(first) == ["config.json", "model.safetensors", "ngc.json", "tokenizer.json"]
+    assert first == again
+    assert other["model.safetensors"] != first["model.safetensors"]
+    assert json.loads(first["ngc.json"]) == make_tiny.MATH_RUN
+    assert not any(p.name.endswith((".tmp", ".old")) for p in tmp_path.iterdir())
+    assert "final loss" in capsys.readouterr().out
+
+
+def test_shipped_tiny_math_model_solves_and_eviction_hurts():
+    """tiny-math/ loads through from_pretrained, is small, and solves most of 16 held-out demo
+    problems greedily from mathtask.encode's prompts; evicting half the cache every δ tokens
+    with its untrained scores (ngc.json's δ, b, w) solves fewer."""
+    model, tok = from_pretrained(TINY_MATH_DIR), load_tokenizer(TINY_MATH_DIR)
+    cfg = model.config
+    assert cfg.vocab_size == tok.get_vocab_size() and cfg.eos_ids == [tok.token_to_id("<eos>")]
+    assert sum(os.path.getsize(os.path.join(TINY_MATH_DIR, f)) for f in os.listdir(TINY_MATH_DIR)) < 8e6
+    with open(os.path.join(TINY_MATH_DIR, "ngc.json")) as f:
+        run = json.load(f)
+    assert run == make_tiny.MATH_RUN
+    defaults = train.run_defaults(TINY_MATH_DIR)  # every key is one of train.py's settings
+    assert defaults["task"] == "math" and {k: defaults[k] for k in run} == run
+    _, test = mt.demo_splits(0, 1, 200)
+    test = test[:16]  # held out: the first problems of the seed's stream never reach pretraining
+    sampling = Sampling(max_new_tokens=run["max_new_tokens"], greedy=True)
+    full = train.solve(model, tok, test, sampling, None, encode=mt.encode, reward_fn=mt.reward)
+    assert full["reward"].sum() >= 13, full["texts"]
+    evicted = train.solve(model, tok, test, sampling, Eviction(run["delta"], run["block"], run["window"], 0.5, greedy=True),
+                          encode=mt.encode, reward_fn=mt.reward)
+    assert evicted["reward"].sum() <= full["reward"].sum() - 4, evicted["texts"]
+
+
+# ---------------------------------------------------------------------------------------
 # 13. Mathematical reasoning (§5.4, mathtask.py): DAPO-Math-17k → AMC/AIME, boxed answers, top-p
 
 
