@@ -2602,3 +2602,16 @@ def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
                                     "grad_norm_token": g, "grad_norm_mem": g}) + "\n")
     reproduce.curves(str(tmp_path), ["ngc", "token-only"], str(tmp_path / "ablations.png"))
     assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
+    """README's CPU demonstration: `train.py --task math --model tiny-math` on the demo set, shrunk
+    to one small step and one evaluation, runs with tiny-math/ngc.json's recipe."""
+    mt.make_demo(tmp_path / "data", n_train=16, n_test=4)
+    model = os.path.join(os.path.dirname(train.__file__), "tiny-math")
+    train.main(["--model", model, "--out", str(tmp_path / "run"), "--threads", "1", "--steps", "1", "--prompts", "2",
+                "--group", "2", "--data", str(tmp_path / "data" / "train.jsonl"),
+                "--eval-data", str(tmp_path / "data" / "test.jsonl"), "--eval-every", "1"])
+    out = capsys.readouterr().out
+    assert "NGC on math" in out and "δ=32" in out and "ε = 0.5 (greedy top-K)" in out
+    assert train.run_defaults(str(tmp_path / "run" / "checkpoint"))["task"] == "math"
