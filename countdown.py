@@ -140,8 +140,9 @@ def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True)
 # -----------------------------------------------------------------------------
 # prompt
 
-def prompt_text(problem, eviction_rate=None):
-    """The task text; with eviction_rate, the paper's budget tag is appended."""
+def prompt_text(problem, eviction_rate=None, blind=False):
+    """The task text; with eviction_rate, the paper's budget tag is appended (blind: the tag
+    without the rate, "-" in its place: the control for interoception)."""
     text = (f"Using the numbers {list(problem.nums)}, create an equation that equals "
             f"{problem.target}. You can use basic arithmetic operations (+, -, *, /) and "
             f"each number must be used exactly once. Show your work, then give the final "
@@ -149,6 +150,7 @@ def prompt_text(problem, eviction_rate=None):
     if eviction_rate is not None:
         pct = 100 * eviction_rate
         pct = f"{round(pct)}" if abs(pct - round(pct)) < 1e-9 else f"{pct:.1f}"
+        pct = "-" if blind else pct
         text += f"\n<eviction_rate>{pct}%</eviction_rate>"
     return text
 
@@ -161,22 +163,23 @@ def encode_prompt(tokenizer, text):
         text = f"{bos}{user}{text}{assistant}<think>\n"
     return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
 
-def tiny_prompt(problem, eviction_rate=None):
+def tiny_prompt(problem, eviction_rate=None, blind=False):
     """The shipped tiny model's prompt (make_tiny.py): BOS, a short preamble, the target, the
-    numbers; the budget tag is split into words for its word-level tokenizer."""
+    numbers; the budget tag is split into words for its word-level tokenizer (blind: "-" for
+    the rate, so the tag has as many tokens and the blocks the same boundaries)."""
     text = f"<bos> Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
     if eviction_rate is not None:
-        text += f" <eviction_rate> {round(100 * eviction_rate)} % </eviction_rate>"
+        text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)} % </eviction_rate>"
     return text
 
 PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt}  # prompt style -> (problem, eviction_rate) -> text
 DIFFICULTIES = {"paper": PAPER, "tiny": TINY}
 
-def encode(tokenizer, problem, style="plain", eviction_rate=None):
+def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
     """A problem's prompt token ids in the given style (with the budget tag if rate given)."""
     if style not in PROMPTS:
         raise ValueError(f"unknown prompt style {style!r}; choose one of {', '.join(PROMPTS)}")
-    return encode_prompt(tokenizer, PROMPTS[style](problem, eviction_rate))
+    return encode_prompt(tokenizer, PROMPTS[style](problem, eviction_rate, blind))
 
 # -----------------------------------------------------------------------------
 # reward: a small recursive-descent parser, exact Fraction arithmetic, no eval

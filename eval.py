@@ -113,12 +113,12 @@ def plot(rows, path):
     n = rows[0]["samples"]
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    for name in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["kv_reduction"], score(r)) for r in rows if r["policy"] == name)
+    for name in dict.fromkeys(r["policy"] for r in rows):  # accuracy_sd: reproduce.py's spread across seeds
+        pts = sorted((r["kv_reduction"], score(r), r.get("accuracy_sd", 0.0)) for r in rows if r["policy"] == name)
         if name == "none":
             ax.axhline(pts[0][1], color="gray", linestyle="--", label="full cache")
         else:
-            ax.plot(*zip(*pts), marker="o", label=name)
+            ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=name)
     ax.set_xlabel("average peak KV cache reduction (x)")
     ax.set_ylabel(f"pass@{n}" if n > 1 else "accuracy (pass@1)")
     ax.legend()

@@ -1,40 +1,56 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
-    python reproduce.py                 # everything, into results/ (about an hour on a 2-core CPU)
+    python reproduce.py                 # everything, one seed, into results/ (about 1.2 hours on a 2-core CPU)
+    python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
 
-It trains five runs from tiny/ with its defaults (tiny/ngc.json), each only if results/runs/<name>
-has not finished yet, then evaluates them with eval.py on the held-out problems:
+It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
+its own training and held-out problems, rollouts and evictions), each only if
+results/runs/<name>[-seed<k>] has not finished yet, then evaluates them with eval.py on the
+held-out problems:
 
-    ngc               the method                        train.py
-    no-evict          the full-cache model              train.py --mode no-evict
-    token-only        ablation: no eviction loss        train.py --mode token-only
-    targeted-dropout  ablation: causal log-probs        train.py --mode targeted-dropout
-    interoception     ε written into the prompt         train.py --interoception
+    ngc                  the method                          train.py
+    no-evict             the full-cache model                train.py --mode no-evict
+    token-only           ablation: no eviction loss          train.py --mode token-only
+    targeted-dropout     ablation: causal log-probs          train.py --mode targeted-dropout
+    interoception        ε written into the prompt           train.py --interoception
+    interoception-blind  its control: the same per-group ε,  train.py --interoception --blind-tag
+                         the tag without the rate
 
-and writes results/<study>.jsonl, results/<study>.png, results/ngc-vs-heuristics.png and results/summary.md:
+and writes results/evals/<study>-seed<k>.jsonl (eval.py's rows), results/<study>.jsonl and .png
+(over seeds: mean accuracy, its standard deviation across seeds, and the binomial standard
+error of one evaluation, sqrt(p(1 - p) / n)), results/ngc-vs-heuristics.png, and results/summary.md:
 
     1. baselines      NGC (greedy top-K) vs SnapKV, KeyDiff, KNorm, StreamingLLM on the no-evict
                       model, and its full cache, at ε = 0.5 (Figure 3)
     2. sweep          the same at stricter ε than training saw (0.5 -> 0.8)
     3. ablations      ngc vs token-only vs targeted-dropout at ε = 0.5, with their reward and
                       grad-norm curves (Figure 5)
-    4. interoception  budget-aware NGC vs plain NGC across ε (Figure 6)
+    4. interoception  budget-aware NGC against its blind-tag control, at the rates the groups
+                      trained on (0.25, 0.5, 0.75) and stricter ones, plain NGC beside (Figure 6)
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 import eval as ev
+import show
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
-        "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"]}
+        "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
+        "interoception-blind": ["--interoception", "--blind-tag"]}
 HEURISTICS = ["snapkv", "keydiff", "knorm", "streamingllm"]
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
+INTERO_SWEEP = [0.25, 0.5, 0.75, 0.8]  # the tags the groups trained on at the end, and a stricter one
+
+
+def run_name(name: str, seed: int) -> str:
+    return name if seed == 0 else f"{name}-seed{seed}"
 
 
 def finished(run_dir) -> bool:
@@ -47,19 +63,20 @@ def finished(run_dir) -> bool:
         return bool(last) and last[0]["step"] + 1 >= json.load(f)["steps"]
 
 
-def train_all(out, model, jobs, extra):
+def train_all(out, model, jobs, seeds, extra):
     """Run the missing training runs, `jobs` at a time, logging each to results/runs/<name>.log."""
-    todo = [name for name in RUNS if not finished(os.path.join(out, "runs", name))]
+    todo = [(run_name(name, k), RUNS[name] + ["--seed", str(k)]) for k in range(seeds) for name in RUNS]
+    todo = [(name, flags) for name, flags in todo if not finished(os.path.join(out, "runs", name))]
     threads = max(1, (os.cpu_count() or 1) // jobs)
     running = []
     while todo or running:
         while todo and len(running) < jobs:
-            name = todo.pop(0)
+            name, flags = todo.pop(0)
             run_dir = os.path.join(out, "runs", name)
             saved = os.path.exists(os.path.join(run_dir, "checkpoint"))
             resume = ["--resume", run_dir] if saved else ["--overwrite"]  # a run that never saved starts afresh
             cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", model, "--out", run_dir,
-                   "--threads", str(threads), *RUNS[name], *extra, *resume]
+                   "--threads", str(threads), *flags, *extra, *resume]
             os.makedirs(run_dir, exist_ok=True)
             print(f"[{time.strftime('%H:%M:%S')}] start {name}: {' '.join(cmd[1:])}", flush=True)
             log = open(run_dir + ".log", "w")
@@ -75,15 +92,35 @@ def train_all(out, model, jobs, extra):
                 sys.exit(f"error: training run {name} failed; see {log.name}")
 
 
-def eval_study(out, study, run, policies, rates, problems=None):
-    """eval.py on one run's final checkpoint; returns its rows."""
-    path = os.path.join(out, f"{study}.jsonl")
-    argv = ["--model", os.path.join(out, "runs", run, "checkpoint"), "--policy", *policies,
+def eval_study(out, study, run, policies, rates, seed, problems=None):
+    """eval.py on the final checkpoint of one run and seed; returns its rows, marked with both."""
+    path = os.path.join(out, "evals", f"{study}-seed{seed}.jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    name = run_name(run, seed)
+    argv = ["--model", os.path.join(out, "runs", name, "checkpoint"), "--policy", *policies,
             "--eviction-rate", *map(str, rates), "--out", path] + (["--problems", str(problems)] if problems else [])
-    print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {run} {' '.join(policies)} at ε {rates}", flush=True)
-    ev.main(argv + (["--plot", path[:-6] + ".png"] if have_matplotlib() else []))
+    print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {name} {' '.join(policies)} at ε {rates}", flush=True)
+    ev.main(argv)
     with open(path) as f:
-        return [json.loads(line) for line in f]
+        return [dict(json.loads(line), run=run, seed=seed) for line in f]
+
+
+def over_seeds(rows):
+    """One row per (run, policy, ε): the means over seeds, the accuracy's standard deviation across
+    seeds (accuracy_sd, 0 for one seed) and the mean binomial standard error of one evaluation
+    (accuracy_se = sqrt(p(1 - p) / n), n = problems x samples)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
+    out = []
+    for (run, policy, rate), rs in groups.items():
+        acc = [r["accuracy"] for r in rs]
+        mean = {k: statistics.fmean(r[k] for r in rs) for k in ("accuracy", "length", "rounds", "kv_reduction")}
+        se = statistics.fmean((a * (1 - a) / (r["problems"] * r["samples"])) ** 0.5 for a, r in zip(acc, rs))
+        out.append(dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"],
+                        samples=rs[0]["samples"], seeds=len(rs), **mean,
+                        accuracy_sd=statistics.stdev(acc) if len(acc) > 1 else 0.0, accuracy_se=se))
+    return out
 
 
 def have_matplotlib() -> bool:
@@ -91,22 +128,26 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def curves(out, names, path):
-    """Reward and grad-norm curves per step of the given runs (Figure 5)."""
+def curves(out, names, seeds, path):
+    """Reward and grad-norm curves per step of the given runs, means over seeds (Figure 5)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for name in names:
-        with open(os.path.join(out, "runs", name, "log.jsonl")) as f:
-            steps = [json.loads(line) for line in f if '"reward"' in line]
-        x = [s["step"] for s in steps]
-        axes[0].plot(x, smooth([s["reward"] for s in steps]), label=name)
+        logs = []
+        for k in range(seeds):
+            with open(os.path.join(out, "runs", run_name(name, k), "log.jsonl")) as f:
+                logs.append({s["step"]: s for s in map(json.loads, f) if "reward" in s})
+        x = sorted(set.intersection(*(set(log) for log in logs)))
+        axes[0].plot(x, smooth([statistics.fmean(log[i]["reward"] for log in logs) for i in x]), label=name)
         for ax, key in ((axes[1], "grad_norm_token"), (axes[2], "grad_norm_mem")):  # null: not measured that step
-            pts = [(s["step"], s[key]) for s in steps if s.get(key) is not None]
+            pts = [(i, statistics.fmean(log[i][key] for log in logs)) for i in x
+                   if all(log[i].get(key) is not None for log in logs)]
             if pts:
                 ax.plot(*zip(*pts), label=name)
-    for ax, title in zip(axes, ["reward (moving mean of 5)", "grad norm of L_token", "grad norm of L_mem"]):
+    for ax, title in zip(axes, [f"reward (moving mean of 5{f', mean of {seeds} seeds' if seeds > 1 else ''})",
+                                "grad norm of L_token", "grad norm of L_mem"]):
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend()
@@ -116,14 +157,14 @@ def curves(out, names, path):
 
 
 def accuracy_vs_rate(curves_by_label, path):
-    """Accuracy against ε, one line per label (Figure 6)."""
+    """Accuracy against ε, one line per label, error bars one standard deviation across seeds (Figure 6)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for label, rows in curves_by_label.items():
-        pts = sorted((r["eviction_rate"], r["accuracy"]) for r in rows)
-        ax.plot(*zip(*pts), marker="o", label=label)
+        pts = sorted((r["eviction_rate"], r["accuracy"], r["accuracy_sd"]) for r in rows)
+        ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=label)
     ax.set_xlabel("eviction rate ε")
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.legend()
@@ -137,10 +178,14 @@ def smooth(xs, n=5):
 
 
 def markdown(rows) -> str:
-    lines = ["| run | policy | ε | accuracy | length | rounds | peak-KV reduction |", "|---|---|---|---|---|---|---|"]
+    """Accuracy as mean ± standard deviation across seeds (one seed: no ±), then the binomial
+    standard error of one evaluation."""
+    lines = ["| run | policy | ε | accuracy | SE | length | rounds | peak-KV reduction |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['policy']} | {r['eviction_rate']:g} | {r['accuracy']:.1%} | "
-                     f"{r['length']:.0f} | {r['rounds']:.2f} | {r['kv_reduction']:.2f}x |")
+        spread = f" ± {100 * r['accuracy_sd']:.1f}" if r["seeds"] > 1 else ""
+        lines.append(f"| {r['run']} | {r['policy']} | {r['eviction_rate']:g} | {r['accuracy']:.1%}{spread} | "
+                     f"{100 * r['accuracy_se']:.1f} | {r['length']:.0f} | {r['rounds']:.2f} | {r['kv_reduction']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -148,19 +193,25 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results", help="directory for runs/, *.jsonl, *.png and summary.md")
     p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
     p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
     args = p.parse_args()
-    if args.jobs < 1 or (args.problems is not None and args.problems < 1):
-        sys.exit("error: --jobs and --problems must be at least 1")
+    if min(args.jobs, args.seeds, args.problems or 1) < 1:
+        sys.exit("error: --jobs, --seeds and --problems must be at least 1")
     t0 = time.time()
-    train_all(args.out, args.model, args.jobs, args.train_args.split())
+    train_all(args.out, args.model, args.jobs, args.seeds, args.train_args.split())
     sections = []
 
     def study(name, title, run, policies, rates):
-        rows = [dict(r, run=run) for r in eval_study(args.out, name, run, policies, rates, args.problems)]
+        rows = over_seeds([r for k in range(args.seeds)
+                           for r in eval_study(args.out, name, run, policies, rates, k, args.problems)])
         sections.append(f"## {title}\n\n{markdown(rows)}\n")
+        path = os.path.join(args.out, name)
+        ev.write_jsonl(rows, path + ".jsonl")
+        if have_matplotlib():
+            ev.plot(rows, path + ".png")
         return rows
 
     full = study("baselines", "1. NGC vs the heuristics at ε = 0.5 (heuristics on the no-evict model)", "no-evict",
@@ -174,15 +225,23 @@ def main():
     for run in ["token-only", "targeted-dropout"]:
         study(f"ablation-{run}", f"3. Ablation: {run}", run, ["none", "ngc"], [0.5])
     if have_matplotlib():
-        curves(args.out, ["ngc", "token-only", "targeted-dropout"], os.path.join(args.out, "ablations.png"))
-    intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"], SWEEP)
+        curves(args.out, ["ngc", "token-only", "targeted-dropout"], args.seeds, os.path.join(args.out, "ablations.png"))
+    intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"], INTERO_SWEEP)
+    blind = study("interoception-blind", "4. Its control: the same per-group ε, the tag without the rate",
+                  "interoception-blind", ["ngc"], INTERO_SWEEP)
     if have_matplotlib():
-        accuracy_vs_rate({"NGC": sweep, "NGC + interoception": intero},
+        accuracy_vs_rate({"NGC": sweep, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
                          os.path.join(args.out, "interoception-vs-ngc.png"))
+    print(f"[{time.strftime('%H:%M:%S')}] show: what ngc forgets", flush=True)
+    forgets = os.path.join(args.out, "forgets")
+    show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"), "--before", args.model,
+               "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have_matplotlib() else []))
     summary = os.path.join(args.out, "summary.md")
+    seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
     with open(summary + ".tmp", "w") as f:
-        f.write(f"# Reproduction on {os.path.relpath(args.model)}\n\n" + "\n".join(sections)
-                + f"\nTotal wall time {(time.time() - t0) / 60:.1f} min.\n")
+        f.write(f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}SE: the binomial standard error "
+                f"of one evaluation, in points)\n\n" + "\n".join(sections)
+                + f"\n![what ngc forgets](forgets.png)\n\nTotal wall time {(time.time() - t0) / 60:.1f} min.\n")
     os.replace(summary + ".tmp", summary)
     print(f"wrote {summary}")
 

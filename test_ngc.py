@@ -1168,6 +1168,7 @@ def test_prompt_text_and_eviction_rate_tag():
     assert cd.prompt_text(p, 0.125).endswith("<eviction_rate>12.5%</eviction_rate>")
     assert cd.prompt_text(p, 0.0).endswith("<eviction_rate>0%</eviction_rate>")
     assert cd.prompt_text(p, 0.7).endswith("<eviction_rate>70%</eviction_rate>")  # 70.00000000000001
+    assert cd.prompt_text(p, 0.7, blind=True) == text + "\n<eviction_rate>-%</eviction_rate>"  # the control
 
 
 def _tiny_tokenizer(chat):
@@ -1835,6 +1836,29 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
     assert train.run_defaults(str(tmp_path / "checkpoint"))["prompt"] == "tiny"
 
 
+def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
+    """--interoception --blind-tag, the control of §5.3's comparison: the groups draw the same ε
+    as under --interoception, and the prompts have the same length and differ only where the
+    tag states the rate ("-" instead of the rate's number)."""
+    seen = {}
+
+    def spy(model, prompts, sampling, eviction=None, rates=None, **kw):
+        seen[run] = prompts, rates
+        return rollout(model, prompts, replace(sampling, max_new_tokens=4), eviction, rates=rates, **kw)
+
+    monkeypatch.setattr(train, "rollout", spy)
+    for run, flags in (("rate", []), ("blind", ["--blind-tag"])):
+        train.main(["--out", str(tmp_path / run), "--threads", "1", "--steps", "1", "--prompts", "4", "--group", "2",
+                    "--eval-every", "0", "--save-every", "0", "--interoception", *flags])
+    (tagged, rates), (blind, blind_rates) = seen["rate"], seen["blind"]
+    assert rates is not None and torch.equal(rates, blind_rates) and len(set(rates.tolist())) > 1
+    tok = load_tokenizer(TINY_DIR)
+    for a, b, rate in zip(tagged, blind, rates.tolist()):
+        changed = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        assert len(a) == len(b) and changed == [len(a) - 3]  # <eviction_rate> RATE % </eviction_rate>
+        assert tok.decode([a[-3]]) == str(round(100 * rate)) and tok.decode([b[-3]]) == "-"
+
+
 # ---------------------------------------------------------------------------------------
 # make_tiny.py --task math: word-problem traces and the shipped tiny-math/ model (the math
 # pipeline of §5.4 in miniature)
@@ -2425,7 +2449,8 @@ def counting_rollout(seen):
     (["--task", "math"], "--task math reads its problems from files"),
     (["--task", "math", "--data", "/no/such.jsonl", "--eval-every", "0"], "no such file: /no/such.jsonl"),
     (["--task", "math", "--data", "x.jsonl", "--eval-every", "0", "--interoception"], "has no such tag"),
-    (["--top-p", "0"], "--top-p 0.0 must lie in (0, 1]")])
+    (["--top-p", "0"], "--top-p 0.0 must lie in (0, 1]"),
+    (["--blind-tag"], "add --interoception")])
 def test_bad_math_flags_fail_with_one_line(train_ckpt, tmp_path, flags, message):
     with pytest.raises(SystemExit) as err:
         train.main(["--model", train_ckpt, "--out", str(tmp_path / "run"), *flags])
@@ -2600,8 +2625,36 @@ def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
             for step, g in enumerate(norms):
                 f.write(json.dumps({**dict.fromkeys(train.STEP_KEYS), "step": step, "reward": 0.5,
                                     "grad_norm_token": g, "grad_norm_mem": g}) + "\n")
-    reproduce.curves(str(tmp_path), ["ngc", "token-only"], str(tmp_path / "ablations.png"))
+    for seed in (1,):  # a second seed of ngc, with other norms: the figure shows means over seeds
+        (tmp_path / "runs" / f"ngc-seed{seed}").mkdir(parents=True)
+        (tmp_path / "runs" / f"ngc-seed{seed}" / "log.jsonl").write_text("".join(
+            json.dumps({**dict.fromkeys(train.STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
+                        "grad_norm_mem": None}) + "\n" for step in range(3)))
+    reproduce.curves(str(tmp_path), ["ngc", "token-only"], 1, str(tmp_path / "ablations.png"))
     assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(FileNotFoundError):  # token-only has no second seed
+        reproduce.curves(str(tmp_path), ["ngc", "token-only"], 2, str(tmp_path / "ablations.png"))
+    reproduce.curves(str(tmp_path), ["ngc"], 2, str(tmp_path / "ablations-2.png"))
+    assert (tmp_path / "ablations-2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
+    """over_seeds: one row per (run, policy, ε) with the mean over seeds, the standard deviation
+    across seeds, and the mean binomial standard error sqrt(p(1-p)/n), n = problems x samples."""
+    import reproduce
+    row = dict(policy="ngc", length=100.0, rounds=4.0, kv_reduction=2.0, problems=200)
+    rows = [dict(row, run="ngc", eviction_rate=0.5, seed=0, accuracy=0.3, samples=2),
+            dict(row, run="ngc", eviction_rate=0.5, seed=1, accuracy=0.5, samples=2, kv_reduction=3.0),
+            dict(row, run="ngc", eviction_rate=0.7, seed=0, accuracy=0.1, samples=1)]
+    two, one = reproduce.over_seeds(rows)
+    assert (two["eviction_rate"], two["seeds"], one["seeds"]) == (0.5, 2, 1)
+    assert abs(two["accuracy"] - 0.4) < 1e-12 and abs(two["kv_reduction"] - 2.5) < 1e-12
+    assert abs(two["accuracy_sd"] - (0.02 ** 0.5)) < 1e-12  # sample sd of 0.3, 0.5
+    assert abs(two["accuracy_se"] - ((0.21 / 400) ** 0.5 + (0.25 / 400) ** 0.5) / 2) < 1e-12
+    assert one["accuracy_sd"] == 0.0 and abs(one["accuracy_se"] - (0.09 / 200) ** 0.5) < 1e-12
+    table = reproduce.markdown([two, one])
+    assert "| 40.0% ± 14.1 | 2.3 |" in table and "| 10.0% | 2.1 |" in table
+    assert [reproduce.run_name("ngc", k) for k in range(3)] == ["ngc", "ngc-seed1", "ngc-seed2"]
 
 
 def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):

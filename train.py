@@ -63,7 +63,7 @@ COUNTDOWN = dict(  # the paper's Countdown settings (§5.2, Table 1), for large 
     steps=250, prompts=32, group=16, max_new_tokens=1024, temperature=0.9, top_k=50, top_p=1.0,
     mode="ngc", delta=256, block=32, window=5,
     retention="0.9,0.8,0.7,0.6,0.5", stage_steps=25, alpha=0.6, eviction_rate=None,
-    interoception=False, interoception_rates="0.25,0.5,0.75", min_length=0, meta_token=False,
+    interoception=False, interoception_rates="0.25,0.5,0.75", blind_tag=False, min_length=0, meta_token=False,
     lr=5e-6, beta1=0.9, beta2=0.95, adam_eps=1e-15, weight_decay=0.0, clip=1.0,
     micro_batch=4, term_grad_norms=False, eval_every=50, eval_rate=None, eval_batch=64, save_every=50,
     eval_samples=None, eval_temperature=None, eval_top_p=None, eval_max_new_tokens=None,
@@ -109,10 +109,11 @@ def load_problems(c):
 
 
 def prompt_encoder(c, eviction_rate=None):
-    """encode(tokenizer, problem) -> prompt ids for the run's task (Countdown: with the budget tag)."""
+    """encode(tokenizer, problem) -> prompt ids for the run's task (Countdown: with the budget tag
+    when eviction_rate is given, the rate hidden under --blind-tag)."""
     if c.task == "math":
         return mathtask.encode
-    return lambda tokenizer, problem: countdown.encode(tokenizer, problem, c.prompt, eviction_rate)
+    return lambda tokenizer, problem: countdown.encode(tokenizer, problem, c.prompt, eviction_rate, c.blind_tag)
 
 
 # ---------------------------------------------------------------------------------------
@@ -617,6 +618,9 @@ def parse_args(argv=None):
     g.add_argument("--interoception", action=argparse.BooleanOptionalAction,
                    help="one ε per group, written into its prompts as <eviction_rate>ε%%</eviction_rate>")
     g.add_argument("--interoception-rates", help="the rates groups draw from (scaled by curriculum progress)")
+    g.add_argument("--blind-tag", action=argparse.BooleanOptionalAction,
+                   help="with --interoception, the control: the same per-group ε, but the tag reads "
+                        "<eviction_rate>-%%</eviction_rate> (same length: the prompts and blocks match)")
     g.add_argument("--min-length", type=int, help="reward 0 when prompt+completion is shorter (Appendix A.1)")
     g.add_argument("--meta-token", action=argparse.BooleanOptionalAction,
                    help=f"force the meta-token {META_TOKEN} as the last token before each round (Appendix, "
@@ -683,7 +687,7 @@ def resolve(args, state=None):
         if not args.data or (args.eval_every and not args.eval_data):
             raise ValueError("--task math reads its problems from files: --data FILE (training) and --eval-data FILE "
                              "(held-out; or --eval-every 0), JSONL or Parquet; see mathtask.py for the datasets")
-        if args.interoception:
+        if args.interoception or args.blind_tag:
             raise ValueError("--interoception writes the budget into Countdown's prompts; --task math has no such tag")
         for path in (args.data, args.eval_data):
             if path and not os.path.isfile(path):
@@ -692,6 +696,9 @@ def resolve(args, state=None):
         raise ValueError(f"--top-p {args.top_p} must lie in (0, 1]")
     if not 0 < args.alpha <= 1:
         raise ValueError(f"--alpha {args.alpha} must lie in (0, 1]")
+    if args.blind_tag and not args.interoception:
+        raise ValueError("--blind-tag is the control for --interoception (the same per-group ε, the rate hidden); "
+                         "add --interoception")
     if args.prompts < 1 or args.group < 2:
         raise ValueError("--prompts must be at least 1 and --group at least 2 (advantages are within a group)")
     for eps in [eviction_rate_at(s, args) for s in (0, args.steps)] + args.interoception_rates + [args.eval_rate or 0.5]:
