@@ -1,0 +1,232 @@
+"""A picture of what the model forgets: every layer's KV cache over a greedy rollout, before and after training.
+
+    python show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] [--eviction-rate 0.5] \\
+        --out forgets.html [--png forgets.png]
+
+The first N held-out problems of the run (`train.run_defaults`: the problems and prompts eval.py
+uses; a run trained with --interoception gets its rate tag, one trained with --meta-token its
+forced g) are completed by the untrained model (--before, default the repository's tiny/) and by
+the trained checkpoint (--model), both greedily and under NGC's evaluation policy: greedy top-K
+blocks on ψ at ε (eval.py's `ngc`), with the run's δ, b and w.
+
+The HTML page (self-contained: inline CSS, nothing fetched) shows each problem's two rollouts side
+by side, each with its verdict from the task's reward, as a grid: one row per layer, one cell per
+token in reading order (prompt, then completion), coloured by the fate of that token's key at that
+layer: not evicted (still in the cache when the rollout ended), or evicted at round k, a colour
+per round (the paper's Figure 2, top, for every layer). Round k (k = 1, 2, ...) fires once the
+sequence holds kδ tokens, so the keys it evicts are first missing for token kδ (0-based):
+k = death // δ, with death from replay.death_times. --png draws the same grids with matplotlib.
+One line per problem and model is printed: the verdict, the completion's length, and the
+fractions of prompt and of completion keys still in the cache at the end, averaged over layers.
+"""
+import argparse
+import html
+import importlib.util
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from model import CheckpointError, add_meta_token, from_pretrained, load_config, load_tokenizer
+from ngc import Eviction, Sampling, rollout
+from replay import NEVER, death_times
+from train import TASK_REWARD, load_problems, prompt_encoder, run_defaults
+
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
+ALIVE_COLOUR = "#d9d9d9"
+VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)
+
+
+def fates(ro, row: int, tokenizer):
+    """The token texts of rollout row `row` (prompt + completion) and its death rounds (L, T): the
+    0-based round that evicted key s at layer l, ALIVE (-1) where no round did."""
+    one = ro.select([row])
+    T = int(one.lengths[0])
+    texts = tokenizer.decode_batch([[t] for t in one.tokens[0, :T].tolist()], skip_special_tokens=False)
+    L = one.kept.shape[2]
+    if one.eviction is None:  # the full cache: nothing is ever evicted
+        return texts, torch.full((L, T), ALIVE)
+    death = death_times(one.kept, one.n_rounds, T, one.eviction.delta, one.eviction.block)[0]  # (L, T)
+    return texts, torch.where(death == NEVER, ALIVE, death // one.eviction.delta - 1)
+
+
+def round_colour(r: int, n: int) -> str:
+    """Round r of n (0-based) on the viridis scale."""
+    x = r / max(n - 1, 1) * (len(VIRIDIS) - 1)
+    i = min(int(x), len(VIRIDIS) - 2)
+    a, b = (bytes.fromhex(VIRIDIS[j][1:]) for j in (i, i + 1))
+    return "#" + bytes(round(u + (x - i) * (v - u)) for u, v in zip(a, b)).hex()
+
+
+def summary(run) -> str:
+    """The completion's length and the fractions of prompt and of completion keys that no round
+    evicted, averaged over layers (every layer holds the same tokens)."""
+    alive = (run["rounds"] == ALIVE).float()  # (L, T)
+    P = run["prompt_len"]
+    return (f"{alive.shape[1] - P} new tokens, not evicted: prompt {alive[:, :P].mean():.0%}, "
+            f"completion {alive[:, P:].mean():.0%}")
+
+
+def solve_and_trace(path: str, c, problems, ev: Eviction, device):
+    """The greedy rollouts of `problems` by the model at `path` under ev: per problem its verdict,
+    token texts, prompt length and death rounds (L, T)."""
+    model = from_pretrained(path, dtype=torch.float32, device=device).eval()
+    tokenizer = load_tokenizer(path)
+    meta = add_meta_token(model, tokenizer) if c.meta_token else None  # as eval.py: g is forced before each round
+    encode = prompt_encoder(c, ev.rate if c.interoception else None)
+    sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
+    ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev, eos_ids=model.config.eos_ids)
+    completions = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
+    runs = []
+    for i, (problem, text) in enumerate(zip(problems, completions)):
+        tokens, rounds = fates(ro, i, tokenizer)
+        runs.append(dict(correct=TASK_REWARD[c.task](text, problem) == 1.0, tokens=tokens, rounds=rounds,
+                         prompt_len=int(ro.prompt_lens[i])))
+    return runs
+
+
+CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}
+.pair{display:flex;gap:2em;flex-wrap:wrap;margin-bottom:2em}
+.run{flex:1 1 0;min-width:24em;overflow-x:auto}
+h3{font-size:14px;margin:.4em 0}
+.correct{color:#1a7f37}.wrong{color:#c62828}
+table{border-collapse:collapse}
+td{width:9px;height:10px;padding:0;border:1px solid #fff}
+th{font:10px monospace;font-weight:normal;padding:0 1px 3px;vertical-align:bottom;white-space:pre}
+thead th{writing-mode:vertical-rl}
+thead th.p{color:#888}
+th.l{text-align:right;padding-right:4px}
+.s{border-left:2px solid #000}
+.key{display:inline-block;width:1em;height:1em;vertical-align:middle;margin:0 .3em 0 .8em}"""
+
+
+def grid(run) -> str:
+    """One rollout's table: a header row of token texts, then a row of fate-coloured cells per layer."""
+    P = run["prompt_len"]
+    head = ["<th></th>"]
+    for t, text in enumerate(run["tokens"]):
+        cls = ' class="p"' if t < P else ' class="s"' if t == P else ""
+        shown = html.escape(text.replace("\n", "⏎").replace("\t", "⇥"))
+        head.append(f'<th{cls} title="token {t}">{shown}</th>')
+    rows = []
+    for layer, fate in enumerate(run["rounds"].tolist()):
+        cells = "".join(f'<td class="{"alive" if r == ALIVE else f"r{r}"}{" s" if t == P else ""}"></td>'
+                        for t, r in enumerate(fate))
+        rows.append(f'<tr><th class="l">layer {layer}</th>{cells}</tr>')
+    return f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def render_html(problems, runs: dict, info: dict) -> str:
+    """The page: settings and legend, then per problem the runs of `runs` ({name: [run per problem]})
+    side by side."""
+    n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)  # rounds that evicted anything
+    colours = "".join(f".r{r}{{background:{round_colour(r, n)}}}" for r in range(n))
+    legend = '<span class="key alive"></span>not evicted (in the cache at the end)' + "".join(
+        f'<span class="key r{r}"></span>round {r + 1}' for r in range(n))
+    e = info["eviction"]
+    intro = (f"<p>Each grid is one greedy rollout: one row per layer, one cell per token, the prompt (grey "
+             f"text) then the completion (after the black line). A cell's colour is the fate of that token's "
+             f"key in that layer's KV cache: not evicted, or evicted at round k, which fires once the sequence "
+             f"holds kδ tokens and keeps the top K blocks of NGC's scores ψ (the paper's evaluation policy); "
+             f"an evicted key is gone from that layer for every later token. Settings: ε = {e.rate:g}, "
+             f"δ = {e.delta}, b = {e.block}, w = {e.window}, at most {info['max_new_tokens']} new tokens, task "
+             f"{html.escape(info['task'])}; " + ", ".join(f"{html.escape(name)}: <code>{html.escape(path)}</code>"
+                                                          for name, path in info["models"].items()) + ".</p>")
+    body = [f"<h1>What the model forgets</h1>{intro}<p>{legend}</p>"]
+    for i, problem in enumerate(problems):
+        body.append(f"<h2>problem {i + 1}: {html.escape(str(problem))}</h2><div class=\"pair\">")
+        for name, rs in runs.items():
+            verdict = "correct" if rs[i]["correct"] else "wrong"
+            body.append(f'<div class="run"><h3>{html.escape(name)}: <span class="{verdict}">{verdict}</span>; '
+                        f'{html.escape(summary(rs[i]))}</h3>{grid(rs[i])}</div>')
+        body.append("</div>")
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>What the model forgets</title>'
+            f"<style>{CSS}\n.alive{{background:{ALIVE_COLOUR}}}{colours}</style></head>\n<body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def render_png(problems, runs: dict, path: str):
+    """The same grids as the page, without the token texts: one row of panels per problem."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+    n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)
+    colours = [ALIVE_COLOUR] + [round_colour(r, n) for r in range(n)]
+    L = next(iter(runs.values()))[0]["rounds"].shape[0]
+    fig, axes = plt.subplots(len(problems), len(runs), squeeze=False,
+                             figsize=(6 * len(runs), len(problems) * (1.2 + 0.18 * L) + 0.6))
+    for i in range(len(problems)):
+        for ax, (name, rs) in zip(axes[i], runs.items()):
+            ax.imshow((rs[i]["rounds"] + 1).numpy(), cmap=ListedColormap(colours), vmin=-0.5, vmax=n + 0.5,
+                      aspect="auto", interpolation="nearest")
+            ax.axvline(rs[i]["prompt_len"] - 0.5, color="black", linewidth=1)
+            ax.set_title(f"problem {i + 1}, {name}: {'correct' if rs[i]['correct'] else 'wrong'}; {summary(rs[i])}",
+                         fontsize=8)
+            ax.set_ylabel("layer", fontsize=8)
+            ax.tick_params(labelsize=7)
+        axes[i][0].set_xlabel("token (prompt | completion)", fontsize=8)
+    handles = [Patch(color=ALIVE_COLOUR, label="not evicted")] + [Patch(color=colours[r + 1], label=f"round {r + 1}")
+                                                                   for r in range(n)]
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 12), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    fig.savefig(path + ".tmp", dpi=150, format="png")
+    plt.close(fig)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage dump
+    p.add_argument("--model", required=True, help="the trained checkpoint directory (a run's checkpoint/); its "
+                   "ngc.json gives the task, problems, δ, b, w and prompts")
+    p.add_argument("--before", default=TINY, help="the untrained model to compare with (default: tiny/)")
+    p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
+    p.add_argument("--eviction-rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round")
+    p.add_argument("--out", required=True, help="the HTML page to write")
+    p.add_argument("--png", default=None, help="also a PNG of the same grids (needs matplotlib)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    try:
+        if args.problems < 1:
+            raise ValueError(f"--problems {args.problems} must be at least 1")
+        if args.png and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--png needs matplotlib: pip install matplotlib")
+        for path in filter(None, [args.out, args.png]):
+            if os.path.isdir(path):
+                raise ValueError(f"{path} is a directory; give a file path")
+            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"cannot write {path}: its directory does not exist")
+        for path in (args.before, args.model):
+            load_config(path)  # a missing or foreign checkpoint fails here, before anything is loaded
+        d = run_defaults(args.model)
+        ev = Eviction(d["delta"], d["block"], d["window"], args.eviction_rate, greedy=True)  # bad ε: one line
+        if d["task"] == "math" and not (d["eval_data"] and os.path.isfile(d["eval_data"])):
+            raise ValueError(f"the run's math problems (--eval-data) are not on disk: {d['eval_data']}")
+        _, test = load_problems(SimpleNamespace(**{**d, "train_problems": 0, "data": None}))
+        if args.problems > len(test):
+            raise ValueError(f"--problems {args.problems}: the run's test split has {len(test)} problems")
+        c, problems = SimpleNamespace(**d), test[: args.problems]
+        runs = {"untrained": solve_and_trace(args.before, c, problems, ev, args.device),
+                "trained": solve_and_trace(args.model, c, problems, ev, args.device)}
+    except (CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    for i in range(len(problems)):
+        for name, rs in runs.items():
+            print(f"problem {i + 1} {name:>9}: {'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
+    info = {"eviction": ev, "task": d["task"], "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
+            "models": {"untrained": args.before, "trained": args.model}}
+    with open(args.out + ".tmp", "w", encoding="utf-8") as f:
+        f.write(render_html(problems, runs, info))
+    os.replace(args.out + ".tmp", args.out)
+    print(f"wrote {args.out}")
+    if args.png:
+        render_png(problems, runs, args.png)
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
