@@ -2826,7 +2826,7 @@ def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
     assert abs(two["accuracy_se"] - ((0.21 / 400) ** 0.5 + (0.25 / 400) ** 0.5) / 2) < 1e-12
     assert one["accuracy_sd"] == 0.0 and abs(one["accuracy_se"] - (0.09 / 200) ** 0.5) < 1e-12
     table = reproduce.markdown([two, one])
-    assert "| 40.0% ± 14.1 | 2.3 |" in table and "| 10.0% | 2.1 |" in table
+    assert "| 40.0% ± 14.1 | 2.4 |" in table and "| 10.0% | 2.1 |" in table
     assert [reproduce.run_name("ngc", k) for k in range(3)] == ["ngc", "ngc-seed1", "ngc-seed2"]
 
 
