@@ -226,11 +226,12 @@ def main():
         study(f"ablation-{run}", f"3. Ablation: {run}", run, ["none", "ngc"], [0.5])
     if have_matplotlib():
         curves(args.out, ["ngc", "token-only", "targeted-dropout"], args.seeds, os.path.join(args.out, "ablations.png"))
+    plain = study("interoception-ngc", "4. Plain NGC at the interoception rates", "ngc", ["ngc"], INTERO_SWEEP)
     intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"], INTERO_SWEEP)
     blind = study("interoception-blind", "4. Its control: the same per-group ε, the tag without the rate",
                   "interoception-blind", ["ngc"], INTERO_SWEEP)
     if have_matplotlib():
-        accuracy_vs_rate({"NGC": sweep, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
+        accuracy_vs_rate({"NGC": plain, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
                          os.path.join(args.out, "interoception-vs-ngc.png"))
     print(f"[{time.strftime('%H:%M:%S')}] show: what ngc forgets", flush=True)
     forgets = os.path.join(args.out, "forgets")
