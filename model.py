@@ -129,7 +129,7 @@ class Attention(nn.Module):
         q_new, k_new = q, k
         if cache is not None:  # attend to everything alive in the cache, plus the new tokens
             cache.append(k, v, pos, valid)
-            k, v, mask = cache.keys, cache.values, cache.visibility(pos)
+            k, v, mask = cache.read(pos)  # (B, Hkv, S', D) twice, (B, T, S')
         if cache is not None and T == 1:  # decode: a KV group's H/Hkv query heads as queries of one head (no GQA)
             y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, -1, self.head_dim), k, v,
                                                attn_mask=mask[:, None]).view(B, self.n_head, 1, self.head_dim)
@@ -218,7 +218,9 @@ class LayerCache:
     an eviction round moves the survivors to the front of the same buffers. No shape changes
     from one token to the next, so a decode step can be captured (torch.compile, CUDA graphs).
     The capacity is a bound the caller proves (ngc.cache_bound); a row that needs more slots is
-    an error at the next `check`, never a silent drop."""
+    an error at the next `check`, never a silent drop. Attention reads the first `span` slots, a
+    host-side bound on every row's fill: all S for a captured step, fewer in an eager rollout,
+    which narrows it after each round and widens it as tokens come (`KVCache.widen`, `narrow`)."""
 
     def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device):
         # zeros, not empty: attention weighs masked slots by 0, and 0 * NaN would be NaN
@@ -228,18 +230,18 @@ class LayerCache:
         self.alive = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, S)
         self.fill = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) slots in use; above S = overflow
         self.size = capacity  # S; a round reads all S slots, the dead ones masked by their alive flag
+        self.span = capacity  # S' <= S: the slots attention reads; every row's alive entries lie below it
 
     @property
     def keys(self):  # (B, Hkv, S, D), a view
         return self.k.transpose(1, 2)
 
-    @property
-    def values(self):
-        return self.v.transpose(1, 2)
-
-    def visibility(self, qpos):
-        """(B, T, S) bool: what each of the T newest tokens (positions qpos) attends to."""
-        return self.alive[:, None, :] & (self.pos[:, None, :] <= qpos[:, :, None])
+    def read(self, qpos):
+        """The keys and values (B, Hkv, S', D) of the first S' = span slots, and what each of the T
+        newest tokens (positions qpos (B, T)) attends to among them (B, T, S'): alive, not later."""
+        n = self.span
+        seen = self.alive[:, None, :n] & (self.pos[:, None, :n] <= qpos[:, :, None])
+        return self.k[:, :n].transpose(1, 2), self.v[:, :n].transpose(1, 2), seen
 
     def append(self, k, v, pos, valid):
         """Write the entries k, v (B, Hkv, T, D) where valid (B, T) is True at each row's next free
@@ -278,6 +280,16 @@ class KVCache:
     def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype, device):
         self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype, device)
                        for _ in range(cfg.num_hidden_layers)]
+
+    def widen(self, n: int):
+        """Every row may take n more entries: attention reads n more slots (at most all)."""
+        for c in self.layers:
+            c.span = min(c.size, c.span + n)
+
+    def narrow(self):
+        """Attention reads only up to the fullest row (after a round: one host sync per round)."""
+        for c, most in zip(self.layers, self.alive_counts().amax(0).tolist()):
+            c.span = most
 
     def alive_counts(self):
         """(B, L) number of alive entries per row and layer."""
