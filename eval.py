@@ -104,6 +104,14 @@ def write_jsonl(rows, path):
     os.replace(path + ".tmp", path)
 
 
+def error_bar(r) -> float:
+    """A row's error bar: the spread across seeds for reproduce.py's rows over several seeds,
+    else the binomial standard error of one evaluation, sqrt(p(1 - p) / n), n = problems x samples."""
+    if r.get("seeds", 1) > 1:
+        return r["accuracy_sd"]
+    return (r["accuracy"] * (1 - r["accuracy"]) / (r["problems"] * r["samples"])) ** 0.5
+
+
 def plot(rows, path):
     """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, one line per policy
     (the paper's Figure 3, right, and its pass@32 against compression for math)."""
@@ -113,14 +121,18 @@ def plot(rows, path):
     n = rows[0]["samples"]
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    for name in dict.fromkeys(r["policy"] for r in rows):  # accuracy_sd: reproduce.py's spread across seeds
-        pts = sorted((r["kv_reduction"], score(r), r.get("accuracy_sd", 0.0)) for r in rows if r["policy"] == name)
+    for name in dict.fromkeys(r["policy"] for r in rows):  # pass@k (k > 1) gets no error bar
+        pts = sorted((r["kv_reduction"], score(r), error_bar(r) if n == 1 else 0.0) for r in rows if r["policy"] == name)
         if name == "none":
             ax.axhline(pts[0][1], color="gray", linestyle="--", label="full cache")
         else:
             ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=name)
     ax.set_xlabel("average peak KV cache reduction (x)")
     ax.set_ylabel(f"pass@{n}" if n > 1 else "accuracy (pass@1)")
+    if n == 1:
+        seeds = rows[0].get("seeds", 1)
+        ax.set_title(f"error bars: sd across {seeds} seeds" if seeds > 1 else "error bars: binomial standard error",
+                     fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path + ".tmp", dpi=150, format="png")

@@ -157,16 +157,19 @@ def curves(out, names, seeds, path):
 
 
 def accuracy_vs_rate(curves_by_label, path):
-    """Accuracy against ε, one line per label, error bars one standard deviation across seeds (Figure 6)."""
+    """Accuracy against ε, one line per label (Figure 6); error bars as in eval.error_bar."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for label, rows in curves_by_label.items():
-        pts = sorted((r["eviction_rate"], r["accuracy"], r["accuracy_sd"]) for r in rows)
+        pts = sorted((r["eviction_rate"], r["accuracy"], ev.error_bar(r)) for r in rows)
         ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=label)
     ax.set_xlabel("eviction rate ε")
     ax.set_ylabel("held-out accuracy (greedy)")
+    seeds = next(iter(curves_by_label.values()))[0]["seeds"]
+    ax.set_title(f"error bars: sd across {seeds} seeds" if seeds > 1 else "error bars: binomial standard error",
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path + ".tmp", dpi=120, format="png")

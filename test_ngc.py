@@ -2828,6 +2828,9 @@ def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
     table = reproduce.markdown([two, one])
     assert "| 40.0% ± 14.1 | 2.4 |" in table and "| 10.0% | 2.1 |" in table
     assert [reproduce.run_name("ngc", k) for k in range(3)] == ["ngc", "ngc-seed1", "ngc-seed2"]
+    # the plots' error bars: the spread across seeds, else one evaluation's binomial standard error
+    assert ev.error_bar(two) == two["accuracy_sd"] and ev.error_bar(one) == one["accuracy_se"]
+    assert ev.error_bar(dict(accuracy=0.3, problems=200, samples=2)) == (0.21 / 400) ** 0.5
 
 
 def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
