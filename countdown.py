@@ -172,7 +172,7 @@ def tiny_prompt(problem, eviction_rate=None, blind=False):
         text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)} % </eviction_rate>"
     return text
 
-PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt}  # prompt style -> (problem, eviction_rate) -> text
+PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt}  # prompt style -> (problem, eviction_rate, blind) -> text
 DIFFICULTIES = {"paper": PAPER, "tiny": TINY}
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
