@@ -193,13 +193,13 @@ def main(argv=None):
     try:
         if args.problems < 1:
             raise ValueError(f"--problems {args.problems} must be at least 1")
-        if args.png and importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--png needs matplotlib: pip install matplotlib")
         for path in filter(None, [args.out, args.png]):
             if os.path.isdir(path):
                 raise ValueError(f"{path} is a directory; give a file path")
             if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"cannot write {path}: its directory does not exist")
+        if args.png and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--png needs matplotlib: pip install matplotlib")
         for path in (args.before, args.model):
             load_config(path)  # a missing or foreign checkpoint fails here, before anything is loaded
         d = run_defaults(args.model)
