@@ -86,6 +86,24 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
     return rows
 
 
+def check_output(path):
+    """A one-line ValueError unless `path` names a file in a directory that exists."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; give a file path")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"cannot write {path}: its directory does not exist")
+
+
+def held_out(d: dict, n: int | None = None) -> list:
+    """The first n (default all) held-out problems of a run with settings d, or a one-line ValueError."""
+    if d["task"] == "math" and not (d["eval_data"] and os.path.isfile(d["eval_data"])):
+        raise ValueError(f"--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet); got {d['eval_data']}")
+    _, test = load_problems(SimpleNamespace(**{**d, "train_problems": 0, "data": None}))
+    if n is not None and n > len(test):
+        raise ValueError(f"--problems {n}: the run's test split has {len(test)} problems")
+    return test[:n]
+
+
 def table(rows) -> str:
     n = rows[0]["samples"]
     head = f"{'policy':<13} {'ε':>5} {'pass@1':>7}" + (f" {f'pass@{n}':>8}" if n > 1 else "")
@@ -112,6 +130,11 @@ def error_bar(r) -> float:
     return (r["accuracy"] * (1 - r["accuracy"]) / (r["problems"] * r["samples"])) ** 0.5
 
 
+def error_bar_note(rows) -> str:
+    return (f"error bars: sd across {rows[0]['seeds']} seeds" if rows[0].get("seeds", 1) > 1
+            else "error bars: binomial standard error")
+
+
 def plot(rows, path):
     """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, one line per policy
     (the paper's Figure 3, right, and its pass@32 against compression for math)."""
@@ -130,9 +153,7 @@ def plot(rows, path):
     ax.set_xlabel("average peak KV cache reduction (x)")
     ax.set_ylabel(f"pass@{n}" if n > 1 else "accuracy (pass@1)")
     if n == 1:
-        seeds = rows[0].get("seeds", 1)
-        ax.set_title(f"error bars: sd across {seeds} seeds" if seeds > 1 else "error bars: binomial standard error",
-                     fontsize=9)
+        ax.set_title(error_bar_note(rows), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path + ".tmp", dpi=150, format="png")
@@ -168,20 +189,13 @@ def main(argv=None):
         if args.plot and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--plot needs matplotlib: pip install matplotlib")
         for path in filter(None, [args.out, args.plot]):
-            if os.path.isdir(path):
-                raise ValueError(f"{path} is a directory; give a file path")
-            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise ValueError(f"cannot write {path}: its directory does not exist")
+            check_output(path)
         d = run_defaults(args.model, args.task)
         d["eval_data"] = args.eval_data or d["eval_data"]
         args.samples = args.samples or d["eval_samples"]
         for rate in args.eviction_rate:
             Eviction(d["delta"], d["block"], d["window"], rate)  # one-line errors for bad ε, δ, b, w
-        if d["task"] == "math" and not (d["eval_data"] and os.path.isfile(d["eval_data"])):
-            raise ValueError(f"--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet); got {d['eval_data']}")
-        _, test = load_problems(SimpleNamespace(**{**d, "train_problems": 0, "data": None}))
-        if args.problems and args.problems > len(test):
-            raise ValueError(f"--problems {args.problems}: the run's test split has {len(test)} problems")
+        problems = held_out(d, args.problems)
         if args.device == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
         model = from_pretrained(args.model, dtype=torch.float32, device=args.device).eval()
@@ -190,7 +204,6 @@ def main(argv=None):
             add_meta_token(model, tokenizer)
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
-    problems = test[: args.problems]
     device = torch.device(args.device)
     ddp = "RANK" in os.environ  # torchrun: the problems are split across the processes
     if ddp:

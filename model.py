@@ -219,10 +219,10 @@ class LayerCache:
     from one token to the next, so a decode step can be captured (torch.compile, CUDA graphs).
     The capacity is a bound the caller proves (ngc.cache_bound); a row that needs more slots is
     an error at the next `check`, never a silent drop. Attention reads the first `span` slots, a
-    host-side bound on every row's fill: all S for a captured step, fewer in an eager rollout,
-    which narrows it after each round and widens it as tokens come (`KVCache.widen`, `narrow`)."""
+    host-side bound on every row's fill: all S always for a step that is captured (tight=False),
+    else it grows with each append and shrinks to the fullest row at each eviction."""
 
-    def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device):
+    def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device, tight: bool = False):
         # zeros, not empty: attention weighs masked slots by 0, and 0 * NaN would be NaN
         self.k = torch.zeros(batch, capacity, n_kv, head_dim, dtype=dtype, device=device)  # (B, S, Hkv, D)
         self.v = torch.zeros_like(self.k)
@@ -230,7 +230,8 @@ class LayerCache:
         self.alive = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, S)
         self.fill = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) slots in use; above S = overflow
         self.size = capacity  # S; a round reads all S slots, the dead ones masked by their alive flag
-        self.span = capacity  # S' <= S: the slots attention reads; every row's alive entries lie below it
+        self.tight = tight
+        self.span = 0 if tight else capacity  # S' <= S: the slots attention reads; every alive entry lies below
 
     @property
     def keys(self):  # (B, Hkv, S, D), a view
@@ -258,6 +259,8 @@ class LayerCache:
         self.pos[row, slot] = torch.where(valid, pos, self.pos[row, slot])
         self.alive[row, slot] = self.alive[row, slot] | valid
         self.fill.add_(n[:, 0])
+        if self.tight:
+            self.span = min(self.size, self.span + k.shape[2])
 
     def evict(self, rows, keep):
         """Batch rows `rows` (N,) keep the entries where keep (N, S) is True: the survivors move,
@@ -269,6 +272,8 @@ class LayerCache:
         self.pos[rows] = self.pos[rows[:, None], order]
         self.fill[rows] = keep.sum(1)
         self.alive[rows] = torch.arange(self.size, device=keep.device) < self.fill[rows, None]
+        if self.tight:
+            self.span = int(self.fill.max())  # a host sync, once per round
 
     def check(self):
         if (self.fill > self.size).any():
@@ -277,19 +282,9 @@ class LayerCache:
 
 
 class KVCache:
-    def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype, device):
-        self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype, device)
+    def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype, device, tight: bool = False):
+        self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype, device, tight)
                        for _ in range(cfg.num_hidden_layers)]
-
-    def widen(self, n: int):
-        """Every row may take n more entries: attention reads n more slots (at most all)."""
-        for c in self.layers:
-            c.span = min(c.size, c.span + n)
-
-    def narrow(self):
-        """Attention reads only up to the fullest row (after a round: one host sync per round)."""
-        for c, most in zip(self.layers, self.alive_counts().amax(0).tolist()):
-            c.span = most
 
     def alive_counts(self):
         """(B, L) number of alive entries per row and layer."""

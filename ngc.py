@@ -244,7 +244,7 @@ def decode_state(model, batch: int, capacity: int, w: int, dtype, device, reuse:
             t.zero_()
         return cache, window
     cfg = model.config
-    cache = KVCache(cfg, batch, capacity, dtype, device)
+    cache = KVCache(cfg, batch, capacity, dtype, device, tight=not reuse)  # eager: attend to the filled slots only
     L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     window = QueryWindow(L, batch, w, H, D, dtype, device) if w else None
     if reuse:
@@ -286,9 +286,6 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         capacity = max(cache_bound(eviction.delta, eviction.block, r, most_fed) for r in set(rates.tolist()))
     cache, window = decode_state(model, B, capacity, eviction.window if eviction else 0, dtype, device, compile)
     decode = compiled_decode(device.type == "cuda") if compile else decode_one_token
-    eager = not compile  # eager steps attend to the slots some row has filled; a captured step to all S
-    if eager:
-        cache.narrow()
     rows = torch.arange(B, device=device)
     fed = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row's cache has taken
     record = Recorder(B, L, device)
@@ -301,8 +298,6 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         idx = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1)).masked_fill(~valid, 0)
         if window:
             window.advance(pos, valid)
-        if eager:
-            cache.widen(T)
         h = model(idx, pos, cache=cache, valid=valid, qk_hook=window)
         fed.add_(n)
         return model.logits(h[rows, (n - 1).clamp(min=0)])
@@ -316,8 +311,6 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         last_logits[n > 0] = logits[n > 0]
         if eviction:
             eviction_round(cache, window, (n > 0) & (fed % chunk == 0), eviction, rates, generator, record)
-            if eager:
-                cache.narrow()
 
     # Decode: the one loop over time. A row still going after step t has been fed lens[i] + t + 1
     # tokens, so the steps after which it fires a round are known in advance: due[t % δ] (B,).
@@ -341,14 +334,10 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         active &= ~hit_eos & (n_new < M)
         if t == M - 1 or (eos.numel() and not active.any()):  # a host sync, needless without EOS ids
             break
-        if eager:
-            cache.widen(1)
         last_logits = decode(model, cache, window, tok[:, None], fed[:, None], active[:, None])
         fed += active
         if t % chunk in phases:
             eviction_round(cache, window, due[t % chunk] & active, eviction, rates, generator, record)
-            if eager:
-                cache.narrow()
 
     cache.check()  # an overflow after the last round is an error too
     lengths = P + n_new

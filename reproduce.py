@@ -116,7 +116,7 @@ def over_seeds(rows):
     for (run, policy, rate), rs in groups.items():
         acc = [r["accuracy"] for r in rs]
         mean = {k: statistics.fmean(r[k] for r in rs) for k in ("accuracy", "length", "rounds", "kv_reduction")}
-        se = statistics.fmean((a * (1 - a) / (r["problems"] * r["samples"])) ** 0.5 for a, r in zip(acc, rs))
+        se = statistics.fmean(ev.error_bar(r) for r in rs)  # each row one evaluation: its binomial SE
         out.append(dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"],
                         samples=rs[0]["samples"], seeds=len(rs), **mean,
                         accuracy_sd=statistics.stdev(acc) if len(acc) > 1 else 0.0, accuracy_se=se))
@@ -167,9 +167,7 @@ def accuracy_vs_rate(curves_by_label, path):
         ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=label)
     ax.set_xlabel("eviction rate ε")
     ax.set_ylabel("held-out accuracy (greedy)")
-    seeds = next(iter(curves_by_label.values()))[0]["seeds"]
-    ax.set_title(f"error bars: sd across {seeds} seeds" if seeds > 1 else "error bars: binomial standard error",
-                 fontsize=9)
+    ax.set_title(ev.error_bar_note(next(iter(curves_by_label.values()))), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path + ".tmp", dpi=120, format="png")

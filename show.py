@@ -28,10 +28,11 @@ from types import SimpleNamespace
 
 import torch
 
+from eval import check_output, held_out
 from model import CheckpointError, add_meta_token, from_pretrained, load_config, load_tokenizer
 from ngc import Eviction, Sampling, rollout
 from replay import NEVER, death_times
-from train import TASK_REWARD, load_problems, prompt_encoder, run_defaults
+from train import TASK_REWARD, prompt_encoder, run_defaults
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
@@ -194,22 +195,14 @@ def main(argv=None):
         if args.problems < 1:
             raise ValueError(f"--problems {args.problems} must be at least 1")
         for path in filter(None, [args.out, args.png]):
-            if os.path.isdir(path):
-                raise ValueError(f"{path} is a directory; give a file path")
-            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise ValueError(f"cannot write {path}: its directory does not exist")
+            check_output(path)
         if args.png and importlib.util.find_spec("matplotlib") is None:
             raise ValueError("--png needs matplotlib: pip install matplotlib")
         for path in (args.before, args.model):
             load_config(path)  # a missing or foreign checkpoint fails here, before anything is loaded
         d = run_defaults(args.model)
         ev = Eviction(d["delta"], d["block"], d["window"], args.eviction_rate, greedy=True)  # bad ε: one line
-        if d["task"] == "math" and not (d["eval_data"] and os.path.isfile(d["eval_data"])):
-            raise ValueError(f"the run's math problems (--eval-data) are not on disk: {d['eval_data']}")
-        _, test = load_problems(SimpleNamespace(**{**d, "train_problems": 0, "data": None}))
-        if args.problems > len(test):
-            raise ValueError(f"--problems {args.problems}: the run's test split has {len(test)} problems")
-        c, problems = SimpleNamespace(**d), test[: args.problems]
+        c, problems = SimpleNamespace(**d), held_out(d, args.problems)
         runs = {"untrained": solve_and_trace(args.before, c, problems, ev, args.device),
                 "trained": solve_and_trace(args.model, c, problems, ev, args.device)}
     except (CheckpointError, ValueError) as e:

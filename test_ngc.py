@@ -552,7 +552,7 @@ def test_a_cache_too_small_is_an_error_not_a_silent_drop(model, monkeypatch):
     with pytest.raises(RuntimeError, match="KV cache overflow: a row needs 4 slots of 3"):
         layer.check()
     # One slot short of the bound: the rollout stops with that error (at a round, or at the end).
-    monkeypatch.setattr(ngc, "KVCache", lambda cfg, batch, capacity, *a: KVCache(cfg, batch, capacity - 1, *a))
+    monkeypatch.setattr(ngc, "KVCache", lambda cfg, batch, capacity, *a, **kw: KVCache(cfg, batch, capacity - 1, *a, **kw))
     for ev in (Eviction(delta=16, block=4, window=3, rate=0.5), None):
         with pytest.raises(RuntimeError, match="KV cache overflow") as err:
             rollout(model, prompts_of([6, 9]), Sampling(max_new_tokens=60, greedy=True), ev)
