@@ -3,6 +3,7 @@
     python reproduce.py                 # everything, one seed, into results/ (about 1.2 hours on a 2-core CPU)
     python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
+    python reproduce.py --limit         # and the limit study: three changes to the default recipe
 
 It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
 its own training and held-out problems, rollouts and evictions), each only if
@@ -28,6 +29,13 @@ error of one evaluation, sqrt(p(1 - p) / n)), results/ngc-vs-heuristics.png, and
                       grad-norm curves (Figure 5)
     4. interoception  budget-aware NGC against its blind-tag control, at the rates the groups
                       trained on (0.25, 0.5, 0.75) and stricter ones, plain NGC beside (Figure 6)
+
+With --limit it also trains the limit study's recipes (seed 0, results/limit/<name>) and writes
+their evaluations during training, beside the default run's, as section 5 and results/limit.jsonl:
+
+    steps120             twice as long                       train.py --steps 120
+    lr1e-4               a learning rate 3.3x larger         train.py --lr 1e-4
+    p8g16                8 prompts x 16 rollouts, not 16 x 8 train.py --prompts 8 --group 16
 """
 import argparse
 import json
@@ -47,6 +55,8 @@ RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", 
 HEURISTICS = ["snapkv", "keydiff", "knorm", "streamingllm"]
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
 INTERO_SWEEP = [0.25, 0.5, 0.75, 0.8]  # the tags the groups trained on at the end, and a stricter one
+LIMIT = {"steps120": ["--steps", "120", "--eval-every", "30"], "lr1e-4": ["--lr", "1e-4", "--eval-every", "20"],
+         "p8g16": ["--prompts", "8", "--group", "16", "--eval-every", "30"]}
 
 
 def run_name(name: str, seed: int) -> str:
@@ -63,16 +73,16 @@ def finished(run_dir) -> bool:
         return bool(last) and last[0]["step"] + 1 >= json.load(f)["steps"]
 
 
-def train_all(out, model, jobs, seeds, extra):
-    """Run the missing training runs, `jobs` at a time, logging each to results/runs/<name>.log."""
-    todo = [(run_name(name, k), RUNS[name] + ["--seed", str(k)]) for k in range(seeds) for name in RUNS]
-    todo = [(name, flags) for name, flags in todo if not finished(os.path.join(out, "runs", name))]
+def train_all(out, model, jobs, runs, extra):
+    """Train the runs {dir under out: train.py flags} that have not finished, `jobs` at a time,
+    logging each to <out>/<dir>.log."""
+    todo = [(name, flags) for name, flags in runs.items() if not finished(os.path.join(out, name))]
     threads = max(1, (os.cpu_count() or 1) // jobs)
     running = []
     while todo or running:
         while todo and len(running) < jobs:
             name, flags = todo.pop(0)
-            run_dir = os.path.join(out, "runs", name)
+            run_dir = os.path.join(out, name)
             saved = os.path.exists(os.path.join(run_dir, "checkpoint"))
             resume = ["--resume", run_dir] if saved else ["--overwrite"]  # a run that never saved starts afresh
             cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", model, "--out", run_dir,
@@ -121,6 +131,31 @@ def over_seeds(rows):
                         samples=rs[0]["samples"], seeds=len(rs), **mean,
                         accuracy_sd=statistics.stdev(acc) if len(acc) > 1 else 0.0, accuracy_se=se))
     return out
+
+
+def limit_rows(out):
+    """The held-out evaluations that train.py --eval-every logged during the default run and the
+    limit study's runs: one row per run and step (ε = the final training ε, greedy)."""
+    rows = []
+    for name, flags in {"default": [], **LIMIT}.items():
+        run_dir = os.path.join(out, "runs", "ngc") if name == "default" else os.path.join(out, "limit", name)
+        with open(os.path.join(run_dir, "checkpoint", "ngc.json")) as f:
+            problems = json.load(f)["eval_problems"]
+        with open(os.path.join(run_dir, "log.jsonl")) as f:
+            evals = [s for s in map(json.loads, f) if "eval" in s]
+        rows += [dict(recipe=name, flags=" ".join(flags), step=s["step"], problems=problems, samples=1,
+                      accuracy=s["eval"]["acc"], accuracy_full=s["eval"]["acc_full"],
+                      kv_reduction=s["eval"]["kv_reduction"]) for s in evals]
+    return rows
+
+
+def limit_markdown(rows) -> str:
+    lines = ["| recipe | train.py flags | step | full cache | ε = 0.5 | SE | peak-KV reduction |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['recipe']} | `{r['flags']}` | {r['step']} | {r['accuracy_full']:.1%} | "
+                     f"{r['accuracy']:.1%} | {100 * ev.error_bar(r):.1f} | {r['kv_reduction']:.2f}x |")
+    return "\n".join(lines)
 
 
 def have_matplotlib() -> bool:
@@ -198,11 +233,17 @@ def main():
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
     p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
+    p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
+                                                         "their evaluations during training")
     args = p.parse_args()
     if min(args.jobs, args.seeds, args.problems or 1) < 1:
         sys.exit("error: --jobs, --seeds and --problems must be at least 1")
     t0 = time.time()
-    train_all(args.out, args.model, args.jobs, args.seeds, args.train_args.split())
+    runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
+            for k in range(args.seeds) for name in RUNS}
+    if args.limit:
+        runs.update({os.path.join("limit", name): flags for name, flags in LIMIT.items()})
+    train_all(args.out, args.model, args.jobs, runs, args.train_args.split())
     sections = []
 
     def study(name, title, run, policies, rates):
@@ -234,6 +275,11 @@ def main():
     if have_matplotlib():
         accuracy_vs_rate({"NGC": plain, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
                          os.path.join(args.out, "interoception-vs-ngc.png"))
+    if args.limit:
+        rows = limit_rows(args.out)
+        sections.append(f"## 5. How far can NGC go? The limit study (seed 0, evaluations during training)\n\n"
+                        f"{limit_markdown(rows)}\n")
+        ev.write_jsonl(rows, os.path.join(args.out, "limit.jsonl"))
     print(f"[{time.strftime('%H:%M:%S')}] show: what ngc forgets", flush=True)
     forgets = os.path.join(args.out, "forgets")
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"), "--before", args.model,

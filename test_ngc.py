@@ -2833,6 +2833,28 @@ def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
     assert ev.error_bar(dict(accuracy=0.3, problems=200, samples=2)) == (0.21 / 400) ** 0.5
 
 
+def test_reproduce_limit_study_tabulates_each_run_s_evaluations_during_training(tmp_path):
+    """reproduce.py --limit: one row per run and logged evaluation, the default run first, each
+    with its accuracy at ε, the full cache's, its binomial standard error and the reduction."""
+    import reproduce
+    runs = {"default": tmp_path / "runs" / "ngc", **{n: tmp_path / "limit" / n for n in reproduce.LIMIT}}
+    for i, (name, run_dir) in enumerate(runs.items()):
+        (run_dir / "checkpoint").mkdir(parents=True)
+        (run_dir / "checkpoint" / "ngc.json").write_text(json.dumps({"eval_problems": 100 * (i + 1)}))
+        evals = [{"step": s, "eval": {"acc": 0.1 * (i + 1), "acc_full": 0.9 - s / 1000, "kv_reduction": 2.0 + i}}
+                 for s in (0, 20 * (i + 1))]
+        steps = [dict.fromkeys(train.STEP_KEYS, 0.0) | {"step": s} for s in range(2)]
+        (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
+    rows = reproduce.limit_rows(str(tmp_path))
+    assert [(r["recipe"], r["step"]) for r in rows] == [(n, s) for i, n in enumerate(runs) for s in (0, 20 * (i + 1))]
+    p8 = rows[-1]
+    assert p8["flags"] == "--prompts 8 --group 16 --eval-every 30" and p8["problems"] == 400
+    assert (p8["accuracy"], p8["accuracy_full"], p8["kv_reduction"]) == (0.4, 0.9 - 0.08, 5.0)
+    table = reproduce.limit_markdown(rows)
+    assert "| p8g16 | `--prompts 8 --group 16 --eval-every 30` | 80 | 82.0% | 40.0% | 2.4 | 5.00x |" in table
+    assert "| default | `` | 0 | 90.0% | 10.0% | 3.0 | 2.00x |" in table  # sqrt(0.1 * 0.9 / 100) = 3.0 points
+
+
 def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
     """README's CPU demonstration: `train.py --task math --model tiny-math` on the demo set, shrunk
     to one small step and one evaluation, runs with tiny-math/ngc.json's recipe."""
