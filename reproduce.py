@@ -1,7 +1,7 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
     python reproduce.py                 # everything, one seed, into results/ (about 1.2 hours on a 2-core CPU)
-    python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table
+    python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --limit         # and the limit study: three changes to the default recipe
 
