@@ -47,6 +47,7 @@ import time
 
 import eval as ev
 import show
+import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
@@ -133,16 +134,20 @@ def over_seeds(rows):
     return out
 
 
+def limit_dir(recipe: str) -> str:
+    """A limit-study recipe's run directory under --out; "default" is the seed-0 ngc run."""
+    return os.path.join("runs", "ngc") if recipe == "default" else os.path.join("limit", recipe)
+
+
 def limit_rows(out):
     """The held-out evaluations that train.py --eval-every logged during the default run and the
     limit study's runs: one row per run and step (ε = the final training ε, greedy)."""
     rows = []
     for name, flags in {"default": [], **LIMIT}.items():
-        run_dir = os.path.join(out, "runs", "ngc") if name == "default" else os.path.join(out, "limit", name)
+        run_dir = os.path.join(out, limit_dir(name))
         with open(os.path.join(run_dir, "checkpoint", "ngc.json")) as f:
             problems = json.load(f)["eval_problems"]
-        with open(os.path.join(run_dir, "log.jsonl")) as f:
-            evals = [s for s in map(json.loads, f) if "eval" in s]
+        evals = [s for s in train.read_log(os.path.join(run_dir, "log.jsonl")) if "eval" in s]
         rows += [dict(recipe=name, flags=" ".join(flags), step=s["step"], problems=problems, samples=1,
                       accuracy=s["eval"]["acc"], accuracy_full=s["eval"]["acc_full"],
                       kv_reduction=s["eval"]["kv_reduction"]) for s in evals]
@@ -242,7 +247,7 @@ def main():
     runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
             for k in range(args.seeds) for name in RUNS}
     if args.limit:
-        runs.update({os.path.join("limit", name): flags for name, flags in LIMIT.items()})
+        runs.update({limit_dir(name): flags for name, flags in LIMIT.items()})
     train_all(args.out, args.model, args.jobs, runs, args.train_args.split())
     sections = []
 
