@@ -131,8 +131,10 @@ class Attention(nn.Module):
             cache.append(k, v, pos, valid)
             k, v, mask = cache.read(pos)  # (B, Hkv, S', D) twice, (B, T, S')
         if cache is not None and T == 1:  # decode: a KV group's H/Hkv query heads as queries of one head (no GQA)
-            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, -1, self.head_dim), k, v,
-                                               attn_mask=mask[:, None]).view(B, self.n_head, 1, self.head_dim)
+            # 1/√D applied to q alone: SDPA's math form (the compiled CPU step) would scale a copy of k
+            q = q.reshape(B, self.n_kv, -1, self.head_dim) * self.head_dim ** -0.5  # (B, Hkv, H/Hkv, D)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=1.0)
+            y = y.view(B, self.n_head, 1, self.head_dim)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                                is_causal=mask is None, enable_gqa=True)  # (B, H, T, D)
@@ -224,7 +226,7 @@ class LayerCache:
 
     def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device, tight: bool = False):
         # zeros, not empty: attention weighs masked slots by 0, and 0 * NaN would be NaN
-        self.k = torch.zeros(batch, capacity, n_kv, head_dim, dtype=dtype, device=device)  # (B, S, Hkv, D)
+        self.k = torch.zeros(batch, n_kv, capacity, head_dim, dtype=dtype, device=device)  # (B, Hkv, S, D)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # (B, S)
         self.alive = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, S)
@@ -234,15 +236,15 @@ class LayerCache:
         self.span = 0 if tight else capacity  # S' <= S: the slots attention reads; every alive entry lies below
 
     @property
-    def keys(self):  # (B, Hkv, S, D), a view
-        return self.k.transpose(1, 2)
+    def keys(self):  # (B, Hkv, S, D)
+        return self.k
 
     def read(self, qpos):
         """The keys and values (B, Hkv, S', D) of the first S' = span slots, and what each of the T
         newest tokens (positions qpos (B, T)) attends to among them (B, T, S'): alive, not later."""
         n = self.span
         seen = self.alive[:, None, :n] & (self.pos[:, None, :n] <= qpos[:, :, None])
-        return self.k[:, :n].transpose(1, 2), self.v[:, :n].transpose(1, 2), seen
+        return self.k[:, :, :n], self.v[:, :, :n], seen
 
     def append(self, k, v, pos, valid):
         """Write the entries k, v (B, Hkv, T, D) where valid (B, T) is True at each row's next free
@@ -250,12 +252,14 @@ class LayerCache:
         T slots of a row are distinct (T <= S) even where padding runs past the end."""
         n = valid.sum(1, keepdim=True)
         rank = torch.where(valid, valid.cumsum(1) - 1, n + (~valid).cumsum(1) - 1)  # (B, T): valid ones first
-        row = torch.arange(k.shape[0], device=k.device)[:, None]
+        B, Hkv = k.shape[:2]
+        row, head = torch.arange(B, device=k.device)[:, None], torch.arange(Hkv, device=k.device)[:, None]
         slot = (self.fill[:, None] + rank) % self.size  # (B, T)
-        new = valid[:, :, None, None]
+        at = row[:, None], head, slot[:, None]  # indexes (B, Hkv, T) of the (B, Hkv, S, D) buffers
+        new = valid[:, None, :, None]
         # index_put, not scatter_: torch.compile updates it in place instead of copying the buffer
-        self.k[row, slot] = torch.where(new, k.transpose(1, 2).to(self.k.dtype), self.k[row, slot])  # (B, T, Hkv, D)
-        self.v[row, slot] = torch.where(new, v.transpose(1, 2).to(self.v.dtype), self.v[row, slot])
+        self.k[at] = torch.where(new, k.to(self.k.dtype), self.k[at])  # (B, Hkv, T, D)
+        self.v[at] = torch.where(new, v.to(self.v.dtype), self.v[at])
         self.pos[row, slot] = torch.where(valid, pos, self.pos[row, slot])
         self.alive[row, slot] = self.alive[row, slot] | valid
         self.fill.add_(n[:, 0])
@@ -267,9 +271,12 @@ class LayerCache:
         in order, to the front of their row, in place."""
         self.check()  # before the survivors are counted: an overflow since the last round is an error
         order = torch.argsort(keep.to(torch.uint8), dim=1, descending=True, stable=True)  # (N, S): kept first
-        self.k[rows] = self.k[rows[:, None], order]  # (N, S, Hkv, D)
-        self.v[rows] = self.v[rows[:, None], order]
-        self.pos[rows] = self.pos[rows[:, None], order]
+        N, Hkv, S, D = len(rows), *self.k.shape[1:]
+        heads = rows[:, None] * Hkv + torch.arange(Hkv, device=rows.device)  # (N, Hkv) rows of the (B·Hkv, S, D) view
+        entries = (heads[:, :, None] * S + order[:, None]).flatten()  # (N·Hkv·S,) entries in their new order
+        for buf in (self.k, self.v):  # index_select on whole D-vectors: far faster than a gather on the CPU
+            buf.index_copy_(0, rows, buf.view(-1, D).index_select(0, entries).view(N, Hkv, S, D))
+        self.pos[rows] = self.pos[rows].gather(1, order)
         self.fill[rows] = keep.sum(1)
         self.alive[rows] = torch.arange(self.size, device=keep.device) < self.fill[rows, None]
         if self.tight:
