@@ -131,10 +131,8 @@ class Attention(nn.Module):
             cache.append(k, v, pos, valid)
             k, v, mask = cache.read(pos)  # (B, Hkv, S', D) twice, (B, T, S')
         if cache is not None and T == 1:  # decode: a KV group's H/Hkv query heads as queries of one head (no GQA)
-            # 1/√D applied to q alone: SDPA's math form (the compiled CPU step) would scale a copy of k
-            q = q.reshape(B, self.n_kv, -1, self.head_dim) * self.head_dim ** -0.5  # (B, Hkv, H/Hkv, D)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=1.0)
-            y = y.view(B, self.n_head, 1, self.head_dim)
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, -1, self.head_dim), k, v,
+                                               attn_mask=mask[:, None]).view(B, self.n_head, 1, self.head_dim)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                                is_causal=mask is None, enable_gqa=True)  # (B, H, T, D)
@@ -234,10 +232,6 @@ class LayerCache:
         self.size = capacity  # S; a round reads all S slots, the dead ones masked by their alive flag
         self.tight = tight
         self.span = 0 if tight else capacity  # S' <= S: the slots attention reads; every alive entry lies below
-
-    @property
-    def keys(self):  # (B, Hkv, S, D)
-        return self.k
 
     def read(self, qpos):
         """The keys and values (B, Hkv, S', D) of the first S' = span slots, and what each of the T
