@@ -224,20 +224,25 @@ def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
     return model.logits(h[:, -1])
 
 
+MATH_ATTENTION_SLOTS = 128  # CPU: the most slots for which the compiled step uses SDPA's math form
+
+
 def decode_one_token_math(*args):
-    """decode_one_token with SDPA's math backend: compiled, its matmuls and softmax fuse into the
-    step, where the CPU's fused attention kernel costs about 0.5 ms a call at decode sizes."""
+    """decode_one_token with SDPA's math backend, whose matmuls and softmax inductor compiles
+    into the step: on the CPU at decode sizes the fused attention kernel costs about 0.3 ms a call
+    whatever the cache holds, the math form grows with the slots and is cheaper up to about
+    MATH_ATTENTION_SLOTS of them (measured on tiny/, batch 64, 2 cores)."""
     with sdpa_kernel(SDPBackend.MATH):
         return decode_one_token(*args)
 
 
 @functools.cache
-def compiled_decode(cuda: bool):
+def compiled_decode(cuda: bool, math_attention: bool = False):
     """decode_one_token through torch.compile, whole (fullgraph: a host sync would be an error);
-    on CUDA as one CUDA graph per shape ("reduce-overhead"), on the CPU with math attention."""
+    on CUDA as one CUDA graph per shape ("reduce-overhead")."""
     if cuda:
         return torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-    return torch.compile(decode_one_token_math, fullgraph=True)
+    return torch.compile(decode_one_token_math if math_attention else decode_one_token, fullgraph=True)
 
 
 CAPTURED = weakref.WeakKeyDictionary()  # model -> (shape, KVCache, QueryWindow) its compiled step last ran on
@@ -295,7 +300,9 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         check_eviction(eviction.delta, eviction.block, eviction.window, rates)
         capacity = max(cache_bound(eviction.delta, eviction.block, r, most_fed) for r in set(rates.tolist()))
     cache, window = decode_state(model, B, capacity, eviction.window if eviction else 0, dtype, device, compile)
-    decode = compiled_decode(device.type == "cuda") if compile else decode_one_token
+    decode = decode_one_token
+    if compile:
+        decode = compiled_decode(device.type == "cuda", capacity <= MATH_ATTENTION_SLOTS)
     rows = torch.arange(B, device=device)
     fed = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row's cache has taken
     record = Recorder(B, L, device)

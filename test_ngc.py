@@ -586,6 +586,20 @@ def test_compiled_decode_step_gives_the_eager_rollout(model):
     assert (causal - compiled.logprobs)[completion].abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("slots", [0, 10_000])
+def test_compiled_step_with_either_attention_form_gives_the_eager_rollout(model, monkeypatch, slots):
+    """On the CPU the compiled step takes SDPA's math form for caches up to MATH_ATTENTION_SLOTS
+    and the fused kernel above: both give the eager rollout, with eviction and with the full cache."""
+    monkeypatch.setattr(ngc, "MATH_ATTENTION_SLOTS", slots)
+    s = Sampling(max_new_tokens=30, greedy=True)
+    prompts = prompts_of([3, 14, 7], seed=2)
+    for ev in (Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True), None):
+        eager = rollout(model, prompts, s, ev, eos_ids=[EOS])
+        compiled = rollout(model, prompts, s, ev, eos_ids=[EOS], compile=True)
+        assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.kept, eager.kept)
+        assert (compiled.logprobs - eager.logprobs).abs().max() < 1e-5
+
+
 # ---------------------------------------------------------------------------------------
 # 8. Bad arguments
 
