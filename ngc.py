@@ -120,9 +120,9 @@ def attention_scores(q, k, mask):
     each query row sees. Query head h reads KV group h // (H / Hkv). Returns (N, M, S); ψ is
     its mean over the w rows of a round. Rollout and replay both call this."""
     N, H, M, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    q = q.float().reshape(N, Hkv, H // Hkv * M, D)  # (N, Hkv, G·M, D): a KV group's G query heads in a row
-    att = (q @ k.float().transpose(-1, -2) / math.sqrt(D)).view(N, Hkv, H // Hkv, M, S)  # (N, Hkv, G, M, S)
+    Hkv = k.shape[1]
+    q = q.float().view(N, Hkv, H // Hkv, M, D)
+    att = q @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (N, Hkv, G, M, S)
     att = att.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
     return att.mean(dim=(1, 2))  # (N, M, S)
 
