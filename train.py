@@ -584,7 +584,8 @@ def parse_args(argv=None):
                    help="compute dtype; weights and optimizer stay fp32 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--compile", action="store_true",
-                   help="capture the decode step with torch.compile (CUDA graphs on CUDA); same rollouts, faster on GPUs")
+                   help="capture the decode step with torch.compile (CUDA graphs on CUDA): the eager rollouts up to "
+                        "float rounding, faster on GPUs and, with eviction, on the CPU")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model, gradients and optimizer state across the processes (FSDP2) "
                         "instead of a whole copy each")
