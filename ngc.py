@@ -239,10 +239,11 @@ def decode_one_token_math(*args):
 @functools.cache
 def compiled_decode(cuda: bool, math_attention: bool = False):
     """decode_one_token through torch.compile, whole (fullgraph: a host sync would be an error);
-    on CUDA as one CUDA graph per shape ("reduce-overhead")."""
+    on CUDA as one CUDA graph per shape ("reduce-overhead"), on the CPU with a C++ launcher."""
     if cuda:
         return torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-    return torch.compile(decode_one_token_math if math_attention else decode_one_token, fullgraph=True)
+    step = decode_one_token_math if math_attention else decode_one_token
+    return torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})  # kernels launched from C++, not Python
 
 
 CAPTURED = weakref.WeakKeyDictionary()  # model -> (shape, KVCache, QueryWindow) its compiled step last ran on
