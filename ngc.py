@@ -229,9 +229,9 @@ MATH_ATTENTION_SLOTS = 128  # CPU: the most slots for which the compiled step us
 
 def decode_one_token_math(*args):
     """decode_one_token with SDPA's math backend, whose matmuls and softmax inductor compiles
-    into the step: on the CPU at decode sizes the fused attention kernel costs about 0.3 ms a call
-    whatever the cache holds, the math form grows with the slots and is cheaper up to about
-    MATH_ATTENTION_SLOTS of them (measured on tiny/, batch 64, 2 cores)."""
+    into the step. On the CPU at decode sizes the fused attention kernel costs 0.3-0.5 ms a call
+    however few slots it reads; the math form grows with the slots and is the cheaper one up to
+    about MATH_ATTENTION_SLOTS of them (measured on tiny/, batch 64, 2 cores)."""
     with sdpa_kernel(SDPBackend.MATH):
         return decode_one_token(*args)
 
