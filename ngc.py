@@ -237,9 +237,10 @@ def decode_one_token_math(*args):
 
 
 @functools.cache
-def compiled_decode(cuda: bool, math_attention: bool = False):
+def compiled_decode(cuda: bool, math_attention: bool):
     """decode_one_token through torch.compile, whole (fullgraph: a host sync would be an error);
-    on CUDA as one CUDA graph per shape ("reduce-overhead"), on the CPU with a C++ launcher."""
+    on CUDA as one CUDA graph per shape ("reduce-overhead"), on the CPU with a C++ launcher and,
+    where math_attention, SDPA's math form (CUDA keeps SDPA's own choice)."""
     if cuda:
         return torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
     step = decode_one_token_math if math_attention else decode_one_token
