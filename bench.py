@@ -11,12 +11,13 @@ the fraction of the memory-bandwidth bound (weights + alive KV read per step / p
 bandwidth). Replay: forward+backward of the replay pass (per-layer masks plus the recomputed
 eviction log-probs) against a plain causal forward+backward over the same tokens.
 """
-import argparse
 import time
 
 import torch
 
-from model import Qwen2, Qwen2Config, from_pretrained, init_weights, num_params
+from checkpoint import from_pretrained
+from cli import parser
+from model import Qwen2, Qwen2Config, init_weights, num_params
 from ngc import Eviction, Sampling, rollout
 from replay import replay
 
@@ -110,7 +111,7 @@ def memory(device) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")

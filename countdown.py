@@ -35,7 +35,7 @@ class Difficulty:
     target_range: tuple[int, int] = (10, 100) # inclusive range of the target
 
 PAPER = Difficulty()  # Countdown-Tasks-3to4-like: 3-4 numbers in 1..99, targets 10..100
-TINY = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100))
+SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100))  # the tiny models' problems
 
 def _key(p):
     """A problem's identity: sorted numbers and target."""
@@ -71,7 +71,7 @@ def _dfs(items, target, dead):
     dead.add(state)
     return None
 
-def solve(nums, target):
+def find_solution(nums, target):
     """An expression using each number exactly once that equals target, or None."""
     expr = _dfs([(n, str(n)) for n in nums], target, set())
     if expr is not None and expr.startswith("("):
@@ -130,7 +130,7 @@ def generate(n, seed, difficulty=PAPER):
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
     """(train, test) at the paper's sizes. Test problems are distinct and never
-    appear in train. Train is distinct too when unique (TINY has only a few
+    appear in train. Train is distinct too when unique (SMALL has only a few
     thousand distinct problems: use unique=False there)."""
     stream = _stream(random.Random(seed), difficulty)
     test = _take(stream, n_test, unique=True)
@@ -173,7 +173,7 @@ def tiny_prompt(problem, eviction_rate=None, blind=False):
     return text
 
 PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt}  # prompt style -> (problem, eviction_rate, blind) -> text
-DIFFICULTIES = {"paper": PAPER, "tiny": TINY}
+DIFFICULTIES = {"paper": PAPER, "tiny": SMALL}  # --difficulty name -> preset
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
     """A problem's prompt token ids in the given style (with the budget tag if rate given)."""

@@ -12,7 +12,7 @@ Policies:
     snapkv, keydiff, knorm, streamingllm   the heuristics of baselines.py (deterministic)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
-The problems are the held-out split of the run's settings (`train.run_defaults`: the paper's recipe
+The problems are the held-out split of the run's settings (`tasks.run_defaults`: the paper's recipe
 for the task, or the checkpoint's ngc.json): Countdown's generated test split, or the math
 --eval-data file. A run trained with --meta-token is evaluated with it: g is forced before every
 round of every policy. Tokens are greedy, one completion per problem (the Countdown default); with
@@ -23,26 +23,90 @@ draws its noise from the same seed. The peak-KV reduction (§5.1) divides, per p
 entries of one shared no-eviction run by the peak under the policy (each a mean over the k
 samples), averaged over problems. One JSONL line per policy x rate.
 """
-import argparse
-import importlib.util
-import json
-import os
 import sys
+from dataclasses import replace
 from math import comb
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
+from tqdm import tqdm
 
 import baselines
-from model import META_TOKEN, CheckpointError, add_meta_token, from_pretrained, load_tokenizer
-from ngc import Eviction, Sampling
-from train import TASK_REWARD, kv_reduction, load_problems, prompt_encoder, run_defaults, solve
+import countdown
+import distributed
+from checkpoint import META_TOKEN, CheckpointError, add_meta_token, from_pretrained, load_tokenizer
+from cli import check_output_file, need, parser, pyplot
+from files import save_figure, write_jsonl
+from ngc import Eviction, Sampling, rollout
+from tasks import TASK_REWARD, held_out, prompt_encoder, run_defaults
 
 CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
     "ngc": dict(greedy=True), "ngc-sample": dict(greedy=False), "snapkv": dict(greedy=True, score=baselines.snapkv),
     "keydiff": dict(greedy=True, score=baselines.keydiff), "knorm": dict(greedy=True, score=baselines.knorm),
     "streamingllm": dict(greedy=True, score=baselines.streamingllm), "none": None}
+
+
+# ---------------------------------------------------------------------------------------
+# Held-out evaluation (paper §5.1): train.py, make_tiny.py, show.py and reproduce.py call these too
+
+
+@torch.no_grad()
+def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
+                       generator=None, samples=1, batch_size=64, desc=None, compile=False):
+    """Roll out `samples` completions per problem. Returns rewards, completion lengths, rounds and
+    peak KV entries, each (problems, samples), and the completions' texts (problems x samples).
+    encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt). With
+    several processes each rolls out every world-th job and all of them get all the results."""
+    encode = encode or countdown.encode
+    rank, world = distributed.rank_and_world()
+    jobs = [p for p in problems for _ in range(samples)]
+    mine = jobs[rank::world]
+    results = []  # (reward, length, rounds, peak KV, text) per job of this process
+    for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
+        chunk = mine[start:start + batch_size]
+        ro = rollout(model, [encode(tokenizer, p) for p in chunk], sampling, eviction, eos_ids=model.config.eos_ids,
+                     generator=generator, progress=desc is not None, compile=compile)
+        texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
+        results += zip([reward_fn(t, p) for t, p in zip(texts, chunk)], (ro.lengths - ro.prompt_lens).tolist(),
+                       ro.n_rounds.tolist(), ro.peak_kv.tolist(), texts)
+    results = distributed.gather_in_order(results, len(jobs))
+    columns = list(zip(*results)) or [()] * 5
+    out = {k: torch.tensor(v, dtype=torch.float64).view(len(problems), samples)
+           for k, v in zip(("reward", "length", "rounds", "peak_kv"), columns)}
+    out["texts"] = [list(columns[4][i * samples:(i + 1) * samples]) for i in range(len(problems))]
+    return out
+
+
+def kv_reduction(ref_peak, peak) -> float:
+    """§5.1: mean over problems of peak(no eviction) / peak(policy); rows are problems, columns
+    samples (a problem's peak is the mean over its samples)."""
+    return (ref_peak.mean(1) / peak.mean(1)).mean().item()
+
+
+def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
+             batch_size=64, progress=False, meta_token=None, compile=False):
+    """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
+    peak-KV reduction: the held-out numbers train.py logs every --eval-every steps. meta_token:
+    g's id, forced before each round under `eviction` (the full cache has no rounds)."""
+    s = Sampling(max_new_tokens=max_new_tokens, greedy=True, meta_token=meta_token)
+    greedy = replace(eviction, greedy=True)
+    full = roll_out_and_score(model, tokenizer, problems, s, None, encode, reward_fn, batch_size=batch_size,
+                              desc="eval full cache" if progress else None, compile=compile)
+    pruned = roll_out_and_score(model, tokenizer, problems, s, greedy, encode, reward_fn, batch_size=batch_size,
+                                desc=f"eval ε={eviction.rate:g}" if progress else None, compile=compile)
+    return {"acc_full": full["reward"].mean().item(), "acc": pruned["reward"].mean().item(),
+            "kv_reduction": kv_reduction(full["peak_kv"], pruned["peak_kv"]),
+            "length": pruned["length"].mean().item(), "rounds": pruned["rounds"].mean().item()}
+
+
+def before_after(evals, rate, seconds) -> str:
+    """The table train.py ends with: its first and last evaluation."""
+    first, last = evals[0], evals[-1]
+    return "\n".join([f"{'held-out accuracy':32s} {'before':>8s} {'after':>8s}",
+                      f"{'full cache':32s} {first['acc_full']:8.1%} {last['acc_full']:8.1%}",
+                      f"{f'ε = {rate:g} (greedy top-K)':32s} {first['acc']:8.1%} {last['acc']:8.1%}",
+                      f"{'peak-KV reduction':32s} {first['kv_reduction']:7.2f}x {last['kv_reduction']:7.2f}x",
+                      f"{'wall time':32s} {'':>8s} {seconds / 60:5.1f} min"])
 
 
 def pass_at_k(n: int, c, k: int) -> float:
@@ -63,9 +127,9 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
     def run(name, rate):
         ev = None if CLI_POLICIES[name] is None else Eviction(d["delta"], d["block"], d["window"], rate,
                                                                **CLI_POLICIES[name])
-        encode = prompt_encoder(c, rate if c.interoception and ev else None)
+        encode = prompt_encoder(c.task, c.prompt, rate if c.interoception and ev else None, c.blind_tag)
         gen = torch.Generator(device=device).manual_seed(d["seed"])
-        return solve(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
+        return roll_out_and_score(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
                      desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None, compile=compile)
 
     ref = run("none", 0.0)
@@ -86,24 +150,6 @@ def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_
     return rows
 
 
-def check_output(path):
-    """A one-line ValueError unless `path` names a file in a directory that exists."""
-    if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory; give a file path")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise ValueError(f"cannot write {path}: its directory does not exist")
-
-
-def held_out(d: dict, n: int | None = None) -> list:
-    """The first n (default all) held-out problems of a run with settings d, or a one-line ValueError."""
-    if d["task"] == "math" and not (d["eval_data"] and os.path.isfile(d["eval_data"])):
-        raise ValueError(f"--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet); got {d['eval_data']}")
-    _, test = load_problems(SimpleNamespace(**{**d, "train_problems": 0, "data": None}))
-    if n is not None and n > len(test):
-        raise ValueError(f"--problems {n}: the run's test split has {len(test)} problems")
-    return test[:n]
-
-
 def table(rows) -> str:
     n = rows[0]["samples"]
     head = f"{'policy':<13} {'ε':>5} {'pass@1':>7}" + (f" {f'pass@{n}':>8}" if n > 1 else "")
@@ -114,12 +160,6 @@ def table(rows) -> str:
         lines.append(line + f" {r['length']:>7.1f} {r['rounds']:>6.2f} {r['peak_kv']:>8.0f}"
                             f" {r['kv_reduction']:>11.2f}x")
     return "\n".join(lines)
-
-
-def write_jsonl(rows, path):
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(path + ".tmp", path)
 
 
 def error_bar(r) -> float:
@@ -138,9 +178,7 @@ def error_bar_note(rows) -> str:
 def plot(rows, path):
     """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, one line per policy
     (the paper's Figure 3, right, and its pass@32 against compression for math)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("--plot")
     n = rows[0]["samples"]
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -156,13 +194,12 @@ def plot(rows, path):
         ax.set_title(error_bar_note(rows), fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path + ".tmp", dpi=150, format="png")
-    os.replace(path + ".tmp", path)
+    save_figure(fig, path, dpi=150)
+    plt.close(fig)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage dump
+    p = parser(__doc__)
     p.add_argument("--model", required=True, help="Qwen2 checkpoint directory")
     p.add_argument("--task", choices=["countdown", "math"], help="default: the checkpoint's ngc.json, else countdown")
     p.add_argument("--eval-data", help="math: held-out problems, .jsonl or .parquet (default: the run's --eval-data)")
@@ -186,18 +223,17 @@ def main(argv=None):
         for flag in ("samples", "problems", "batch_size"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
-        if args.plot and importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib")
+        if args.plot:
+            need("matplotlib", "--plot")
         for path in filter(None, [args.out, args.plot]):
-            check_output(path)
+            check_output_file(path)
         d = run_defaults(args.model, args.task)
         d["eval_data"] = args.eval_data or d["eval_data"]
         args.samples = args.samples or d["eval_samples"]
         for rate in args.eviction_rate:
             Eviction(d["delta"], d["block"], d["window"], rate)  # one-line errors for bad ε, δ, b, w
         problems = held_out(d, args.problems)
-        if args.device == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
-            args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+        args.device = distributed.local_device(args.device)  # torchrun: one GPU per process
         model = from_pretrained(args.model, dtype=torch.float32, device=args.device).eval()
         tokenizer = load_tokenizer(args.model)
         if d["meta_token"]:  # a run trained with --meta-token saved g; this only adds it to one that lacks it
@@ -205,28 +241,27 @@ def main(argv=None):
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     device = torch.device(args.device)
-    ddp = "RANK" in os.environ  # torchrun: the problems are split across the processes
-    if ddp:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if distributed.launched():  # torchrun: the problems are split across the processes
+        distributed.start(device)
     bf16 = (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, d, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
-                       progress=not ddp or dist.get_rank() == 0, compile=args.compile)
-    if ddp:
-        rank = dist.get_rank()
-        dist.destroy_process_group()
-        if rank:  # every process holds every row; the first one reports them
-            return
+                       progress=distributed.rank_and_world()[0] == 0, compile=args.compile)
+    rank = distributed.rank_and_world()[0]
+    distributed.stop()
+    if rank:  # every process holds every row; the first one reports them
+        return
     print(f"{args.model}: {len(problems)} held-out problems, "
           + (f"{args.samples} samples each" if args.samples else "greedy"))
     print(table(rows))
-    if args.out:
-        write_jsonl(rows, args.out)
-    if args.plot:
-        plot(rows, args.plot)
+    try:
+        if args.out:
+            write_jsonl(args.out, rows)
+        if args.plot:
+            plot(rows, args.plot)
+    except OSError as e:
+        sys.exit(f"error: could not write {e.filename} ({e.strerror})")
 
 
 if __name__ == "__main__":

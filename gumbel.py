@@ -9,7 +9,7 @@ or rows × rounds, or rows × layers) and has no Python loop over blocks.
 import torch
 
 MISSING = -1e9  # logit of a block that does not exist: finite, so no NaN reaches a gradient
-TINY = 1e-30  # block scores are clamped here before the log
+MIN_SCORE = 1e-30  # block scores are clamped here before the log
 
 
 def keep_count(n_blocks, rate):
@@ -48,7 +48,7 @@ def log_block_logits(key_scores, alive, block_size: int):
     (spread ≤ 1): as raw logits they give a nearly uniform policy; their log lets Gumbel-top-k
     keep blocks in proportion to the attention mass they receive, and become as sharp as needed."""
     means, exists = block_means(key_scores, alive, block_size)
-    return torch.where(exists, means.clamp(min=TINY).log(), MISSING), exists
+    return torch.where(exists, means.clamp(min=MIN_SCORE).log(), MISSING), exists
 
 
 def ordered_topk(scores, k):

@@ -40,6 +40,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -52,9 +53,12 @@ from tqdm import tqdm
 import countdown as cd
 import mathtask
 from countdown import tiny_prompt
-from model import Qwen2, Qwen2Config, from_pretrained, init_weights, load_tokenizer, num_params, save_pretrained
+from checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from cli import make_output_dir, parser
+from eval import roll_out_and_score
+from files import swap_in, write_text
+from model import Qwen2, Qwen2Config, init_weights, num_params
 from ngc import Eviction, Sampling
-from train import solve
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompt ~12 tokens, full-cache completions ~75, capped at 256).
@@ -121,7 +125,7 @@ def trace(problem) -> str:
     raise ValueError(f"{problem} has no solution")
 
 
-def replay_trace(problem, text: str) -> bool:
+def check_trace(problem, text: str) -> bool:
     """Re-execute a trace: every move and leaf must be correct arithmetic on the numbers at
     hand, every verdict right, and the final answer must reach the target."""
     words, k = text.split(), 0
@@ -215,10 +219,10 @@ def build_tokenizer(words=WORDS) -> Tokenizer:
 
 
 def split_problems(seed: int, n_test: int, n_train: int = 300_000):
-    """countdown.splits at the TINY difficulty: the held-out problems come first in the seed's
+    """countdown.splits at the SMALL difficulty (the tiny model's): the held-out problems come first in the seed's
     stream, so train.py and eval.py (same seed, at most n_test problems) evaluate on problems
     pretraining never saw."""
-    return cd.splits(seed, n_train, n_test, cd.TINY, unique=False)
+    return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
 def countdown_example(tok, problem, rng):
@@ -267,8 +271,8 @@ def tiny_config(tok, d=192, layers=4, heads=4, kv_heads=2, ffn=512) -> Qwen2Conf
 def trace_accuracy(model, tok, problems, task, eviction=None, max_new_tokens=400, batch=128):
     """Greedy accuracy (mean reward), the fraction of completions that are correct traces, and
     the mean completion length."""
-    out = solve(model, tok, problems, Sampling(max_new_tokens=max_new_tokens, greedy=True), eviction,
-                encode=task.encode, reward_fn=task.reward, batch_size=batch)
+    out = roll_out_and_score(model, tok, problems, Sampling(max_new_tokens=max_new_tokens, greedy=True), eviction,
+                             encode=task.encode, reward_fn=task.reward, batch_size=batch)
     valid = sum(task.valid(p, texts[0]) for p, texts in zip(problems, out["texts"]))
     return out["reward"].mean().item(), valid / len(problems), out["length"].mean().item()
 
@@ -291,7 +295,7 @@ class Task:
 
 TASKS = {
     "countdown": Task(WORDS, split_problems, countdown_example, lambda t, p: t.encode(tiny_prompt(p)).ids,
-                      cd.reward, replay_trace, TINY_RUN, {}),
+                      cd.reward, check_trace, TINY_RUN, {}),
     "math": Task(MATH_WORDS, lambda seed, n_test, n_train: mathtask.demo_splits(seed, n_train, n_test),
                  math_example, mathtask.encode, mathtask.reward, lambda p, text: text == math_trace(p),
                  MATH_RUN, MATH_BUILD),
@@ -309,7 +313,7 @@ def lr_at(step, steps, lr, warmup):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--out", default="tiny", help="output directory (written via a temporary dir, then renamed)")
     ap.add_argument("--seed", type=int, default=0, help="seed for the problems, the weights and the batches")
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps; the lr schedule spans them")
@@ -344,6 +348,10 @@ def main(argv=None):
         report(model, tok, test, task, args.max_new_tokens)
         return
 
+    try:
+        make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     tok = build_tokenizer(task.words)
     model = init_weights(Qwen2(tiny_config(tok, args.d, args.layers, args.heads, ffn=args.ffn)), seed=args.seed)
     print(f"{num_params(model) / 1e6:.2f}M parameters, {len(train)} training / {len(test)} held-out problems")
@@ -378,19 +386,14 @@ def main(argv=None):
     tmp = args.out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(model.to(torch.bfloat16), tmp)  # bf16 on disk keeps the files small
-    tok.save(os.path.join(tmp, "tokenizer.json"))
+    tok.save(os.path.join(tmp, "tokenizer.json"))  # inside <out>.tmp/: the swap below makes the whole directory appear at once
     write_run_defaults(tmp, task.run)
-    if os.path.exists(args.out):  # swap in the new directory, then drop the old one
-        os.rename(args.out, tmp + ".old")
-    os.rename(tmp, args.out)
-    shutil.rmtree(tmp + ".old", ignore_errors=True)
+    swap_in(args.out.rstrip("/"))  # the new directory replaces the old one
     report(from_pretrained(args.out), load_tokenizer(args.out), test, task, args.max_new_tokens)  # as shipped
 
 
 def write_run_defaults(model_dir, run):
-    with open(os.path.join(model_dir, "ngc.json"), "w") as f:
-        json.dump(run, f, indent=1)
-        f.write("\n")
+    write_text(os.path.join(model_dir, "ngc.json"), json.dumps(run, indent=1) + "\n")
 
 
 def report(model, tok, test, task, max_new_tokens):

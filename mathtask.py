@@ -36,15 +36,17 @@ A CPU-sized demonstration set of arithmetic word problems in DAPO's layout:
     python mathtask.py --make-demo data/math-demo
 """
 
-import argparse
 import json
 import os
 import random
 import re
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 
+from cli import make_output_dir, need, parser
 from countdown import encode_prompt  # the R1 chat template, shared with Countdown
+from files import write_jsonl
 
 # -----------------------------------------------------------------------------
 # problems and loading
@@ -95,10 +97,7 @@ def _answer(row, field):
 def _rows(path):
     """(line or row number, record) pairs of a .jsonl or .parquet file."""
     if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ValueError("reading .parquet needs pyarrow: pip install pyarrow") from None
+        pq = need("pyarrow.parquet", "reading .parquet")
         return list(enumerate(pq.read_table(path).to_pylist(), 1))
     if not path.endswith(".jsonl"):
         raise ValueError(f"{path}: expected a .jsonl or .parquet file")
@@ -263,24 +262,18 @@ def dapo_row(problem):
     return {"data_source": "ngc-demo", "prompt": [{"role": "user", "content": prompt_text(problem)}],
             "ability": "MATH", "reward_model": {"style": "rule", "ground_truth": problem.answer}}
 
-def write_jsonl(path, rows):
-    """Write rows as JSONL through a temporary file, so a crash never leaves half a file."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    os.replace(path + ".tmp", path)
-
 def make_demo(out_dir, seed=0, n_train=2000, n_test=200):
     """Write out_dir/train.jsonl and out_dir/test.jsonl in DAPO's layout."""
     if n_train < 1 or n_test < 1:
         raise ValueError(f"the demo set needs at least one train and one test problem, got {n_train} and {n_test}")
-    os.makedirs(out_dir, exist_ok=True)
+    make_output_dir(out_dir)
     train, test = demo_splits(seed, n_train, n_test)
     for name, problems in (("train", train), ("test", test)):
         write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [dapo_row(p) for p in problems])
     return train, test
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Write the demonstration set of arithmetic word problems.")
+    ap = parser("Write the demonstration set of arithmetic word problems.")
     ap.add_argument("--make-demo", metavar="DIR", required=True, help="output folder for train.jsonl and test.jsonl")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=2000, help="training problems")
@@ -288,6 +281,6 @@ if __name__ == "__main__":
     args = ap.parse_args()
     try:
         train, test = make_demo(args.make_demo, args.seed, args.train, args.test)
-    except ValueError as e:
-        ap.error(str(e))  # one line, no traceback
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
     print(f"wrote {len(train)} train and {len(test)} test problems to {args.make_demo}")

@@ -18,17 +18,16 @@ A Rollout records everything replay needs: tokens, prompt lengths, which tokens 
 ordered kept blocks σ of every (round, layer), and the settings it was made with (δ, b, w, each
 row's ε, temperature, g).
 """
-import functools
 import math
-import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
+from compiled import captured_decode
 from gumbel import (MISSING, block_means, gumbel_topk, keep_count, kept_keys, log_block_logits, ordered_topk,
                     plackett_luce_log_prob)
 from model import KVCache, Qwen2
@@ -63,6 +62,17 @@ def check_eviction(delta, block, window, rate):
         raise ValueError(f"eviction cadence δ={delta} must be larger than the window w={window}")
     if delta < block:
         raise ValueError(f"eviction cadence δ={delta} must be at least the block size b={block}")
+
+
+def is_round_end(t, delta: int):
+    """Whether token index t (0-based, prompt included) is the last before a round: a round fires
+    once a sequence's cache has taken token kδ-1, k = 1, 2, ... (paper §4.1)."""
+    return (t + 1) % delta == 0
+
+
+def round_end(r, delta: int):
+    """The token index after which round r (0-based) fires: (r+1)δ - 1."""
+    return (r + 1) * delta - 1
 
 
 @dataclass
@@ -176,6 +186,7 @@ def sample_tokens(logits, s: Sampling, generator=None):
         total = cdf[:, -1:].contiguous()  # (B, 1)
         u = torch.rand(total.shape, generator=generator, device=total.device) * total
         tok = torch.searchsorted(cdf, torch.minimum(u, total.nextafter(torch.zeros_like(total))), right=True)[:, 0]
+        tok = tok.clamp(max=logits.shape[-1] - 1)  # NaN logits (a diverged model) must still give a token id
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
@@ -224,51 +235,12 @@ def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
     return model.logits(h[:, -1])
 
 
-MATH_ATTENTION_SLOTS = 128  # CPU: the most slots for which the compiled step uses SDPA's math form
-
-
-def decode_one_token_math(*args):
-    """decode_one_token with SDPA's math backend, whose matmuls and softmax inductor compiles
-    into the step. On the CPU at decode sizes the fused attention kernel costs 0.3-0.5 ms a call
-    however few slots it reads; the math form grows with the slots and is the cheaper one up to
-    about MATH_ATTENTION_SLOTS of them (measured on tiny/, batch 64, 2 cores)."""
-    with sdpa_kernel(SDPBackend.MATH):
-        return decode_one_token(*args)
-
-
-@functools.cache
-def compiled_decode(cuda: bool, math_attention: bool):
-    """decode_one_token through torch.compile, whole (fullgraph: a host sync would be an error);
-    on CUDA as one CUDA graph per shape ("reduce-overhead"), on the CPU with a C++ launcher and,
-    where math_attention, SDPA's math form (CUDA keeps SDPA's own choice)."""
-    if cuda:
-        return torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-    step = decode_one_token_math if math_attention else decode_one_token
-    return torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})  # kernels launched from C++, not Python
-
-
-CAPTURED = weakref.WeakKeyDictionary()  # model -> (shape, KVCache, QueryWindow) its compiled step last ran on
-
-
-def decode_state(model, batch: int, capacity: int, w: int, dtype, device, reuse: bool):
-    """A KVCache of `capacity` slots and a QueryWindow of w queries (None if w = 0). reuse=True
-    (compile) hands back the model's last ones when the shapes match, zeroed, so that CUDA graphs
-    captured on their addresses replay instead of being captured again."""
-    shape = (batch, capacity, w, dtype, str(device))
-    if reuse and model in CAPTURED and CAPTURED[model][0] == shape:
-        _, cache, window = CAPTURED[model]
-        for t in cache.buffers() + (window.buffers() if window else []):
-            t.zero_()
-        return cache, window
+def decode_state(model: Qwen2, batch: int, capacity: int, w: int, dtype, device, tight: bool):
+    """A KVCache of `capacity` slots per row and a QueryWindow of w queries (None if w = 0)."""
     cfg = model.config
-    cache = KVCache(cfg, batch, capacity, dtype, device, tight=not reuse)  # eager: attend to the filled slots only
-    L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
-    window = QueryWindow(L, batch, w, H, D, dtype, device) if w else None
-    if reuse:
-        for t in cache.buffers() + (window.buffers() if window else []):
-            torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
-        CAPTURED[model] = shape, cache, window
-    return cache, window
+    cache = KVCache(cfg, batch, capacity, dtype, device, tight)
+    window = QueryWindow(cfg.num_hidden_layers, batch, w, cfg.num_attention_heads, cfg.head_dim, dtype, device)
+    return cache, window if w else None
 
 
 @torch.no_grad()
@@ -301,10 +273,11 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         rates = torch.full((B,), eviction.rate, device=device) if rates is None else torch.as_tensor(rates, device=device)
         check_eviction(eviction.delta, eviction.block, eviction.window, rates)
         capacity = max(cache_bound(eviction.delta, eviction.block, r, most_fed) for r in set(rates.tolist()))
-    cache, window = decode_state(model, B, capacity, eviction.window if eviction else 0, dtype, device, compile)
-    decode = decode_one_token
-    if compile:
-        decode = compiled_decode(device.type == "cuda", capacity <= MATH_ATTENTION_SLOTS)
+    shape = (B, capacity, eviction.window if eviction else 0, dtype, device)
+    if compile:  # compiled.py: the same step, captured, on buffers kept for the next rollout
+        cache, window, decode = captured_decode(model, decode_one_token, partial(decode_state, model), shape)
+    else:  # eager: attention reads only the slots some row has filled (a tight cache)
+        cache, window, decode = *decode_state(model, *shape, tight=True), decode_one_token
     rows = torch.arange(B, device=device)
     fed = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row's cache has taken
     record = Recorder(B, L, device)
@@ -329,13 +302,13 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
         logits = feed(n)
         last_logits[n > 0] = logits[n > 0]
         if eviction:
-            eviction_round(cache, window, (n > 0) & (fed % chunk == 0), eviction, rates, generator, record)
+            eviction_round(cache, window, (n > 0) & is_round_end(fed - 1, chunk), eviction, rates, generator, record)
 
-    # Decode: the one loop over time. A row still going after step t has been fed lens[i] + t + 1
-    # tokens, so the steps after which it fires a round are known in advance: due[t % δ] (B,).
-    due = torch.zeros(chunk, B, dtype=torch.bool, device=device)
-    due[(-P - 1) % chunk, rows] = True
-    phases = {(-p - 1) % chunk for p in lens} if eviction else set()  # the same on the host: no sync
+    # Decode: the one loop over time. A row still going after step t has been fed its token
+    # lens[i] + t, so the steps after which it fires a round are known in advance: due[t % δ] (B,).
+    due = is_round_end(torch.tensor(lens) + torch.arange(chunk)[:, None], chunk)  # (δ, B), on the host
+    phases = set(due.any(1).nonzero().flatten().tolist()) if eviction else set()  # no sync in the loop
+    due = due.to(device)
     new = torch.zeros(B, M, dtype=torch.long, device=device)  # token t of each completion
     new_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
     active = torch.ones(B, dtype=torch.bool, device=device)
@@ -345,7 +318,7 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     for t in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
         tok, lp = sample_tokens(last_logits, sampling, generator)
         if meta is not None:  # the token at index kδ-1, the last before a round, is g (constrained decoding)
-            force = (P + n_new + 1) % eviction.delta == 0
+            force = is_round_end(P + n_new, eviction.delta)
             tok, lp = tok.masked_fill(force, meta), lp.masked_fill(force, 0.0)
         new[:, t], new_logprobs[:, t] = tok, lp
         n_new += active
@@ -369,7 +342,7 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     held = torch.cat([before.sum(2), cache.alive_counts().sum(1, keepdim=True)], 1)  # (B, R + 1)
     T = int(lengths.max())
     t = torch.arange(T, device=device)
-    forced = (t >= P[:, None]) & (t < lengths[:, None]) & ((t + 1) % chunk == 0) & (meta is not None)  # (B, T)
+    forced = (t >= P[:, None]) & (t < lengths[:, None]) & is_round_end(t, chunk) & (meta is not None)  # (B, T)
     return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, kept, n_rounds, evict_logprobs, before,
                    peak_kv=held.amax(1), kv_slots=cache.slots(), eos=hit_eos, sampling=sampling,
                    eviction=eviction, rates=rates if eviction else None)

@@ -14,7 +14,7 @@ queries and keys, so L_mem's gradient reaches every q_proj and k_proj.
 import torch
 
 from gumbel import kept_keys, log_block_logits, plackett_luce_log_prob
-from ngc import Eviction, Rollout, attention_scores
+from ngc import Eviction, Rollout, attention_scores, round_end
 
 NEVER = torch.iinfo(torch.long).max
 
@@ -23,17 +23,23 @@ def death_times(kept, n_rounds, T: int, delta: int, block: int):
     """(B, L, T): the first token index that no longer sees key s at layer l (NEVER if none).
 
     kept (B, R, L, Kmax) ordered kept blocks, -1 padded; round r fires after token (r+1)δ-1
-    and cuts the alive keys (those not yet dead) into blocks of `block` in position order."""
+    and cuts the alive keys (those not yet dead) into blocks of `block` in position order, so
+    the keys it evicts die at (r+1)δ (see evicted_by)."""
     B, R, L, _ = kept.shape
     s = torch.arange(T, device=kept.device)
     death = torch.full((B, L, T), NEVER, dtype=torch.long, device=kept.device)
     for r in range(R):  # rounds are sequential: round r cuts what survived round r-1
-        end = (r + 1) * delta - 1
+        end = round_end(r, delta)
         alive = (s <= end) & (death == NEVER)  # (B, L, T)
         keep = kept_keys(alive.flatten(0, 1), kept[:, r].flatten(0, 1), block).view(B, L, T)
         fired = (r < n_rounds)[:, None, None]
         death = torch.where(fired & alive & ~keep, end + 1, death)
     return death
+
+
+def evicted_by(death, delta: int):
+    """The 0-based round that evicted each key, from its death time (-1 where none did)."""
+    return torch.where(death == NEVER, -1, death // delta - 1)
 
 
 def visibility(death):
@@ -49,7 +55,7 @@ def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     and visibility mask (B, T, T); kept (B, R, Kmax). The same calls as ngc.eviction_round."""
     B, R = kept.shape[:2]
     w = ev.window
-    ends = (torch.arange(R, device=q.device) + 1) * ev.delta - 1  # the token after which round r fires
+    ends = round_end(torch.arange(R, device=q.device), ev.delta)  # the token after which round r fires
     rows = (ends[:, None] - w + 1 + torch.arange(w, device=q.device)).flatten()  # its w scoring queries
     probs = attention_scores(q[:, :, rows], k, mask[:, rows])  # (B, R*w, T)
     psi = probs.view(B, R, w, -1).mean(2)  # (B, R, T)
@@ -59,26 +65,13 @@ def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     return torch.where(torch.arange(R, device=q.device) < n_rounds[:, None], logp, 0.0)
 
 
-def check_settings(ro: Rollout, ev: Eviction | None, temperature: float | None):
-    """Refuse, in one line, a δ, b, w or temperature that differs from the rollout's own."""
-    if ev is not None and ro.eviction is None:
-        raise ValueError("replay: ev was given, but the rollout was made without eviction")
-    given = [] if ev is None else [(f, getattr(ev, a), getattr(ro.eviction, a))
-                                   for f, a in (("δ", "delta"), ("b", "block"), ("w", "window"))]
-    given += [] if temperature is None else [("temperature", temperature, ro.sampling.temperature)]
-    for name, value, made in given:
-        if value != made:
-            raise ValueError(f"replay: {name}={value} differs from the rollout's {name}={made}")
-
-
-def replay(model, ro: Rollout, ev: Eviction | None = None, temperature: float | None = None, causal: bool = False):
+def replay(model, ro: Rollout, causal: bool = False):
     """Token log-probs (B, T) and eviction log-probs (B, R, L) of rollouts ro, on the graph.
     Prompt tokens and forced meta-tokens get token log-prob 0.
 
-    δ, b, w and the temperature are the rollout's own; ev and temperature, if given, are only
-    checked against them. causal=True (or a rollout without eviction) uses the plain causal mask
-    and computes no eviction log-probs: the "targeted dropout" ablation for an evicting rollout."""
-    check_settings(ro, ev, temperature)
+    δ, b, w and the temperature are those the rollout recorded. causal=True (or a rollout without
+    eviction) uses the plain causal mask and computes no eviction log-probs: the "targeted
+    dropout" ablation for an evicting rollout."""
     made = ro.eviction  # δ, b, w as the rollout was made
     B, T = ro.tokens.shape
     pos = torch.arange(T, device=ro.tokens.device).expand(B, T)

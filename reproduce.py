@@ -37,7 +37,6 @@ their evaluations during training, beside the default run's, as section 5 and re
     lr1e-4               a learning rate 3.3x larger         train.py --lr 1e-4
     p8g16                8 prompts x 16 rollouts, not 16 x 8 train.py --prompts 8 --group 16
 """
-import argparse
 import json
 import os
 import statistics
@@ -45,9 +44,11 @@ import subprocess
 import sys
 import time
 
-import eval as ev
+import eval as evaluation
+import rundir
 import show
-import train
+from cli import have, make_output_dir, parser, pyplot
+from files import save_figure, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
@@ -111,7 +112,7 @@ def eval_study(out, study, run, policies, rates, seed, problems=None):
     argv = ["--model", os.path.join(out, "runs", name, "checkpoint"), "--policy", *policies,
             "--eviction-rate", *map(str, rates), "--out", path] + (["--problems", str(problems)] if problems else [])
     print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {name} {' '.join(policies)} at ε {rates}", flush=True)
-    ev.main(argv)
+    evaluation.main(argv)
     with open(path) as f:
         return [dict(json.loads(line), run=run, seed=seed) for line in f]
 
@@ -127,7 +128,7 @@ def over_seeds(rows):
     for (run, policy, rate), rs in groups.items():
         acc = [r["accuracy"] for r in rs]
         mean = {k: statistics.fmean(r[k] for r in rs) for k in ("accuracy", "length", "rounds", "kv_reduction")}
-        se = statistics.fmean(ev.error_bar(r) for r in rs)  # each row one evaluation: its binomial SE
+        se = statistics.fmean(evaluation.error_bar(r) for r in rs)  # each row one evaluation: its binomial SE
         out.append(dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"],
                         samples=rs[0]["samples"], seeds=len(rs), **mean,
                         accuracy_sd=statistics.stdev(acc) if len(acc) > 1 else 0.0, accuracy_se=se))
@@ -147,7 +148,7 @@ def limit_rows(out):
         run_dir = os.path.join(out, limit_dir(name))
         with open(os.path.join(run_dir, "checkpoint", "ngc.json")) as f:
             problems = json.load(f)["eval_problems"]
-        evals = [s for s in train.read_log(os.path.join(run_dir, "log.jsonl")) if "eval" in s]
+        evals = [s for s in rundir.read_log(os.path.join(run_dir, "log.jsonl")) if "eval" in s]
         rows += [dict(recipe=name, flags=" ".join(flags), step=s["step"], problems=problems, samples=1,
                       accuracy=s["eval"]["acc"], accuracy_full=s["eval"]["acc_full"],
                       kv_reduction=s["eval"]["kv_reduction"]) for s in evals]
@@ -159,20 +160,13 @@ def limit_markdown(rows) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['recipe']} | `{r['flags']}` | {r['step']} | {r['accuracy_full']:.1%} | "
-                     f"{r['accuracy']:.1%} | {100 * ev.error_bar(r):.1f} | {r['kv_reduction']:.2f}x |")
+                     f"{r['accuracy']:.1%} | {100 * evaluation.error_bar(r):.1f} | {r['kv_reduction']:.2f}x |")
     return "\n".join(lines)
-
-
-def have_matplotlib() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("matplotlib") is not None
 
 
 def curves(out, names, seeds, path):
     """Reward and grad-norm curves per step of the given runs, means over seeds (Figure 5)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("plots")
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for name in names:
         logs = []
@@ -192,26 +186,24 @@ def curves(out, names, seeds, path):
         ax.set_xlabel("step")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path + ".tmp", dpi=120, format="png")
-    os.replace(path + ".tmp", path)
+    save_figure(fig, path, dpi=120)
+    plt.close(fig)
 
 
 def accuracy_vs_rate(curves_by_label, path):
     """Accuracy against ε, one line per label (Figure 6); error bars as in eval.error_bar."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("plots")
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for label, rows in curves_by_label.items():
-        pts = sorted((r["eviction_rate"], r["accuracy"], ev.error_bar(r)) for r in rows)
+        pts = sorted((r["eviction_rate"], r["accuracy"], evaluation.error_bar(r)) for r in rows)
         ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=label)
     ax.set_xlabel("eviction rate ε")
     ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title(ev.error_bar_note(next(iter(curves_by_label.values()))), fontsize=9)
+    ax.set_title(evaluation.error_bar_note(next(iter(curves_by_label.values()))), fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path + ".tmp", dpi=120, format="png")
-    os.replace(path + ".tmp", path)
+    save_figure(fig, path, dpi=120)
+    plt.close(fig)
 
 
 def smooth(xs, n=5):
@@ -231,7 +223,7 @@ def markdown(rows) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--out", default="results", help="directory for runs/, *.jsonl, *.png and summary.md")
     p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
@@ -243,6 +235,10 @@ def main():
     args = p.parse_args()
     if min(args.jobs, args.seeds, args.problems or 1) < 1:
         sys.exit("error: --jobs, --seeds and --problems must be at least 1")
+    try:
+        make_output_dir(args.out)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     t0 = time.time()
     runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
             for k in range(args.seeds) for name in RUNS}
@@ -256,9 +252,9 @@ def main():
                            for r in eval_study(args.out, name, run, policies, rates, k, args.problems)])
         sections.append(f"## {title}\n\n{markdown(rows)}\n")
         path = os.path.join(args.out, name)
-        ev.write_jsonl(rows, path + ".jsonl")
-        if have_matplotlib():
-            ev.plot(rows, path + ".png")
+        write_jsonl(path + ".jsonl", rows)
+        if have("matplotlib"):
+            evaluation.plot(rows, path + ".png")
         return rows
 
     full = study("baselines", "1. NGC vs the heuristics at ε = 0.5 (heuristics on the no-evict model)", "no-evict",
@@ -267,35 +263,33 @@ def main():
     sweep = study("sweep", "2. Stricter ε than training saw: NGC", "ngc", ["ngc"], SWEEP)
     heuristics = study("sweep-heuristics", "2. Stricter ε: the heuristics on the no-evict model", "no-evict",
                        HEURISTICS, SWEEP)
-    if have_matplotlib():  # Figure 3 (right): trained NGC against the heuristics, full cache as the line
-        ev.plot(full + sweep + heuristics, os.path.join(args.out, "ngc-vs-heuristics.png"))
+    if have("matplotlib"):  # Figure 3 (right): trained NGC against the heuristics, full cache as the line
+        evaluation.plot(full + sweep + heuristics, os.path.join(args.out, "ngc-vs-heuristics.png"))
     for run in ["token-only", "targeted-dropout"]:
         study(f"ablation-{run}", f"3. Ablation: {run}", run, ["none", "ngc"], [0.5])
-    if have_matplotlib():
+    if have("matplotlib"):
         curves(args.out, ["ngc", "token-only", "targeted-dropout"], args.seeds, os.path.join(args.out, "ablations.png"))
     plain = study("interoception-ngc", "4. Plain NGC at the interoception rates", "ngc", ["ngc"], INTERO_SWEEP)
     intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"], INTERO_SWEEP)
     blind = study("interoception-blind", "4. Its control: the same per-group ε, the tag without the rate",
                   "interoception-blind", ["ngc"], INTERO_SWEEP)
-    if have_matplotlib():
+    if have("matplotlib"):
         accuracy_vs_rate({"NGC": plain, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
                          os.path.join(args.out, "interoception-vs-ngc.png"))
     if args.limit:
         rows = limit_rows(args.out)
         sections.append(f"## 5. How far can NGC go? The limit study (seed 0, evaluations during training)\n\n"
                         f"{limit_markdown(rows)}\n")
-        ev.write_jsonl(rows, os.path.join(args.out, "limit.jsonl"))
+        write_jsonl(os.path.join(args.out, "limit.jsonl"), rows)
     print(f"[{time.strftime('%H:%M:%S')}] show: what ngc forgets", flush=True)
     forgets = os.path.join(args.out, "forgets")
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"), "--before", args.model,
-               "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have_matplotlib() else []))
+               "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have("matplotlib") else []))
     summary = os.path.join(args.out, "summary.md")
     seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
-    with open(summary + ".tmp", "w") as f:
-        f.write(f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}SE: the binomial standard error "
-                f"of one evaluation, in points)\n\n" + "\n".join(sections)
-                + f"\n![what ngc forgets](forgets.png)\n\nTotal wall time {(time.time() - t0) / 60:.1f} min.\n")
-    os.replace(summary + ".tmp", summary)
+    write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}SE: the binomial standard "
+               f"error of one evaluation, in points)\n\n" + "\n".join(sections)
+               + f"\n![what ngc forgets](forgets.png)\n\nTotal wall time {(time.time() - t0) / 60:.1f} min.\n")
     print(f"wrote {summary}")
 
 

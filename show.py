@@ -3,7 +3,7 @@
     python show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] [--eviction-rate 0.5] \\
         --out forgets.html [--png forgets.png]
 
-The first N held-out problems of the run (`train.run_defaults`: the problems and prompts eval.py
+The first N held-out problems of the run (`tasks.run_defaults`: the problems and prompts eval.py
 uses; a run trained with --interoception gets its rate tag, one trained with --meta-token its
 forced g) are completed by the untrained model (--before, default the repository's tiny/) and by
 the trained checkpoint (--model), both greedily and under NGC's evaluation policy: greedy top-K
@@ -15,26 +15,25 @@ token in reading order (prompt, then completion), coloured by the fate of that t
 layer: not evicted (still in the cache when the rollout ended), or evicted at round k, a colour
 per round (the paper's Figure 2, top, for every layer). Round k (k = 1, 2, ...) fires once the
 sequence holds kδ tokens, so the keys it evicts are first missing for token kδ (0-based):
-k = death // δ, with death from replay.death_times. --png draws the same grids with matplotlib.
+k = death // δ (replay.evicted_by). --png draws the same grids with matplotlib.
 One line per problem and model is printed: the verdict, the completion's length, and the
 fractions of prompt and of completion keys still in the cache at the end, averaged over layers.
 """
-import argparse
 import html
-import importlib.util
 import os
 import sys
 from types import SimpleNamespace
 
 import torch
 
-from eval import check_output, held_out
-from model import CheckpointError, add_meta_token, from_pretrained, load_config, load_tokenizer
+from checkpoint import CheckpointError, add_meta_token, from_pretrained, load_config, load_tokenizer
+from cli import check_output_file, need, parser, pyplot
+from files import save_figure, write_text
 from ngc import Eviction, Sampling, rollout
-from replay import NEVER, death_times
-from train import TASK_REWARD, prompt_encoder, run_defaults
+from replay import death_times, evicted_by
+from tasks import TASK_REWARD, held_out, prompt_encoder, run_defaults
 
-TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
 ALIVE_COLOUR = "#d9d9d9"
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)
@@ -50,7 +49,7 @@ def fates(ro, row: int, tokenizer):
     if one.eviction is None:  # the full cache: nothing is ever evicted
         return texts, torch.full((L, T), ALIVE)
     death = death_times(one.kept, one.n_rounds, T, one.eviction.delta, one.eviction.block)[0]  # (L, T)
-    return texts, torch.where(death == NEVER, ALIVE, death // one.eviction.delta - 1)
+    return texts, evicted_by(death, one.eviction.delta)  # ALIVE (-1) where no round evicted the key
 
 
 def round_colour(r: int, n: int) -> str:
@@ -70,13 +69,13 @@ def summary(run) -> str:
             f"completion {alive[:, P:].mean():.0%}")
 
 
-def solve_and_trace(path: str, c, problems, ev: Eviction, device):
+def trace_rollouts(path: str, c, problems, ev: Eviction, device):
     """The greedy rollouts of `problems` by the model at `path` under ev: per problem its verdict,
     token texts, prompt length and death rounds (L, T)."""
     model = from_pretrained(path, dtype=torch.float32, device=device).eval()
     tokenizer = load_tokenizer(path)
     meta = add_meta_token(model, tokenizer) if c.meta_token else None  # as eval.py: g is forced before each round
-    encode = prompt_encoder(c, ev.rate if c.interoception else None)
+    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
     ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev, eos_ids=model.config.eos_ids)
     completions = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
@@ -150,9 +149,7 @@ def render_html(problems, runs: dict, info: dict) -> str:
 
 def render_png(problems, runs: dict, path: str):
     """The same grids as the page, without the token texts: one row of panels per problem."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("--png")
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
     n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)
@@ -174,17 +171,15 @@ def render_png(problems, runs: dict, path: str):
                                                                    for r in range(n)]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 12), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
-    fig.savefig(path + ".tmp", dpi=150, format="png")
+    save_figure(fig, path, dpi=150)
     plt.close(fig)
-    os.replace(path + ".tmp", path)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage dump
+    p = parser(__doc__)
     p.add_argument("--model", required=True, help="the trained checkpoint directory (a run's checkpoint/); its "
                    "ngc.json gives the task, problems, δ, b, w and prompts")
-    p.add_argument("--before", default=TINY, help="the untrained model to compare with (default: tiny/)")
+    p.add_argument("--before", default=TINY_DIR, help="the untrained model to compare with (default: tiny/)")
     p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
     p.add_argument("--eviction-rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round")
     p.add_argument("--out", required=True, help="the HTML page to write")
@@ -195,16 +190,16 @@ def main(argv=None):
         if args.problems < 1:
             raise ValueError(f"--problems {args.problems} must be at least 1")
         for path in filter(None, [args.out, args.png]):
-            check_output(path)
-        if args.png and importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--png needs matplotlib: pip install matplotlib")
+            check_output_file(path)
+        if args.png:
+            need("matplotlib", "--png")
         for path in (args.before, args.model):
             load_config(path)  # a missing or foreign checkpoint fails here, before anything is loaded
         d = run_defaults(args.model)
         ev = Eviction(d["delta"], d["block"], d["window"], args.eviction_rate, greedy=True)  # bad ε: one line
         c, problems = SimpleNamespace(**d), held_out(d, args.problems)
-        runs = {"untrained": solve_and_trace(args.before, c, problems, ev, args.device),
-                "trained": solve_and_trace(args.model, c, problems, ev, args.device)}
+        runs = {"untrained": trace_rollouts(args.before, c, problems, ev, args.device),
+                "trained": trace_rollouts(args.model, c, problems, ev, args.device)}
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     for i in range(len(problems)):
@@ -212,13 +207,14 @@ def main(argv=None):
             print(f"problem {i + 1} {name:>9}: {'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
     info = {"eviction": ev, "task": d["task"], "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": args.before, "trained": args.model}}
-    with open(args.out + ".tmp", "w", encoding="utf-8") as f:
-        f.write(render_html(problems, runs, info))
-    os.replace(args.out + ".tmp", args.out)
-    print(f"wrote {args.out}")
-    if args.png:
-        render_png(problems, runs, args.png)
-        print(f"wrote {args.png}")
+    try:
+        write_text(args.out, render_html(problems, runs, info))
+        print(f"wrote {args.out}")
+        if args.png:
+            render_png(problems, runs, args.png)
+            print(f"wrote {args.png}")
+    except OSError as e:
+        sys.exit(f"error: could not write {e.filename} ({e.strerror})")
 
 
 if __name__ == "__main__":

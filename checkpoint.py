@@ -1,0 +1,209 @@
+"""Checkpoints in the Hugging Face layout: config.json, (sharded) *.safetensors and tokenizer.json.
+
+Read and written without transformers, checking every tensor's name and shape on the way in, so
+that R1's own directory and the tiny models load through the same code. Also the meta-token's
+surgery on a checkpoint (paper, Appendix "Compression via Meta-Tokens").
+"""
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from files import write_atomic, write_json
+from model import Qwen2, Qwen2Config
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message says why and what to do."""
+
+
+def config_from_dict(d: dict) -> Qwen2Config:
+    """A config.json's contents as a Qwen2Config, refusing what this Qwen2 does not implement."""
+    if d.get("model_type", "qwen2") != "qwen2":
+        raise CheckpointError(f"model_type is {d['model_type']!r}; this code implements qwen2 only")
+    if d.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
+    if d.get("rope_scaling"):
+        raise CheckpointError(f"rope_scaling {d['rope_scaling']} is not supported; remove it from config.json")
+    rope = d.get("rope_parameters") or {}  # newer config.json files keep rope_theta here
+    if rope.get("rope_type", "default") != "default":
+        raise CheckpointError(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
+    if d.get("use_sliding_window", False):
+        raise CheckpointError("use_sliding_window is true; sliding-window attention is not supported")
+    known = {f.name for f in fields(Qwen2Config)}
+    cfg = Qwen2Config(**{k: v for k, v in d.items() if k in known})
+    if "rope_theta" in rope:
+        cfg.rope_theta = rope["rope_theta"]
+    if d.get("head_dim", cfg.head_dim) != cfg.head_dim:
+        raise CheckpointError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads; not supported")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+    return cfg
+
+
+def config_to_dict(cfg: Qwen2Config) -> dict:
+    d = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+            "use_sliding_window": False, "rope_scaling": None, **d}
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")  # no default for these: a missing one would silently be R1-1.5B's
+
+
+def load_config(path: str) -> Qwen2Config:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
+    try:
+        with open(cfg_path) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})")
+    missing = [k for k in REQUIRED if not isinstance(d, dict) or k not in d]
+    if missing:
+        raise CheckpointError(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")
+    return config_from_dict(d)
+
+
+def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
+    """Load config.json and (sharded) safetensors weights, checking every name and shape."""
+    cfg = load_config(path)
+    with torch.device("meta"):
+        model = Qwen2(cfg)
+    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
+    skippable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    state = {}
+    for file in _weight_files(path):
+        if not os.path.exists(file):
+            raise CheckpointError(f"missing weight shard {file}")
+        try:
+            f = safe_open(file, framework="pt", device=str(device))
+        except Exception as e:  # empty, truncated or not safetensors at all
+            raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it")
+        with f:
+            for name in f.keys():
+                if name in skippable or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"unexpected tensor {name!r} in {file}: not a Qwen2 weight")
+                t = f.get_tensor(name)
+                if t.shape != expected[name]:
+                    raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                          f"config.json implies {tuple(expected[name])}")
+                state[name] = t.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]!r}"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    model.load_state_dict(state, assign=True, strict=False)  # names and shapes checked above
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device)
+
+
+def save_pretrained(model: Qwen2, path: str, state: dict | None = None):
+    """Write config.json and model.safetensors (model's weights, or the given state dict) into
+    path, each file via a temporary name."""
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in (state or model.state_dict()).items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    config = {**config_to_dict(model.config), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
+    write_json(os.path.join(path, "config.json"), config, indent=2)
+    write_atomic(os.path.join(path, "model.safetensors"), lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+
+
+def load_tokenizer(path: str):
+    from tokenizers import Tokenizer
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"no tokenizer.json in {path!r}: copy it from the model's Hugging Face repository")
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:
+        raise CheckpointError(f"{file} is not a readable tokenizer ({str(e).splitlines()[0][:200]})")
+
+
+def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = None):
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json into path, so that
+    Hugging Face's AutoTokenizer and generate() need no guessing. The source checkpoint's two
+    config files (chat template and all) are carried over; what they lack is filled in from
+    cfg's special-token ids."""
+    def source_json(name):
+        file = os.path.join(source, name) if source else ""
+        return json.loads(Path(file).read_text()) if os.path.isfile(file) else {}
+
+    write_atomic(os.path.join(path, "tokenizer.json"), tokenizer.save)
+    tok_cfg = source_json("tokenizer_config.json")
+    tok_cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    specials = {"bos_token": cfg.bos_token_id, "eos_token": (cfg.eos_ids or [None])[0]}
+    for name, token_id in specials.items():
+        if tok_cfg.get(name) is None and token_id is not None:
+            tok_cfg[name] = tokenizer.id_to_token(token_id)
+    if tok_cfg.get("pad_token") is None:  # padded batches need one; <pad> if the vocab has it, else EOS
+        tok_cfg["pad_token"] = "<pad>" if tokenizer.token_to_id("<pad>") is not None else tok_cfg.get("eos_token")
+    if tok_cfg.get("unk_token") is None:  # written even when null, or transformers invents one
+        tok_cfg["unk_token"] = "<unk>" if tokenizer.token_to_id("<unk>") is not None else None
+    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, **source_json("generation_config.json")}
+    for name, content in (("tokenizer_config.json", tok_cfg), ("generation_config.json", gen_cfg)):
+        write_json(os.path.join(path, name), content, indent=2)
+
+
+META_TOKEN = "<|meta|>"
+
+
+@torch.no_grad()
+def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = META_TOKEN) -> int:
+    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added to the
+    tokenizer as a special token and to the model when the checkpoint lacks it; its embedding row
+    (and an untied LM head's row) is the mean of the rows of `text`'s tokens. A checkpoint that
+    has g already (one saved by a run that used it) is left as it is: g's row may be trained.
+
+    Grows embed_tokens and lm_head (and config.vocab_size) only when g's id has no row; R1's
+    checkpoints have spare rows past the tokenizer's vocabulary, so there g just takes one. Call
+    it before making the optimizer. save_pretrained and save_tokenizer then carry g."""
+    from tokenizers import AddedToken
+    g = tokenizer.token_to_id(token)
+    if g is not None and g < model.config.vocab_size:
+        return g
+    if g is None:
+        tokenizer.add_special_tokens([AddedToken(token, special=True)])
+        g = tokenizer.token_to_id(token)
+    embed = model.model.embed_tokens
+    unk = getattr(tokenizer.model, "unk_token", None)  # a word-level tokenizer maps unknown words to it
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    ids = [i for i in tokenizer.encode(text, add_special_tokens=False).ids if i != unk_id and i < embed.num_embeddings]
+    if not ids:
+        print(f"note: the tokenizer has no tokens for {text!r}; {token}'s embedding is the mean of all rows")
+        ids = list(range(embed.num_embeddings))
+    if g >= model.config.vocab_size:  # rows up to g: g's is set below (any between stay zero)
+        grow = g + 1 - model.config.vocab_size
+        embed.weight = nn.Parameter(torch.cat([embed.weight, embed.weight.new_zeros(grow, embed.embedding_dim)]))
+        embed.num_embeddings = model.config.vocab_size = g + 1
+        if model.config.tie_word_embeddings:
+            model.lm_head.weight = embed.weight
+        else:
+            head = model.lm_head.weight
+            model.lm_head.weight = nn.Parameter(torch.cat([head, head.new_zeros(grow, head.shape[1])]))
+        model.lm_head.out_features = g + 1
+    embed.weight[g] = embed.weight[ids].mean(0)
+    if not model.config.tie_word_embeddings:
+        model.lm_head.weight[g] = model.lm_head.weight[ids].mean(0)
+    return g

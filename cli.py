@@ -1,0 +1,56 @@
+"""What every script's command line shares: errors in one line, optional extras, output paths."""
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An ArgumentParser whose errors are one line (no usage dump), with `doc` as its --help text."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(f"error: {message}")
+    return p
+
+
+def have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def need(module: str, what: str, package: str | None = None):
+    """Import an optional extra (matplotlib, pyarrow), or raise a one-line ValueError saying
+    what needs it and how to install it."""
+    package = package or module.split(".")[0]
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{what} needs {package}: pip install {package}") from None
+
+
+def pyplot(what: str):
+    """matplotlib.pyplot drawing to files (the Agg backend), or need()'s one-line error."""
+    need("matplotlib", what).use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def check_output_file(path: str):
+    """A one-line ValueError unless `path` can be written: a file name in a writable directory."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; give a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path}: its directory does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"cannot write {path}: permission denied")
+
+
+def make_output_dir(path: str):
+    """Create directory `path` (and its parents), or a one-line ValueError saying why not."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} is a file; give a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the directory {path} ({e.strerror})")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write into {path}: permission denied")

@@ -1,0 +1,60 @@
+"""The decode step, captured whole by torch.compile (rollout(..., compile=True)).
+
+ngc.decode_one_token has fixed shapes and no host syncs, so torch.compile takes it as one graph:
+on CUDA one CUDA graph per shape ("reduce-overhead"); on the CPU inductor's kernels launched
+from C++. A captured graph reads and writes the KV cache and query window at fixed addresses,
+so a model's buffers are kept and handed back, zeroed, to its next rollout of the same shape.
+The results are the eager rollout's up to float rounding (a test compares them).
+"""
+import functools
+import weakref
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# CPU: the most cache slots for which the step uses SDPA's math backend. At decode sizes the
+# fused CPU attention kernel costs 0.3-0.5 ms a call however few slots it reads; the math form,
+# which inductor fuses into the step, grows with the slots and is the cheaper one up to about
+# this many (measured on tiny/, batch 64, 2 cores). CUDA keeps SDPA's own choice.
+SDPA_MATH_MAX_SLOTS = 128
+
+
+@functools.cache
+def compiled_step(step, cuda: bool, sdpa_math: bool):
+    """`step` through torch.compile, whole (fullgraph: a host sync would be an error)."""
+    if cuda:
+        return torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    if sdpa_math:
+        eager = step
+
+        def step(*args):
+            with sdpa_kernel(SDPBackend.MATH):
+                return eager(*args)
+    return torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})  # kernels launched from C++
+
+
+CAPTURED = weakref.WeakKeyDictionary()  # model -> (shape, buffers) its compiled step last ran on
+
+
+def captured_decode(model, step, new_state, shape: tuple):
+    """(cache, window, compiled step) for a rollout of `shape` = (batch, capacity, w, dtype, device):
+    new_state(*shape, tight=False) makes the cache and window (the window None if w = 0); the
+    model's last ones are handed back instead, zeroed, when the shape matches, so that CUDA graphs
+    captured on their addresses replay instead of being captured again."""
+    batch, capacity, w, dtype, device = shape
+    key = (batch, capacity, w, dtype, str(device))
+    if model in CAPTURED and CAPTURED[model][0] == key:
+        cache, window = CAPTURED[model][1]
+        for t in buffers(cache, window):
+            t.zero_()
+    else:
+        cache, window = new_state(*shape, tight=False)  # a captured step reads all S slots
+        for t in buffers(cache, window):
+            torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
+        CAPTURED[model] = key, (cache, window)
+    cuda = torch.device(device).type == "cuda"
+    return cache, window, compiled_step(step, cuda, not cuda and capacity <= SDPA_MATH_MAX_SLOTS)
+
+
+def buffers(cache, window):
+    return cache.buffers() + (window.buffers() if window is not None else [])

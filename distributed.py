@@ -1,0 +1,153 @@
+"""Several processes under torchrun: data parallel, or FSDP2 with --fsdp.
+
+Each process rolls out its share of a step's prompts (whole groups) and replays them; the
+gradients are then averaged across processes, so one step equals the single-process step over
+all the rollouts. Held-out evaluation splits the problems across processes the same way. With
+one process every function here is a no-op.
+"""
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def launched() -> bool:
+    """Whether torchrun started this process (one process per device)."""
+    return "RANK" in os.environ
+
+
+def local_device(name: str) -> str:
+    """Under torchrun, a bare "cuda" is this process's own GPU, cuda:LOCAL_RANK."""
+    if name == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return name
+
+
+def pick_device(name: str | None) -> str:
+    """--device checked (default: cuda when present), or a one-line ValueError."""
+    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device {name}: " + ("no CUDA GPU is visible here; use --device cpu"
+                                                 if device.type == "cuda" else "use cpu, cuda or cuda:N"))
+    return local_device(name)
+
+
+def start(device: torch.device):
+    """Join the process group (NCCL on GPUs, Gloo on the CPU). Call after every argument check."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def stop():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def comm_device():
+    """Where collectives run: NCCL needs the tensors on the GPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def average_gradients(params, grads=None):
+    """Average the gradients (p.grad, or the given tensors) over the processes, in place. When no
+    process has any (no learning signal anywhere), they stay None, as in a single process."""
+    world = rank_and_world()[1]
+    grads = grads or [p.grad for p in params]
+    if world == 1 or isinstance(params[0], DTensor):  # one process, or FSDP averaged them already
+        return
+    if mean_over_processes({"any": any(g is not None for g in grads)})["any"] == 0:
+        return
+    for p, g in zip(params, grads):
+        if g is None:  # this process had no learning signal: it adds zeros
+            g = p.grad = torch.zeros_like(p)
+        dist.all_reduce(g)
+        g.div_(world)
+
+
+def max_over_processes(n: int) -> int:
+    if rank_and_world()[1] == 1:
+        return n
+    t = torch.tensor([n], device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def mean_over_processes(values: dict) -> dict:
+    """Each value averaged over the processes (every process holds the same number of rollouts)."""
+    world = rank_and_world()[1]
+    t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+    if world > 1:
+        t = t.to(comm_device())
+        dist.all_reduce(t)
+    return dict(zip(values, (t / world).tolist()))
+
+
+def gather_in_order(mine: list, n: int) -> list:
+    """The results of n jobs dealt out round-robin (process r took jobs r, r + world, ...), each
+    process holding its own: every process gets all of them, back in job order."""
+    world = rank_and_world()[1]
+    if world == 1:
+        return mine
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    return [parts[i % world][i // world] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP2 (--fsdp): the model, its gradients and the optimizer state sharded across processes
+
+
+def shard(model):
+    """Every decoder layer, and the rest of the model, sharded across the processes. Gradients
+    are then averaged by FSDP's reduce-scatter."""
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def is_sharded(model) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def whole_model(model):
+    """Rollouts under FSDP: gather every layer once and keep it through the decode loop (whose
+    number of forwards differs from process to process), then shard again."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for u in units:
+        u.unshard()
+        u.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for u in units:  # back to FSDP's defaults: the root stays gathered after its forward
+            u.reshard()
+            u.set_reshard_after_forward(u is not model, recurse=False)
+
+
+def full_state(model, opt):
+    """The whole model's and optimizer's state dicts (under FSDP every process must call this)."""
+    if not is_sharded(model):
+        return model.state_dict(), opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, opt, options=options)
+
+
+def load_optimizer_state(model, opt, state):
+    if not is_sharded(model):
+        return opt.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
