@@ -118,6 +118,15 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     return model.to(device)
 
 
+def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32):
+    """The model and tokenizer of checkpoint directory `path`; meta_token: with the meta-token g
+    (added if the checkpoint lacks it, see add_meta_token)."""
+    model, tokenizer = from_pretrained(path, dtype=dtype, device=device), load_tokenizer(path)
+    if meta_token:
+        add_meta_token(model, tokenizer)
+    return model, tokenizer
+
+
 def save_pretrained(model: Qwen2, path: str, state: dict | None = None):
     """Write config.json and model.safetensors (model's weights, or the given state dict) into
     path, each file via a temporary name."""

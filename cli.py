@@ -39,7 +39,8 @@ def check_output_file(path: str):
         raise ValueError(f"{path} is a directory; give a file path")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"cannot write {path}: its directory does not exist")
+        raise ValueError(f"cannot write {path}: " + (f"{folder} is not a directory" if os.path.exists(folder)
+                                                     else "its directory does not exist"))
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"cannot write {path}: permission denied")
 

@@ -40,7 +40,10 @@ def pick_device(name: str | None) -> str:
 
 
 def start(device: torch.device):
-    """Join the process group (NCCL on GPUs, Gloo on the CPU). Call after every argument check."""
+    """Under torchrun, join the process group (NCCL on GPUs, Gloo on the CPU); else nothing.
+    Call it after every argument check, so that no process fails alone after the rendezvous."""
+    if not launched():
+        return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 import baselines
 import countdown
 import distributed
-from checkpoint import META_TOKEN, CheckpointError, add_meta_token, from_pretrained, load_tokenizer
+from checkpoint import META_TOKEN, CheckpointError, load
 from cli import check_output_file, need, parser, pyplot
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
@@ -234,15 +234,11 @@ def main(argv=None):
             Eviction(d["delta"], d["block"], d["window"], rate)  # one-line errors for bad ε, δ, b, w
         problems = held_out(d, args.problems)
         args.device = distributed.local_device(args.device)  # torchrun: one GPU per process
-        model = from_pretrained(args.model, dtype=torch.float32, device=args.device).eval()
-        tokenizer = load_tokenizer(args.model)
-        if d["meta_token"]:  # a run trained with --meta-token saved g; this only adds it to one that lacks it
-            add_meta_token(model, tokenizer)
+        model, tokenizer = load(args.model, args.device, d["meta_token"])  # a --meta-token run saved g
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     device = torch.device(args.device)
-    if distributed.launched():  # torchrun: the problems are split across the processes
-        distributed.start(device)
+    distributed.start(device)  # under torchrun the problems are split across the processes
     bf16 = (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, d, problems, list(dict.fromkeys(args.policy)),

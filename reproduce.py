@@ -222,7 +222,7 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--out", default="results", help="directory for runs/, *.jsonl, *.png and summary.md")
     p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
@@ -232,7 +232,7 @@ def main():
     p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
     p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
                                                          "their evaluations during training")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if min(args.jobs, args.seeds, args.problems or 1) < 1:
         sys.exit("error: --jobs, --seeds and --problems must be at least 1")
     try:

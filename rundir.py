@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 
 import torch
 from tqdm import tqdm
@@ -39,13 +40,30 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
         raise ValueError(f"cannot create or write the run directory {out}: {parent} is not a writable directory")
 
 
-def prepare(out: str, overwrite: bool):
-    """Create the run directory; with --overwrite, remove the earlier run's files first."""
+def prepare(out: str, overwrite: bool, step: int, saved_settings: dict | None, settings: dict):
+    """Create the run directory (with --overwrite, remove the earlier run's files first) and keep
+    the log records of the steps before `step`. A resume (saved_settings: the run's own) prints
+    the settings it changes."""
     if overwrite:
         for name in RUN_FILES:
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
     os.makedirs(out, exist_ok=True)
+    try:
+        keep_log_before(os.path.join(out, "log.jsonl"), step)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
+    changed = changed_settings(saved_settings or {}, settings)
+    if changed:
+        tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
+
+
+def resume_from(run_dir: str, out: str | None, state: dict | None = None):
+    """(settings, checkpoint directory, run directory) of the run saved in run_dir."""
+    if out and os.path.abspath(out) != os.path.abspath(run_dir):
+        raise ValueError(f"--resume continues in {run_dir} itself; drop --out {out} "
+                         f"(or copy the run directory there and resume that)")
+    return (state or load_trainer_state(run_dir))["config"], os.path.join(run_dir, "checkpoint"), run_dir
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from checkpoint import CheckpointError, add_meta_token, from_pretrained, load_config, load_tokenizer
+from checkpoint import META_TOKEN, CheckpointError, load, load_config
 from cli import check_output_file, need, parser, pyplot
 from files import save_figure, write_text
 from ngc import Eviction, Sampling, rollout
@@ -72,9 +72,8 @@ def summary(run) -> str:
 def trace_rollouts(path: str, c, problems, ev: Eviction, device):
     """The greedy rollouts of `problems` by the model at `path` under ev: per problem its verdict,
     token texts, prompt length and death rounds (L, T)."""
-    model = from_pretrained(path, dtype=torch.float32, device=device).eval()
-    tokenizer = load_tokenizer(path)
-    meta = add_meta_token(model, tokenizer) if c.meta_token else None  # as eval.py: g is forced before each round
+    model, tokenizer = load(path, device, c.meta_token)  # as eval.py: g is forced before each round
+    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
     ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev, eos_ids=model.config.eos_ids)

@@ -12,9 +12,8 @@ micro-batches, L = L_token + L_mem (eqs. 3-5), one backward, grad-norm clipping,
 constant LR. Defaults are the paper's recipe for the task (tasks.py); a checkpoint directory may
 carry an ngc.json whose values replace them (the tiny model's does), and any flag replaces both.
 
-This file is the method, top to bottom: the modes, the curriculum, the objective, one step, the
-loop, then the command line. The run directory (rundir.py), several processes (distributed.py),
-checkpoints (checkpoint.py) and evaluation (eval.py) are called from here, not written here.
+This file is the method, top to bottom: modes, curriculum, objective, one step, the loop, then the
+command line. Run directory, processes, checkpoints and evaluation are called, not written, here.
 """
 import argparse
 import contextlib
@@ -31,7 +30,7 @@ from tqdm import tqdm
 import countdown
 import distributed
 import rundir
-from checkpoint import META_TOKEN, CheckpointError, add_meta_token, from_pretrained, load_tokenizer
+from checkpoint import META_TOKEN, CheckpointError, load
 from cli import parser
 from eval import before_after, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
@@ -194,13 +193,13 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     reward = torch.where(ro.lengths.cpu() < c.min_length, 0.0, correct)  # Appendix A.1 penalty
     adv = group_advantages(reward, G).to(device)
     losses = backward(model, ro, adv, c, amp)
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, c.clip).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.clip).item()
 
     n_new = (ro.lengths - ro.prompt_lens).float()
     means = distributed.mean_over_processes(dict(
         reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(), rounds=ro.n_rounds.float().mean(),
-        peak_kv=ro.peak_kv.float().mean(), tokens_per_s=n_new.sum() / t_rollout))
+        peak_kv=ro.peak_kv.float().mean(), tokens_per_s=n_new.sum() / t_rollout,
+        sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
     means["tokens_per_s"] *= world  # all processes together
     return {"step": step, **means, "eps": eps, **losses, "grad_norm": grad_norm,
             "step_time": time.perf_counter() - t0}
@@ -222,12 +221,13 @@ def main(argv=None, reward_fn=None):
         c = resolve(args, state)
         if c.threads:
             torch.set_num_threads(c.threads)
-        model, tokenizer = load(c)
+        model, tokenizer = load(c.model, c.device, c.meta_token)  # before the optimizer: g may add a row
+        if not model.config.eos_ids:
+            raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     device = torch.device(c.device)
-    if distributed.launched():  # every process has checked its arguments before this rendezvous; none has written
-        distributed.start(device)
+    distributed.start(device)  # under torchrun; every process has checked its arguments, none has written
     master = distributed.rank_and_world()[0] == 0  # the one process that prints, logs and saves
     if c.fsdp:
         distributed.shard(model)
@@ -239,23 +239,15 @@ def main(argv=None, reward_fn=None):
         step = saved = state["step"]
     log_path = os.path.join(c.out, "log.jsonl")
     say = tqdm.write if master else lambda text: None
-    if master:
-        rundir.prepare(c.out, c.overwrite)
-        try:
-            rundir.keep_log_before(log_path, step)
-        except CheckpointError as e:
-            sys.exit(f"error: {e}")
-        if state and rundir.changed_settings(state["config"], as_settings(c)):
-            say(f"note: resuming at step {step} with changed settings: "
-                f"{', '.join(rundir.changed_settings(state['config'], as_settings(c)))}")
+    if master:  # the run directory, its log cut back to `step`; a resume says which settings it changes
+        rundir.prepare(c.out, c.overwrite, step, state and state["config"], as_settings(c))
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(f"NGC on {c.task}: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
         f"{c.device} {c.dtype}" + (f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else "")
         + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
         f"ε -> {eviction_rate_at(None, c):g}, steps {step}..{c.steps}, run dir {c.out}")
     train, test = load_problems(c)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()
-    train = [train[i] for i in order]
+    train = [train[i] for i in torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()]
     eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or eviction_rate_at(None, c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
@@ -289,9 +281,10 @@ def main(argv=None, reward_fn=None):
                 except rundir.Interrupted:
                     opt.zero_grad(set_to_none=True)  # the step did not happen
                     raise
-                if not all(math.isfinite(m[k]) for k in ("L_token", "L_mem", "grad_norm") if m[k] is not None):
+                checked = {k: m[k] for k in ("sampled_logprob", "L_token", "L_mem", "grad_norm") if m[k] is not None}
+                if not all(map(math.isfinite, checked.values())):
                     opt.zero_grad(set_to_none=True)  # no update is taken
-                    raise rundir.Diverged(", ".join(f"{k} {m[k]}" for k in ("L_token", "L_mem", "grad_norm")))
+                    raise rundir.Diverged(", ".join(f"{k} {v:.4g}" for k, v in checked.items()))
                 with rundir.signals_held():  # an update and its log record land together, or neither does
                     opt.step()
                     opt.zero_grad(set_to_none=True)
@@ -424,12 +417,8 @@ def parse_args(argv=None):
 def resolve(args, state=None):
     """Fill every unset flag from the resumed run's state, the checkpoint's ngc.json or the paper,
     then check them all. Raises CheckpointError or ValueError with a one-line message."""
-    if args.resume:
-        if args.out and os.path.abspath(args.out) != os.path.abspath(args.resume):
-            raise ValueError(f"--resume continues in {args.resume} itself; drop --out {args.out} "
-                             f"(or copy the run directory there and resume that)")
-        base = (state or rundir.load_trainer_state(args.resume))["config"]
-        args.model, args.out = os.path.join(args.resume, "checkpoint"), args.resume
+    if args.resume:  # the run's own settings, its checkpoint and directory
+        base, args.model, args.out = rundir.resume_from(args.resume, args.out, state)
     else:
         base = run_defaults(args.model, args.task)
     for k, v in base.items():
@@ -449,17 +438,6 @@ def resolve(args, state=None):
     args.out = args.out or os.path.join("runs", args.mode)
     rundir.check_run_dir(args.out, args.resume, args.overwrite)
     return args
-
-
-def load(c):
-    """Model, tokenizer and (when resuming) trainer state, every failure a one-line error."""
-    model = from_pretrained(c.model, dtype=torch.float32, device=torch.device(c.device))
-    tokenizer = load_tokenizer(c.model)
-    if not model.config.eos_ids:
-        raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
-    if c.meta_token:  # before the optimizer is made: g may add a row to the embedding and the LM head
-        add_meta_token(model, tokenizer)
-    return model, tokenizer
 
 
 def step_line(m, steps) -> str:
