@@ -206,6 +206,9 @@ def main(argv=None):
     p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(CLI_POLICIES))
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
+    p.add_argument("--delta", type=int, help="δ: evaluate another layout than the run's (default: the run's)")
+    p.add_argument("--block", type=int, help="b: block size (default: the run's)")
+    p.add_argument("--window", type=int, help="w: scoring queries (default: the run's)")
     p.add_argument("--samples", type=int, default=None, help="k sampled completions per problem: pass@1 and pass@k "
                    "(default: greedy for countdown, 32 for math at T=0.6, top-p 0.95)")
     p.add_argument("--problems", type=int, default=None, help="held-out problems to use (default: all)")
@@ -229,6 +232,7 @@ def main(argv=None):
             check_output_file(path)
         d = run_defaults(args.model, args.task)
         d["eval_data"] = args.eval_data or d["eval_data"]
+        d.update({k: getattr(args, k) for k in ("delta", "block", "window") if getattr(args, k) is not None})
         args.samples = args.samples or d["eval_samples"]
         for rate in args.eviction_rate:
             Eviction(d["delta"], d["block"], d["window"], rate)  # one-line errors for bad ε, δ, b, w

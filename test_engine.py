@@ -1,0 +1,306 @@
+"""The rollout engine's details (ngc.py, compiled.py, baselines.py): the compiled decode step, bad
+arguments, bf16 on CUDA, sampling and top-p, and each baseline's per-key scores."""
+import math
+
+import pytest
+import torch
+
+import baselines
+import compiled
+import ngc
+
+from gumbel import block_means, keep_count, ordered_topk
+from checkpoint import from_pretrained
+from ngc import Eviction, Sampling, rollout
+from replay import replay
+from conftest import EOS, EV, hand_built_cache, keep, prompts_of, psi_by_hand
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled decode step
+
+
+def test_compiled_decode_step_gives_the_eager_rollout(model):
+    """rollout(compile=True) captures the decode step with torch.compile whole (fullgraph: a host
+    sync or a changing shape in it fails to compile) on the same static buffers: the same greedy
+    tokens and decisions as eager, token log-probs to 1e-5, and replay reproduces it. The second
+    call reuses the buffers and the compiled step."""
+    ev = Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True)
+    s = Sampling(max_new_tokens=40, greedy=True)
+    prompts = prompts_of([3, 14, 7, 22, 5], seed=1)
+    eager = rollout(model, prompts, s, ev, eos_ids=[EOS])
+    for _ in range(2):
+        captured = rollout(model, prompts, s, ev, eos_ids=[EOS], compile=True)
+        assert torch.equal(captured.tokens, eager.tokens) and torch.equal(captured.kept, eager.kept)
+        assert torch.equal(captured.peak_kv, eager.peak_kv) and captured.kv_slots == eager.kv_slots
+        assert (captured.logprobs - eager.logprobs).abs().max() < 1e-5
+    assert int(captured.n_rounds.min()) >= 2
+    tok_lp, _ = replay(model, captured)
+    completion = (tok_lp != 0) | (captured.logprobs != 0)
+    assert (tok_lp - captured.logprobs)[completion].abs().max() < 1e-5
+    # Negative control: the plain causal mask does not reproduce it (the compiled step did evict).
+    causal, _ = replay(model, captured, causal=True)
+    assert (causal - captured.logprobs)[completion].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("slots", [0, 10_000])
+def test_compiled_step_with_either_attention_form_gives_the_eager_rollout(model, monkeypatch, slots):
+    """On the CPU the compiled step takes SDPA's math form for caches up to SDPA_MATH_MAX_SLOTS
+    and the fused kernel above: both give the eager rollout, with eviction and with the full cache."""
+    monkeypatch.setattr(compiled, "SDPA_MATH_MAX_SLOTS", slots)
+    s = Sampling(max_new_tokens=30, greedy=True)
+    prompts = prompts_of([3, 14, 7], seed=2)
+    for ev in (Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True), None):
+        eager = rollout(model, prompts, s, ev, eos_ids=[EOS])
+        captured = rollout(model, prompts, s, ev, eos_ids=[EOS], compile=True)
+        assert torch.equal(captured.tokens, eager.tokens) and torch.equal(captured.kept, eager.kept)
+        assert (captured.logprobs - eager.logprobs).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------
+# Bad arguments
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rate=0.0), "must lie in"), (dict(rate=1.5), "must lie in"), (dict(block=0), "block size"),
+    (dict(window=0), "window"), (dict(delta=4, window=4), "larger than the window"),
+    (dict(delta=8, block=16, window=2), "at least the block size"), (dict(score=baselines.knorm), "pass greedy=True"),
+])
+def test_bad_eviction_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        Eviction(**{**dict(delta=16, block=4, window=3, rate=0.5), **kwargs})
+    assert "\n" not in str(err.value)
+
+
+def test_bad_rollout_arguments(model):
+    with pytest.raises(ValueError, match="must lie in"):
+        rollout(model, prompts_of([4]), Sampling(max_new_tokens=4), EV, rates=[1.2])
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        rollout(model, [[]], Sampling(max_new_tokens=4))
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_replay_agrees_by_argmax(ckpt):
+    model = from_pretrained(ckpt, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ro = rollout(model, prompts_of([5, 17, 9, 3]), Sampling(max_new_tokens=40, greedy=True), EV,
+                 eos_ids=[EOS], generator=g)
+    tok_lp, ev_lp = replay(model, ro)
+    completion = ro.logprobs != 0
+    assert torch.isfinite(tok_lp).all() and torch.isfinite(ev_lp).all()
+    assert (tok_lp - ro.logprobs)[completion].abs().max() < 0.2
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling, and top-p (nucleus) sampling, the paper's evaluation setting (top-p 0.95, T = 0.6)
+
+
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # 0.999 quantiles by dof
+
+
+def _nucleus_reference(logits, temperature, top_k, top_p):
+    """Brute force, one distribution at a time in float64: softmax of logits / T, keep the top_k,
+    renormalise, walk down the sorted probabilities until their sum reaches top_p."""
+    probs = torch.softmax(logits.double() / temperature, -1).tolist()
+    ranked = sorted(range(len(probs)), key=lambda i: -probs[i])[:top_k or None]
+    total = sum(probs[i] for i in ranked)
+    kept, mass = [], 0.0
+    for i in ranked:
+        kept.append(i)
+        mass += probs[i] / total
+        if mass >= top_p:
+            break
+    out = [0.0] * len(probs)
+    for i in kept:
+        out[i] = probs[i] / sum(probs[j] for j in kept)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _ranked_mass(logits, temperature, top_k):
+    """Cumulative probability of the 1, 2, ... most likely tokens among the top_k (float64)."""
+    probs = torch.softmax(logits.double() / temperature, -1).sort(descending=True).values[:top_k or None]
+    return (probs / probs.sum()).cumsum(0)
+
+
+@pytest.mark.parametrize("temperature, top_k, n_kept", [(1.0, 0, 3), (0.6, 0, 2), (1.0, 0, 5), (1.3, 4, 3)])
+def test_top_p_matches_a_brute_force_nucleus(temperature, top_k, n_kept):
+    """120k draws from two interleaved distributions: no token outside the brute-force nucleus,
+    and Pearson's χ² on the rest below its 0.999 quantile."""
+    V, n = 8, 60_000
+    gen = torch.Generator().manual_seed(n_kept)
+    two = torch.randn(2, V, generator=gen) * 1.5  # two different distributions, rows interleaved
+    mass = _ranked_mass(two[0], temperature, top_k)
+    top_p = float(mass[n_kept - 2] + mass[n_kept - 1]) / 2  # halfway between two cuts
+    s = Sampling(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = two.repeat(n, 1)  # (2n, V)
+    tok, logp = ngc.sample_tokens(logits, s, gen)
+    assert torch.allclose(logp, torch.log_softmax(logits / temperature, -1).gather(1, tok[:, None]).squeeze(1))
+    for row in range(2):
+        # the cut is clear of float32 rounding (~1e-7) in both rows, so the reference is unambiguous
+        assert (_ranked_mass(two[row], temperature, top_k) - top_p).abs().min() > 1e-4
+        ref = _nucleus_reference(two[row], temperature, top_k, top_p)
+        counts = torch.bincount(tok[row::2], minlength=V).double()
+        assert (counts[ref == 0] == 0).all()  # nothing outside the nucleus, ever
+        if row == 0:
+            assert int((ref > 0).sum()) == n_kept
+
+        def chi2(p):  # Pearson's goodness of fit over the cells p allows
+            cells = p > 0
+            expected = n * p[cells]
+            return (((counts[cells] - expected) ** 2) / expected).sum().item(), int(cells.sum()) - 1
+
+        stat, dof = chi2(ref)
+        assert dof == 0 or stat < CHI2_999[dof], (row, stat)
+        # Negative control: the same counts against the distribution without the cut fail
+        # (row 0 always has a cut; row 1 only when its own nucleus is smaller than its top-k).
+        full = _nucleus_reference(two[row], temperature, top_k, 1.0)
+        if row == 0 or (full > 0).sum() > (ref > 0).sum():
+            stat, dof = chi2(full)
+            assert stat > CHI2_999[dof], (row, stat)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p_exactly():
+    """Four tied tokens hold exactly 1/4 each (exact in float32): p = 1/2 is reached by two of them,
+    so exactly two are ever sampled, not three; p = 3/4 by three."""
+    logits = torch.tensor([[0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0]]).expand(4000, -1)
+    gen = torch.Generator().manual_seed(0)
+    for top_p, n_kept in [(0.25, 1), (0.5, 2), (0.75, 3), (0.7, 3), (1.0, 4)]:
+        tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=0, top_p=top_p), gen)
+        assert len(set(tok.tolist())) == n_kept and set(tok.tolist()) <= {0, 2, 3, 5}, top_p
+
+
+def test_top_p_tiny_is_argmax_and_one_is_off():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2000, 50, generator=gen) * 2
+    tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=0, top_p=1e-9), gen)
+    assert torch.equal(tok, logits.argmax(-1))
+    # Negative control: without the cut the same rows often sample something else.
+    tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=0, top_p=1.0), gen)
+    assert (tok != logits.argmax(-1)).float().mean() > 0.3
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"top_p=.* must lie in \(0, 1\]"):
+            Sampling(top_p=bad)
+
+
+def test_sampling_is_softmax_with_one_uniform_per_row(monkeypatch):
+    """sample_tokens is inverse-CDF sampling: 2 x 60k draws match softmax(logits / T) over the
+    top-k (Pearson's χ² below its 0.999 quantile; the same counts against T = 1 fail it), and
+    with the uniform at either end of its range, 0 or 1, each row gets its first or last token
+    with p > 0, never one the top-k cut."""
+    V, n, T = 8, 60_000, 0.7
+    gen = torch.Generator().manual_seed(0)
+    two = torch.randn(2, V, generator=gen) * 1.5  # two distributions, rows interleaved
+    for top_k in (0, 5):
+        tok, _ = ngc.sample_tokens(two.repeat(n, 1), Sampling(max_new_tokens=1, temperature=T, top_k=top_k), gen)
+        for row in range(2):
+            counts = torch.bincount(tok[row::2], minlength=V).double()
+
+            def chi2(p):
+                cells = p > 0
+                return (((counts[cells] - n * p[cells]) ** 2) / (n * p[cells])).sum().item(), int(cells.sum()) - 1
+
+            ref = _nucleus_reference(two[row], T, top_k, 1.0)
+            assert (counts[ref == 0] == 0).all()
+            stat, dof = chi2(ref)
+            assert stat < CHI2_999[dof], (top_k, row, stat)
+            stat, dof = chi2(_nucleus_reference(two[row], 1.0, top_k, 1.0))  # negative control
+            assert stat > CHI2_999[dof], (top_k, row, stat)
+    logits = torch.randn(500, 50, generator=gen) * 3
+    top7 = logits.topk(7, -1).indices
+    for u, expected in ((0.0, top7.amin(-1)), (1.0, top7.amax(-1))):
+        monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u))
+        tok, _ = ngc.sample_tokens(logits, Sampling(max_new_tokens=1, temperature=1.0, top_k=7))
+        assert torch.equal(tok, expected), u
+    # Negative control: the cumulative sum itself is no strict upper bound: searched for, it is
+    # past the last token.
+    cdf = logits.masked_fill(logits < logits.topk(7, -1).values[:, -1:], float("-inf")).softmax(-1).cumsum(-1)
+    assert (torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=True) == 50).all()
+
+
+# ---------------------------------------------------------------------------------------
+# Each baseline's scores equal its formula (§5.1, baselines.py)
+
+
+def test_knorm_scores_and_keeps_the_low_norm_blocks():
+    q, keys, kpos, alive, qpos = c = hand_built_cache(holes=())
+    norms = torch.tensor([5.0, 1.0, 4.0, 0.5, 3.0, 2.0])  # per block of 2 keys
+    keys = keys / keys.norm(dim=-1, keepdim=True) * norms.repeat_interleave(2)[None, None, :, None]
+    keys[:, 1] *= 2  # head 1 twice as long: the mean over heads is 1.5 x norm
+    c = (q, keys, kpos, alive, qpos)
+    expected = -torch.tensor([[sum(keys[0, h, t].norm().item() for h in range(2)) / 2 for t in range(12)]])
+    assert torch.allclose(baselines.knorm(None, keys, alive), expected, atol=1e-5)
+    assert torch.allclose(expected[0, ::2], -1.5 * norms, atol=1e-5)
+    assert keep("knorm", c, 2, 0.5) == [3, 1, 5]  # the three lowest norms, lowest first
+    # Negative control: NGC's attention scores keep a different set.
+    assert sorted(keep("ngc", c, 2, 0.5)) != [1, 3, 5]
+
+
+def test_keydiff_scores_use_the_mean_of_normalised_alive_keys():
+    q, keys, kpos, alive, qpos = c = hand_built_cache()
+    expected = torch.zeros(12)
+    for h in range(2):
+        live = [t for t in range(12) if alive[0, t]]
+        anchor = sum(keys[0, h, t] / keys[0, h, t].norm() for t in live) / len(live)
+        for t in range(12):
+            expected[t] -= torch.dot(keys[0, h, t], anchor) / (keys[0, h, t].norm() * anchor.norm()) / 2
+    got = baselines.keydiff(None, keys, alive)[0]
+    assert torch.allclose(got[alive[0]], expected[alive[0]], atol=1e-5)
+    # Negative control: an anchor over every slot, dead keys included, scores differently.
+    everything = baselines.keydiff(None, keys, torch.ones_like(alive))[0]
+    assert (everything - got)[alive[0]].abs().max() > 1e-3
+    # The most diverse block (lowest mean cosine to the anchor) is kept first.
+    means, _ = block_means(expected[None], alive, 3)
+    assert keep("keydiff", c, 3, 0.5)[0] == int(means.argmax())
+
+
+def test_snapkv_is_psi_smoothed_by_a_5_pool_over_alive_keys():
+    q, keys, kpos, alive, qpos = c = hand_built_cache(S=14, holes=(1, 6, 7))
+    psi = psi_by_hand(c)
+    live = alive[0].nonzero().flatten().tolist()  # neighbours are the alive keys in position order
+    expected = torch.zeros(14)
+    for r, t in enumerate(live):
+        window = live[max(r - 2, 0): r + 3]  # cut short at the edges (count_include_pad=False)
+        expected[t] = psi[window].mean()
+    got = baselines.snapkv(psi[None], keys, alive)[0]
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert got[~alive[0]].eq(0).all()
+    # The round feeds SnapKV the engine's own ψ and keeps the top K blocks of the smoothed means.
+    means, _ = block_means(expected[None], alive, 3)
+    assert keep("snapkv", c, 3, 0.5) == ordered_topk(means, torch.tensor([2]))[0].tolist()
+    # Negative control: pooling over slots (dead ones counted as zeros) is not the same.
+    slots = torch.nn.functional.avg_pool1d(torch.where(alive, psi, 0.0)[None], 5, 1, 2)[0, 0]
+    assert (slots - expected)[alive[0]].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("block, rate, sinks", [(3, 0.5, [0, 1]), (3, 0.8, [0, 1]), (4, 0.5, [0]), (2, 0.5, [0, 1]),
+                                               (2, 0.95, [0, 1]), (5, 0.9, [0])])
+def test_streamingllm_keeps_the_sink_block_and_the_newest(block, rate, sinks):
+    c = hand_built_cache(S=20, holes=(0, 5, 11))  # position 0 is dead: the sinks are the first 4 alive keys
+    n = math.ceil(17 / block)
+    k = int(keep_count(torch.tensor([n]), rate))
+    kept = keep("streamingllm", c, block, rate)
+    assert len(kept) == k
+    assert kept == (sinks + [j for j in range(n - 1, -1, -1) if j not in sinks])[:k]
+    # Negative control: recency alone (the rank, no sink bonus) drops the sink block when K < N.
+    rank = (c[3].long().cumsum(1) - 1).float()
+    means, _ = block_means(rank, c[3], block)
+    if k < n:
+        assert 0 not in ordered_topk(means, torch.tensor([k]))[0].tolist()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_sampling_from_non_finite_logits_gives_a_token_id(value):
+    """A diverged model's logits (NaN or ±inf) still give token ids of the vocabulary, in every
+    sampling mode, so the rollout can finish and training can report the divergence."""
+    V = 7
+    logits = torch.full((3, V), value)
+    for s in (Sampling(temperature=1.0, top_k=0), Sampling(temperature=1.0, top_k=3),
+              Sampling(temperature=0.7, top_k=0, top_p=0.9), Sampling(greedy=True)):
+        tok, _ = ngc.sample_tokens(logits, s, torch.Generator().manual_seed(0))
+        assert ((0 <= tok) & (tok < V)).all(), (s, tok)

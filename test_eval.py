@@ -1,0 +1,400 @@
+"""Evaluation and reports: peak-KV reduction and pass@k, eval.py's CLI, show.py and reproduce.py."""
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import baselines
+import countdown as cd
+import eval as evaluation
+import make_tiny
+import reproduce
+import rundir
+import show
+import tasks
+import train
+
+from checkpoint import load_tokenizer
+from ngc import Eviction, Sampling, rollout
+from replay import death_times, visibility
+from conftest import EV, TINY_MODEL, TRAIN_DEFAULTS, prompts_of
+
+
+# ---------------------------------------------------------------------------------------
+# Peak-KV reduction (§5.1) and pass@k
+
+
+def test_peak_kv_reduction_of_a_constructed_case(model):
+    """3 layers, δ=8, b=2, ε=0.5, no EOS. Prompt 5 + 20 new tokens: 24 tokens fed (the last one
+    sampled is never fed). Without eviction the peak is 3·24 = 72. With it, each layer holds 8,
+    keeps 4; 4+8 = 12, keeps 6; 6+8 = 14, keeps 8: peak 3·14 = 42. With 12 new tokens: 16 fed,
+    peak 3·16 = 48 against 3·12 = 36."""
+    e = Eviction(delta=8, block=2, window=3, rate=0.5, greedy=True)
+    peaks = []
+    for m in (20, 12):
+        s = Sampling(max_new_tokens=m, greedy=True)
+        full, evicted = (rollout(model, prompts_of([5]), s, x) for x in (None, e))
+        peaks.append((int(full.peak_kv), int(evicted.peak_kv)))
+    assert peaks == [(72, 42), (48, 36)]
+    ref, pol = torch.tensor([[72.0], [48.0]], dtype=torch.float64), torch.tensor([[42.0], [36.0]], dtype=torch.float64)
+    assert abs(evaluation.kv_reduction(ref, pol) - (72 / 42 + 48 / 36) / 2) < 1e-12  # = 32/21
+    # Negative control: the ratio of mean peaks (a different estimator) differs.
+    assert abs(evaluation.kv_reduction(ref, pol) - 120 / 78) > 1e-3
+    # With samples, a problem's peak is the mean over its samples.
+    assert abs(evaluation.kv_reduction(torch.tensor([[10.0, 30.0]]), torch.tensor([[5.0, 10.0]])) - 20 / 7.5) < 1e-6
+
+
+def test_pass_at_k_matches_its_closed_form():
+    for n, k in [(1, 1), (5, 1), (5, 2), (8, 4), (10, 10)]:
+        for c in range(n + 1):
+            # closed form: the chance that k of n draws without replacement include a correct one
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(any(i < c for i in s) for s in subsets) / len(subsets)
+            stable = 1.0 if n - c < k else 1 - math.prod(1 - k / i for i in range(n - c + 1, n + 1))
+            got = evaluation.pass_at_k(n, [c], k)
+            assert abs(got - brute) < 1e-12 and abs(got - stable) < 1e-12
+    assert evaluation.pass_at_k(4, [0, 4, 2], 1) == pytest.approx((0 + 1 + 0.5) / 3)
+    # Negative control: the biased plug-in estimate 1 - (1 - c/n)^k is not the same.
+    assert abs(evaluation.pass_at_k(8, [2], 4) - (1 - (1 - 2 / 8) ** 4)) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------
+# eval.py's CLI
+
+
+def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def counting(model, prompts, sampling, eviction=None, **kw):
+        calls.append((len(prompts), None if eviction is None else (eviction.score, eviction.greedy, eviction.rate)))
+        return rollout(model, prompts, sampling, eviction, **kw)
+
+    monkeypatch.setattr(evaluation, "rollout", counting)
+    out = tmp_path / "results.jsonl"
+    evaluation.main(["--model", train_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
+             "0.75", "--problems", "3", "--out", str(out)])
+    printed = capsys.readouterr().out
+    print(printed)
+    assert [c for c in calls if c[1] is None] == [(3, None)]  # one reference run, shared
+    assert [c[1] for c in calls if c[1]] == [(None, True, 0.5), (None, True, 0.75), (baselines.knorm, True, 0.5),
+                                             (baselines.knorm, True, 0.75)]  # ngc: greedy top-K on ψ
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["policy"], r["eviction_rate"]) for r in rows] == [("ngc", 0.5), ("ngc", 0.75), ("knorm", 0.5),
+                                                                 ("knorm", 0.75)]
+    for r in rows:
+        assert r["problems"] == 3 and r["samples"] == 1 and 0 <= r["accuracy"] <= 1 and r["rounds"] > 0
+        assert r["kv_reduction"] > 1 and "pass_at_k" not in r
+    assert rows[1]["kv_reduction"] > rows[0]["kv_reduction"]  # evicting more shrinks the peak more
+    assert not os.path.exists(str(out) + ".tmp")
+    assert len(printed.strip().splitlines()) == 6 and "KV reduction" in printed
+
+    calls.clear()  # sampled: k completions per problem, pass@k, `none` is the reference itself
+    monkeypatch.setitem(tasks.TASK_REWARD, "countdown", lambda text, problem: float(len(text) % 2))  # some variance
+    evaluation.main(["--model", train_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
+             "--problems", "2", "--out", str(out)])
+    assert [c[0] for c in calls] == [6, 6] and calls[1][1] == (None, False, 0.5)  # ngc-sample: Gumbel-top-k
+    none, sampled = [json.loads(line) for line in out.read_text().splitlines()]
+    assert none["kv_reduction"] == 1.0 and none["eviction_rate"] == 0.0 and none["rounds"] == 0
+    assert sampled["samples"] == 3 and set(sampled["pass_at_k"]) == {"1", "2", "3"}
+    p = sampled["pass_at_k"]
+    assert p["1"] == pytest.approx(sampled["accuracy"]) and p["1"] <= p["2"] <= p["3"] and p["3"] in (0, 0.5, 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
+    (["--samples", "0"], "--samples 0 must be at least 1"), (["--problems", "99"], "test split has 4"),
+    (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
+    (["--out", "/tmp"], "/tmp is a directory")])
+def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
+    monkeypatch.setattr(evaluation, "rollout", None)  # nothing may run
+    with pytest.raises(SystemExit) as err:
+        evaluation.main(["--model", train_ckpt, *flags])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_plot_without_matplotlib_fails_early(train_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
+    monkeypatch.setattr(evaluation, "load", None)  # fails before loading anything
+    with pytest.raises(SystemExit) as err:
+        evaluation.main(["--model", train_ckpt, "--plot", str(tmp_path / "acc.png")])
+    assert str(err.value) == "error: --plot needs matplotlib: pip install matplotlib"
+
+
+# ---------------------------------------------------------------------------------------
+# show.py: which keys each layer evicted, and at which round
+
+
+def test_show_death_rounds_are_the_replay_masks(model, ckpt, sampled):
+    """A key is alive at the end at layer l iff the replay mask lets the last token see it; an
+    evicted key's round r is the one whose last query (token (r+1)δ-1) still sees it and whose next
+    token does not."""
+    tokenizer, delta = load_tokenizer(ckpt), EV.delta
+    death = death_times(sampled.kept, sampled.n_rounds, sampled.tokens.shape[1], delta, EV.block)  # (B, L, T)
+    for b in range(len(sampled.lengths)):
+        T, R = int(sampled.lengths[b]), int(sampled.n_rounds[b])
+        texts, rounds = show.fates(sampled, b, tokenizer)  # (L, T)
+        assert texts == [tokenizer.decode([t], skip_special_tokens=False) for t in sampled.tokens[b, :T].tolist()]
+        assert rounds.shape == (model.config.num_hidden_layers, T) and R >= 2
+        for layer in range(rounds.shape[0]):
+            vis = visibility(death[:, layer])[b, :T, :T]  # (T, T): row t, the keys token t saw
+            r = rounds[layer]
+            assert torch.equal(r == show.ALIVE, vis[T - 1])
+            s = (r != show.ALIVE).nonzero().flatten()
+            last = (r[s] + 1) * delta - 1  # the last token before round r
+            assert (r[s] < R).all() and (last + 1 <= T - 1).all()
+            assert vis[last, s].all() and not vis[last + 1, s].any()
+            # at ε = 0.5 every round that fired evicted something at every layer
+            assert set(r[s].tolist()) == set(range(R)), (b, layer)
+    # Negative control: without eviction every key stays.
+    full = rollout(model, prompts_of([5, 9]), Sampling(max_new_tokens=30, greedy=True))
+    for b in range(2):
+        _, rounds = show.fates(full, b, tokenizer)
+        assert rounds.shape[1] == int(full.lengths[b]) and (rounds == show.ALIVE).all()
+
+
+class PageParser(HTMLParser):
+    """The page's text, and each table as its header texts and its rows (label, [cell classes])."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.tables, self.cell = [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self.tables.append({"head": [], "rows": []})
+        elif tag == "tr" and self.tables:
+            self.tables[-1]["rows"].append([None, []])
+        elif tag == "th" and self.tables:
+            self.cell = ""
+        elif tag == "td":
+            self.tables[-1]["rows"][-1][1].append(attrs["class"].split()[0])
+
+    def handle_endtag(self, tag):
+        if tag == "th" and self.cell is not None:
+            table = self.tables[-1]
+            if len(table["rows"]) == 1:  # the header row
+                table["head"].append(self.cell)
+            else:
+                table["rows"][-1][0] = self.cell
+            self.cell = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self.cell is not None:
+            self.cell += data
+
+
+def fate_class(r):
+    return "alive" if r == show.ALIVE else f"r{r}"
+
+
+def test_show_page_lists_every_token_of_every_rollout_and_every_layer(ckpt, train_ckpt, tmp_path, monkeypatch,
+                                                                      capsys):
+    made = []
+
+    def recording(model, prompts, sampling, eviction=None, **kw):
+        made.append((prompts, sampling, eviction, rollout(model, prompts, sampling, eviction, **kw)))
+        return made[-1][-1]
+
+    monkeypatch.setattr(show, "rollout", recording)
+    out = tmp_path / "forgets.html"
+    show.main(["--model", train_ckpt, "--before", ckpt, "--problems", "2", "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed[:4]] == ["problem 1 untrained", "problem 1   trained",
+                                                            "problem 2 untrained", "problem 2   trained"]
+    assert not os.path.exists(str(out) + ".tmp")
+    page = out.read_text(encoding="utf-8")
+    for outside in ("<script", "<link", "src=", "href=", "url(", "http", "@import"):
+        assert outside not in page  # self-contained
+    parsed = PageParser()
+    parsed.feed(page)
+    text = "".join(parsed.text)
+    assert "ε = 0.5, δ = 8, b = 2, w = 3" in text and train_ckpt in text and ckpt in text
+    tokenizer = load_tokenizer(ckpt)
+    _, test = tasks.load_problems(SimpleNamespace(**{**tasks.run_defaults(train_ckpt), "train_problems": 0,
+                                                     "data": None}))
+    assert [p[0] for p in made] == [[cd.encode(tokenizer, q) for q in test[:2]]] * 2  # eval.py's prompts
+    assert all(s.greedy and s.max_new_tokens == 24 and e.greedy and e.score is None and e.rate == 0.5
+               for _, s, e, _ in made)  # NGC's greedy top-K on greedy tokens
+    rollouts = [made[0][-1], made[1][-1]]  # untrained, trained
+    assert len(parsed.tables) == 4  # problem-major, the untrained model first
+    n_rounds = 0
+    for i, table in enumerate(parsed.tables):
+        ro, b = rollouts[i % 2], i // 2
+        T = int(ro.lengths[b])
+        texts, rounds = show.fates(ro, b, tokenizer)
+        assert str(test[b]) in text and f"problem {b + 1}" in text
+        assert table["head"] == [""] + texts  # every token, in reading order
+        layers = range(TINY_MODEL["num_hidden_layers"])
+        assert [label for label, _ in table["rows"][1:]] == [f"layer {l}" for l in layers]
+        for (_, cells), fate in zip(table["rows"][1:], rounds.tolist()):
+            assert len(cells) == T and cells == [fate_class(r) for r in fate]
+        n_rounds = max(n_rounds, int(ro.n_rounds[b]))
+        assert int(rounds.max()) == int(ro.n_rounds[b]) - 1 >= 1  # evictions at every round, 2 at least
+    assert all(f"round {k + 1}" in text for k in range(n_rounds)) and ("correct" in text or "wrong" in text)
+    # Negative control: the two models' grids of one problem differ, so a table checked against the
+    # other model's rollout would fail.
+    assert parsed.tables[0]["head"] != parsed.tables[1]["head"] or parsed.tables[0]["rows"] != parsed.tables[1]["rows"]
+
+
+def test_show_prompts_are_evals_with_the_interoception_tag(train_ckpt, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(train_ckpt, run)
+    (run / "ngc.json").write_text(json.dumps({**TRAIN_DEFAULTS, "interoception": True}))
+    seen = {}
+
+    def recording(name):
+        def record(model, prompts, sampling, eviction=None, **kw):
+            seen.setdefault(name, []).append(prompts)
+            return rollout(model, prompts, sampling, eviction, **kw)
+        return record
+
+    monkeypatch.setattr(show, "rollout", recording("show"))
+    monkeypatch.setattr(evaluation, "rollout", recording("eval"))
+    show.main(["--model", str(run), "--before", str(run), "--problems", "2", "--eviction-rate", "0.25",
+               "--out", str(tmp_path / "f.html")])
+    evaluation.main(["--model", str(run), "--policy", "ngc", "--eviction-rate", "0.25", "--problems", "2"])
+    assert seen["show"] == [seen["eval"][1]] * 2  # eval's ngc run (its first is the full-cache reference)
+    plain = seen["eval"][0]  # no eviction: no tag
+    assert all(len(a) > len(b) for a, b in zip(seen["show"][0], plain))  # Negative control
+
+
+def test_show_png(ckpt, train_ckpt, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "f.html", tmp_path / "f.png"
+    show.main(["--model", train_ckpt, "--before", ckpt, "--problems", "1", "--out", str(out), "--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert not os.path.exists(str(png) + ".tmp")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--eviction-rate", "1.5"], "must lie in (0, 1]"), (["--problems", "0"], "--problems 0 must be at least 1"),
+    (["--problems", "5"], "test split has 4"), (["--out", "/no/such/dir/f.html"], "does not exist"),
+    (["--out", "/tmp"], "/tmp is a directory"), (["--model", "/no/such/run"], "no config.json in '/no/such/run'"),
+    (["--before", "/no/such/model"], "no config.json in '/no/such/model'"),
+    (["--png", "/no/such/dir/f.png"], "does not exist")])
+def test_show_bad_input_fails_with_one_line(train_ckpt, tmp_path, flags, message, monkeypatch):
+    monkeypatch.setattr(show, "load", None)  # nothing may be loaded
+    with pytest.raises(SystemExit) as err:
+        show.main(["--model", train_ckpt, "--out", str(tmp_path / "f.html"), *flags])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_show_png_without_matplotlib_fails_early(train_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
+    monkeypatch.setattr(show, "load", None)
+    with pytest.raises(SystemExit) as err:
+        show.main(["--model", train_ckpt, "--out", str(tmp_path / "f.html"), "--png", str(tmp_path / "f.png")])
+    assert str(err.value) == "error: --png needs matplotlib: pip install matplotlib"
+
+
+# ---------------------------------------------------------------------------------------
+# reproduce.py: curves, tables and the limit study
+
+
+def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
+    """reproduce.py draws Figure 5 from logs whose steps may carry null grad norms (no learning
+    signal, or --no-term-grad-norms): the figure is written, nothing raises."""
+    pytest.importorskip("matplotlib")
+    import reproduce
+    for name, norms in (("ngc", [0.5, None, 0.7]), ("token-only", [None, None, None])):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        with open(tmp_path / "runs" / name / "log.jsonl", "w") as f:
+            for step, g in enumerate(norms):
+                f.write(json.dumps({**dict.fromkeys(rundir.STEP_KEYS), "step": step, "reward": 0.5,
+                                    "grad_norm_token": g, "grad_norm_mem": g}) + "\n")
+    for seed in (1,):  # a second seed of ngc, with other norms: the figure shows means over seeds
+        (tmp_path / "runs" / f"ngc-seed{seed}").mkdir(parents=True)
+        (tmp_path / "runs" / f"ngc-seed{seed}" / "log.jsonl").write_text("".join(
+            json.dumps({**dict.fromkeys(rundir.STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
+                        "grad_norm_mem": None}) + "\n" for step in range(3)))
+    reproduce.curves(str(tmp_path), ["ngc", "token-only"], 1, str(tmp_path / "ablations.png"))
+    assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(FileNotFoundError):  # token-only has no second seed
+        reproduce.curves(str(tmp_path), ["ngc", "token-only"], 2, str(tmp_path / "ablations.png"))
+    reproduce.curves(str(tmp_path), ["ngc"], 2, str(tmp_path / "ablations-2.png"))
+    assert (tmp_path / "ablations-2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
+    """over_seeds: one row per (run, policy, ε) with the mean over seeds, the standard deviation
+    across seeds, and the mean binomial standard error sqrt(p(1-p)/n), n = problems x samples."""
+    import reproduce
+    row = dict(policy="ngc", length=100.0, rounds=4.0, kv_reduction=2.0, problems=200)
+    rows = [dict(row, run="ngc", eviction_rate=0.5, seed=0, accuracy=0.3, samples=2),
+            dict(row, run="ngc", eviction_rate=0.5, seed=1, accuracy=0.5, samples=2, kv_reduction=3.0),
+            dict(row, run="ngc", eviction_rate=0.7, seed=0, accuracy=0.1, samples=1)]
+    two, one = reproduce.over_seeds(rows)
+    assert (two["eviction_rate"], two["seeds"], one["seeds"]) == (0.5, 2, 1)
+    assert abs(two["accuracy"] - 0.4) < 1e-12 and abs(two["kv_reduction"] - 2.5) < 1e-12
+    assert abs(two["accuracy_sd"] - (0.02 ** 0.5)) < 1e-12  # sample sd of 0.3, 0.5
+    assert abs(two["accuracy_se"] - ((0.21 / 400) ** 0.5 + (0.25 / 400) ** 0.5) / 2) < 1e-12
+    assert one["accuracy_sd"] == 0.0 and abs(one["accuracy_se"] - (0.09 / 200) ** 0.5) < 1e-12
+    table = reproduce.markdown([two, one])
+    assert "| 40.0% ± 14.1 | 2.4 |" in table and "| 10.0% | 2.1 |" in table
+    assert [reproduce.run_name("ngc", k) for k in range(3)] == ["ngc", "ngc-seed1", "ngc-seed2"]
+    # the plots' error bars: the spread across seeds, else one evaluation's binomial standard error
+    assert evaluation.error_bar(two) == two["accuracy_sd"] and evaluation.error_bar(one) == one["accuracy_se"]
+    assert evaluation.error_bar(dict(accuracy=0.3, problems=200, samples=2)) == (0.21 / 400) ** 0.5
+
+
+def test_reproduce_limit_study_tabulates_each_run_s_evaluations_during_training(tmp_path):
+    """reproduce.py --limit: one row per run and logged evaluation, the default run first, each
+    with its accuracy at ε, the full cache's, its binomial standard error and the reduction."""
+    import reproduce
+    runs = {"default": tmp_path / "runs" / "ngc", **{n: tmp_path / "limit" / n for n in reproduce.LIMIT}}
+    for i, (name, run_dir) in enumerate(runs.items()):
+        (run_dir / "checkpoint").mkdir(parents=True)
+        (run_dir / "checkpoint" / "ngc.json").write_text(json.dumps({"eval_problems": 100 * (i + 1)}))
+        evals = [{"step": s, "eval": {"acc": 0.1 * (i + 1), "acc_full": 0.9 - s / 1000, "kv_reduction": 2.0 + i}}
+                 for s in (0, 20 * (i + 1))]
+        steps = [dict.fromkeys(rundir.STEP_KEYS, 0.0) | {"step": s} for s in range(2)]
+        (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
+    rows = reproduce.limit_rows(str(tmp_path))
+    assert [(r["recipe"], r["step"]) for r in rows] == [(n, s) for i, n in enumerate(runs) for s in (0, 20 * (i + 1))]
+    p8 = rows[-1]
+    assert p8["flags"] == "--prompts 8 --group 16 --eval-every 30" and p8["problems"] == 400
+    assert (p8["accuracy"], p8["accuracy_full"], p8["kv_reduction"]) == (0.4, 0.9 - 0.08, 5.0)
+    table = reproduce.limit_markdown(rows)
+    assert "| p8g16 | `--prompts 8 --group 16 --eval-every 30` | 80 | 82.0% | 40.0% | 2.4 | 5.00x |" in table
+    assert "| default | `` | 0 | 90.0% | 10.0% | 3.0 | 2.00x |" in table  # sqrt(0.1 * 0.9 / 100) = 3.0 points
+
+
+def output_under_a_file(tmp_path, ckpt, train_ckpt):
+    """Each script's command line with its output path under a regular file (which no directory can be)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    return blocker, {
+        "train": lambda: train.main(["--model", train_ckpt, "--out", str(blocker / "run")]),
+        "eval": lambda: evaluation.main(["--model", train_ckpt, "--out", str(blocker / "r.jsonl")]),
+        "show": lambda: show.main(["--model", train_ckpt, "--before", ckpt, "--out", str(blocker / "f.html")]),
+        "make_tiny": lambda: make_tiny.main(["--out", str(blocker / "tiny"), "--steps", "1"]),
+        "reproduce": lambda: reproduce.main(["--out", str(blocker / "results")]),
+    }
+
+
+@pytest.mark.parametrize("script", ["train", "eval", "show", "make_tiny", "reproduce"])
+def test_an_output_path_that_cannot_be_created_is_one_line(ckpt, train_ckpt, tmp_path, script):
+    blocker, run = output_under_a_file(tmp_path, ckpt, train_ckpt)
+    with pytest.raises(SystemExit) as err:
+        run[script]()
+    message = str(err.value)
+    assert message.startswith("error: ") and "\n" not in message and str(blocker) in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and blocker.read_text() == "x"
+
+
+def test_the_demo_set_refuses_a_folder_that_cannot_be_created(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    out = subprocess.run([sys.executable, "mathtask.py", "--make-demo", str(tmp_path / "a-file" / "d")],
+                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+    assert out.returncode == 1 and len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: cannot create")

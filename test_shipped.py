@@ -1,0 +1,330 @@
+"""make_tiny.py and what ships built by it: the search and word-problem traces, the tiny/ and
+tiny-math/ models, the default run from tiny/ and README's math demonstration."""
+import json
+import os
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import countdown as cd
+import eval as evaluation
+import tasks
+import make_tiny
+import mathtask as mt
+import train
+from countdown import tiny_prompt
+
+from checkpoint import from_pretrained, load_tokenizer
+from make_tiny import build_tokenizer, check_trace, split_problems, trace
+from ngc import Eviction, Sampling, rollout
+
+
+# ---------------------------------------------------------------------------------------
+# make_tiny.py's search traces and the shipped tiny/ model
+
+
+TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+
+
+def test_trace_example():
+    p = cd.Problem((3, 5, 2), 16)
+    assert tiny_prompt(p) == "<bos> Countdown : reach 16 with 3 5 2 ."
+    assert trace(p) == "[ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 yes <answer> ( 5 + 3 ) * 2 </answer>"
+
+
+def test_traces_replay_to_correct_answers():
+    problems = cd.generate(400, 123, cd.SMALL)
+    for p in problems:
+        t = trace(p)
+        assert check_trace(p, t), (p, t)
+        assert cd.reward(t, p) == 1.0
+    lengths = [len(trace(p).split()) for p in problems]
+    assert max(lengths) < 400
+
+
+def test_search_depends_on_target_only_through_verdicts():
+    """The trace never restates the target: two problems with the same numbers search
+    identically until the first one's "yes" (where the other one says "no")."""
+    by_nums = {}
+    for p in cd.generate(400, 7, cd.SMALL):
+        by_nums.setdefault(tuple(sorted(p.nums)), {})[p.target] = p
+    pairs = 0
+    for group in by_nums.values():
+        ps = sorted(group.values(), key=lambda p: len(trace(p)))
+        for short, long in zip(ps, ps[1:]):
+            a, b = trace(short).split(), trace(long).split()
+            k = a.index("yes")
+            assert a[:k] == b[:k] and b[k] == "no"
+            pairs += 1
+    assert pairs > 20
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda t: t.replace("* 16 yes", "* 17 yes"),  # wrong arithmetic at a leaf
+    lambda t: t.replace("+ 10 no", "+ 10 yes"),  # wrong verdict
+    lambda t: t.replace("5 + 3 = 8", "5 + 3 = 9"),  # wrong move
+    lambda t: t.replace("[ 8 2 ]", "[ 8 3 ]"),  # wrong numbers left
+    lambda t: t.replace("( 5 + 3 ) * 2", "( 5 + 3 ) * 3"),  # answer misses a number
+    lambda t: t.replace(" </answer>", ""),  # no closed answer
+    lambda t: t[: t.index("<answer>")],  # truncated
+])
+def test_corrupted_trace_fails_replay(corrupt):
+    p = cd.Problem((3, 5, 2), 16)
+    t = trace(p)
+    assert check_trace(p, t)
+    bad = corrupt(t)
+    assert bad != t and not check_trace(p, bad)
+
+
+def test_corrupted_traces_fail_in_bulk():
+    for p in cd.generate(100, 9, cd.SMALL):
+        words = trace(p).split()
+        for k, w in enumerate(words):
+            if w.isdigit():  # change any one number of the search or the answer
+                bad = " ".join(words[:k] + [str(int(w) + 1)] + words[k + 1:])
+                assert not check_trace(p, bad), bad
+
+
+def test_tokenizer_round_trips_a_trace():
+    tok = build_tokenizer()
+    unk = tok.token_to_id("<unk>")
+    for p in cd.generate(100, 3, cd.SMALL):
+        text = tiny_prompt(p) + " " + trace(p)
+        ids = tok.encode(text).ids
+        assert unk not in ids and ids[0] == tok.token_to_id("<bos>") and ids.count(ids[0]) == 1
+        assert len(ids) == len(text.split())  # one token per word, numbers included
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        tagged = tok.encode(tiny_prompt(p, eviction_rate=0.5)).ids  # the --interoception prompt
+        assert unk not in tagged and tok.decode(tagged[-4:]) == "<eviction_rate> 50 % </eviction_rate>"
+        completion = tok.decode(tok.encode(trace(p)).ids + [tok.token_to_id("<eos>")], skip_special_tokens=True)
+        assert cd.reward(completion, p) == 1.0
+
+
+def test_held_out_problems_are_disjoint():
+    train, test = split_problems(0, 200, n_train=20_000)
+    assert len({cd._key(p) for p in test}) == len(test) == 200
+    assert not {cd._key(p) for p in train} & {cd._key(p) for p in test}
+
+
+def test_shipped_tiny_model_loads_and_solves():
+    model, tok = from_pretrained(TINY_DIR), load_tokenizer(TINY_DIR)
+    cfg = model.config
+    assert cfg.vocab_size == tok.get_vocab_size()
+    assert cfg.bos_token_id == tok.token_to_id("<bos>") and cfg.eos_ids == [tok.token_to_id("<eos>")]
+    assert sum(os.path.getsize(os.path.join(TINY_DIR, f)) for f in os.listdir(TINY_DIR)) < 8e6
+    _, test = split_problems(0, 16, n_train=1)
+    prompts = [tok.encode(tiny_prompt(p)).ids for p in test]
+    torch.manual_seed(0)
+    out = rollout(model, prompts, Sampling(max_new_tokens=400, greedy=True), None, eos_ids=cfg.eos_ids)
+    texts = tok.decode_batch(out.completions(), skip_special_tokens=True)
+    solved = sum(cd.reward(t, p) for t, p in zip(texts, test))
+    assert solved >= 11, texts  # the shipped model solves about 95% of held-out problems
+
+
+def _build_small(out, seed):
+    make_tiny.main(["--out", str(out), "--seed", str(seed), "--steps", "3", "--warmup", "1", "--batch", "8",
+                    "--micro", "4", "--d", "32", "--layers", "1", "--heads", "2", "--ffn", "64",
+                    "--train-problems", "500", "--n-test", "2"])
+    return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
+
+
+def test_make_tiny_rebuilds_bit_for_bit(tmp_path, capsys):
+    """make_tiny.py in miniature: the same seed writes the same four files byte for byte (this
+    is how tiny/ is reproducible); another seed writes other weights (the control)."""
+    first, again, other = (_build_small(tmp_path / name, seed) for name, seed in [("a", 0), ("b", 0), ("c", 1)])
+    assert sorted(first) == ["config.json", "model.safetensors", "ngc.json", "tokenizer.json"]
+    assert first == again
+    assert other["model.safetensors"] != first["model.safetensors"]
+    assert not any(p.name.endswith((".tmp", ".old")) for p in tmp_path.iterdir())
+    assert "final loss" in capsys.readouterr().out
+
+
+def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
+    """`python train.py --task countdown` with no --model: tiny/ and its ngc.json, shrunk to one
+    small step and one evaluation."""
+    from make_tiny import TINY_RUN
+    with open(os.path.join(TINY_DIR, "ngc.json")) as f:
+        assert json.load(f) == TINY_RUN  # the shipped run defaults are the ones make_tiny.py writes
+    train.main(["--task", "countdown", "--out", str(tmp_path), "--threads", "1", "--steps", "1", "--prompts", "2",
+                "--group", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-every", "1"])
+    printed = capsys.readouterr().out
+    assert "model " + TINY_DIR in printed and f"δ={TINY_RUN['delta']}" in printed
+    assert "ε = 0.5 (greedy top-K)" in printed and "peak-KV reduction" in printed
+    steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
+    assert tasks.run_defaults(str(tmp_path / "checkpoint"))["prompt"] == "tiny"
+
+
+def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
+    """--interoception --blind-tag, the control of §5.3's comparison: the groups draw the same ε
+    as under --interoception, and the prompts have the same length and differ only where the
+    tag states the rate ("-" instead of the rate's number)."""
+    seen = {}
+
+    def spy(model, prompts, sampling, eviction=None, rates=None, **kw):
+        seen[run] = prompts, rates
+        return rollout(model, prompts, replace(sampling, max_new_tokens=4), eviction, rates=rates, **kw)
+
+    monkeypatch.setattr(train, "rollout", spy)
+    for run, flags in (("rate", []), ("blind", ["--blind-tag"])):
+        train.main(["--out", str(tmp_path / run), "--threads", "1", "--steps", "1", "--prompts", "4", "--group", "2",
+                    "--eval-every", "0", "--save-every", "0", "--interoception", *flags])
+    (tagged, rates), (blind, blind_rates) = seen["rate"], seen["blind"]
+    assert rates is not None and torch.equal(rates, blind_rates) and len(set(rates.tolist())) > 1
+    tok = load_tokenizer(TINY_DIR)
+    for a, b, rate in zip(tagged, blind, rates.tolist()):
+        changed = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        assert len(a) == len(b) and changed == [len(a) - 3]  # <eviction_rate> RATE % </eviction_rate>
+        assert tok.decode([a[-3]]) == str(round(100 * rate)) and tok.decode([b[-3]]) == "-"
+
+
+# ---------------------------------------------------------------------------------------
+# make_tiny.py --task math: word-problem traces and the shipped tiny-math/ model (the math
+# pipeline of §5.4 in miniature)
+
+
+TINY_MATH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-math")
+SHELF = mt.Problem("A shelf has 8 rows of 12 books. Mia adds 37 more books. How many books are on the shelf?", "133")
+
+
+def test_math_trace_example():
+    assert make_tiny.math_trace(SHELF) == (
+        "1 : 12 , 2 : 24 , 3 : 36 , 4 : 48 , 5 : 60 , 6 : 72 , 7 : 84 , 8 : 96 , so 96 books . "
+        "96 + 37 : 6 + 7 = 13 , 90 + 30 + 10 = 130 , 130 + 3 = 133 . \\boxed { 133 }")
+    apples = mt.Problem("Tom has 8 boxes of 12 apples and gives away 37 apples. How many apples are left?", "59")
+    assert make_tiny.math_trace(apples).endswith(
+        "so 96 apples . 96 - 37 : 16 - 7 = 9 , 90 - 10 - 30 = 50 , 50 + 9 = 59 . \\boxed { 59 }")
+    with pytest.raises(ValueError, match="not one of mathtask.TEMPLATES"):
+        make_tiny.math_trace(mt.Problem("What is 2 + 3?", "5"))
+
+
+def _column_result(x, y, text):
+    """Check a column sum step by step and return its result: each step `p op q [op r] = s` is
+    right, the units line starts from x's units digit (+ 10 when it borrows) and takes y's, the
+    last line adds the tens line's result and the units line's units digit."""
+    steps = []
+    for step in text.split(" , "):
+        left, right = step.split(" = ")
+        words = left.split()
+        value = int(words[0])
+        for op, n in zip(words[1::2], words[2::2]):
+            value = value + int(n) if op == "+" else value - int(n)
+        assert value == int(right) >= 0, step
+        steps.append((words, value))
+    (first, units), (_, tens), (last, result) = steps
+    assert int(first[0]) in (x % 10, x % 10 + 10) and int(first[2]) == y % 10, text
+    assert last == [str(tens), "+", str(units % 10)], text
+    return result
+
+
+@pytest.mark.parametrize("op", ["+", "-"])
+def test_columns_add_and_subtract(op):
+    for x in range(0, 300, 7):
+        for y in range(0, x + 1, 3):
+            assert _column_result(x, y, make_tiny.columns(x, op, y)) == (x + y if op == "+" else x - y), (x, op, y)
+    with pytest.raises(AssertionError):  # the control: a dropped carry is caught
+        _column_result(96, 37, make_tiny.columns(96, "+", 37).replace(" + 10 = 130", " = 130"))
+
+
+def test_math_traces_decode_to_reward_one():
+    """Every demo template, 400 problems: trace ids + EOS decode (joined with spaces, specials
+    skipped) to a completion whose last \\boxed{...} is the answer; no word is <unk>."""
+    tok = build_tokenizer(make_tiny.MATH_WORDS)
+    unk, eos = tok.token_to_id("<unk>"), tok.token_to_id("<eos>")
+    problems, _ = mt.demo_splits(5, 400, 1)
+    assert {u for p in problems for u in make_tiny.MATH_LAST_STEP if f" {u}" in p.question} == set(make_tiny.MATH_LAST_STEP)
+    for p in problems:
+        ids = tok.encode(make_tiny.math_trace(p)).ids
+        assert unk not in ids and len(ids) == len(make_tiny.math_trace(p).split())
+        completion = tok.decode(ids + [eos], skip_special_tokens=True)
+        assert completion == make_tiny.math_trace(p) and mt.reward(completion, p) == 1.0
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda t: t.replace("{ 133 }", "{ 134 }"),  # wrong answer
+    lambda t: t.replace(" }", ""),  # the box never closes
+    lambda t: t[: t.index("\\boxed")],  # truncated before the box
+    lambda t: t.replace("\\boxed", "boxed"),  # no box
+])
+def test_corrupted_math_trace_scores_zero(corrupt):
+    t = make_tiny.math_trace(SHELF)
+    assert mt.reward(t, SHELF) == 1.0
+    bad = corrupt(t)
+    assert bad != t and mt.reward(bad, SHELF) == 0.0
+
+
+def test_math_prompts_are_mathtask_encode_without_unk():
+    """The prompts pretraining sees are mathtask.encode's (the plain fallback: this vocabulary has
+    no R1 chat tokens), one token per word, none <unk>, for every demo problem; the targets start
+    at the first trace token. Control: a word outside the demo questions is <unk>."""
+    tok = build_tokenizer(make_tiny.MATH_WORDS)
+    unk = tok.token_to_id("<unk>")
+    train_set, test_set = mt.demo_splits(0, 2000, 200)
+    for p in train_set + test_set:
+        ids = mt.encode(tok, p)
+        assert unk not in ids and ids == tok.encode(mt.prompt_text(p)).ids
+        assert tok.decode(ids) == " ".join(mt.prompt_text(p).split())
+    assert unk in mt.encode(tok, mt.Problem("A farmer has 3 cows.", "3"))
+    by_prompt = {tuple(mt.encode(tok, p)): p for p in train_set[:40]}
+    for x, y in make_tiny.batches(tok, train_set[:40], random.Random(0), 40, 8, make_tiny.math_example):
+        for row, target in zip(x.tolist(), y.tolist()):
+            start = next(i for i, v in enumerate(target) if v != -100) + 1  # the first completion token
+            completion = tok.decode([v for v in target if v != -100], skip_special_tokens=True)
+            assert mt.reward(completion, by_prompt[tuple(row[:start])]) == 1.0
+
+
+def _build_small_math(out, seed):
+    make_tiny.main(["--task", "math", "--out", str(out), "--seed", str(seed), "--steps", "3", "--warmup", "1",
+                    "--batch", "8", "--micro", "4", "--d", "32", "--layers", "1", "--heads", "2", "--ffn", "64",
+                    "--train-problems", "300", "--n-test", "2", "--max-new-tokens", "16"])
+    return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
+
+
+def test_make_tiny_math_rebuilds_bit_for_bit(tmp_path, capsys):
+    """make_tiny.py --task math in miniature: one seed writes the same four files byte for byte,
+    another seed other weights (the control); ngc.json is the math run's."""
+    first, again, other = (_build_small_math(tmp_path / name, seed) for name, seed in [("a", 0), ("b", 0), ("c", 1)])
+    assert sorted(first) == ["config.json", "model.safetensors", "ngc.json", "tokenizer.json"]
+    assert first == again
+    assert other["model.safetensors"] != first["model.safetensors"]
+    assert json.loads(first["ngc.json"]) == make_tiny.MATH_RUN
+    assert not any(p.name.endswith((".tmp", ".old")) for p in tmp_path.iterdir())
+    assert "final loss" in capsys.readouterr().out
+
+
+def test_shipped_tiny_math_model_solves_and_eviction_hurts():
+    """tiny-math/ loads through from_pretrained, is small, and solves most of 16 held-out demo
+    problems greedily from mathtask.encode's prompts; evicting half the cache every δ tokens
+    with its untrained scores (ngc.json's δ, b, w) solves fewer."""
+    model, tok = from_pretrained(TINY_MATH_DIR), load_tokenizer(TINY_MATH_DIR)
+    cfg = model.config
+    assert cfg.vocab_size == tok.get_vocab_size() and cfg.eos_ids == [tok.token_to_id("<eos>")]
+    assert sum(os.path.getsize(os.path.join(TINY_MATH_DIR, f)) for f in os.listdir(TINY_MATH_DIR)) < 8e6
+    with open(os.path.join(TINY_MATH_DIR, "ngc.json")) as f:
+        run = json.load(f)
+    assert run == make_tiny.MATH_RUN
+    defaults = tasks.run_defaults(TINY_MATH_DIR)  # every key is one of train.py's settings
+    assert defaults["task"] == "math" and {k: defaults[k] for k in run} == run
+    _, test = mt.demo_splits(0, 1, 200)
+    test = test[:16]  # held out: the first problems of the seed's stream never reach pretraining
+    sampling = Sampling(max_new_tokens=run["max_new_tokens"], greedy=True)
+    full = evaluation.roll_out_and_score(model, tok, test, sampling, None, encode=mt.encode, reward_fn=mt.reward)
+    assert full["reward"].sum() >= 13, full["texts"]
+    evicted = evaluation.roll_out_and_score(model, tok, test, sampling, Eviction(run["delta"], run["block"], run["window"], 0.5, greedy=True),
+                          encode=mt.encode, reward_fn=mt.reward)
+    assert evicted["reward"].sum() <= full["reward"].sum() - 4, evicted["texts"]
+
+
+def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
+    """README's CPU demonstration: `train.py --task math --model tiny-math` on the demo set, shrunk
+    to one small step and one evaluation, runs with tiny-math/ngc.json's recipe."""
+    mt.make_demo(tmp_path / "data", n_train=16, n_test=4)
+    model = os.path.join(os.path.dirname(train.__file__), "tiny-math")
+    train.main(["--model", model, "--out", str(tmp_path / "run"), "--threads", "1", "--steps", "1", "--prompts", "2",
+                "--group", "2", "--data", str(tmp_path / "data" / "train.jsonl"),
+                "--eval-data", str(tmp_path / "data" / "test.jsonl"), "--eval-every", "1"])
+    out = capsys.readouterr().out
+    assert "NGC on math" in out and "δ=32" in out and "ε = 0.5 (greedy top-K)" in out
+    assert tasks.run_defaults(str(tmp_path / "run" / "checkpoint"))["task"] == "math"

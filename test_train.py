@@ -1,0 +1,407 @@
+"""Training (train.py, rundir.py): one step in each mode, resume, the checkpoint swap, signals,
+the log, bad input, the math task and --meta-token end to end."""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval as evaluation
+import rundir
+import tasks
+import make_tiny
+import mathtask as mt
+import train
+
+from checkpoint import META_TOKEN, add_meta_token, from_pretrained, load_tokenizer
+from ngc import rollout
+from conftest import SIGNAL_RUN, TRAIN_DEFAULTS, parity_reward, run_train, save_small_checkpoint, wait_for_log_lines
+
+
+# ---------------------------------------------------------------------------------------
+# Modes and resume
+
+
+@pytest.mark.parametrize("mode", list(train.MODES))
+def test_one_training_step_in_each_mode(train_ckpt, tmp_path, mode):
+    before = from_pretrained(train_ckpt).state_dict()
+    flags = ["--mode", mode, "--steps", "1", "--term-grad-norms"] + (["--eval-every", "1"] if mode == "ngc" else [])
+    log = run_train(train_ckpt, tmp_path, *flags)
+    step = [r for r in log if "eval" not in r][0]
+    assert list(step) == rundir.STEP_KEYS  # one schema for every step record
+    assert math.isfinite(step["L_token"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
+    assert step["grad_norm_token"] > 0
+    if mode == "ngc":
+        assert math.isfinite(step["L_mem"]) and step["L_mem"] != 0 and step["grad_norm_mem"] > 0
+        assert step["rounds"] > 0 and len([r for r in log if "eval" in r]) == 2
+    else:
+        assert step["L_mem"] is None and step["grad_norm_mem"] is None
+    assert (step["rounds"] > 0) == (mode != "no-evict")
+    after = from_pretrained(os.path.join(tmp_path, "checkpoint")).state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before)  # every tensor moved (Adam's first step is ±lr everywhere)
+
+
+def test_resume_continues_exactly(train_ckpt, tmp_path):
+    straight = run_train(train_ckpt, tmp_path / "a", "--steps", "2")
+    run_train(train_ckpt, tmp_path / "b", "--steps", "1")
+    resumed = run_train(train_ckpt, tmp_path / "b", "--steps", "2", "--resume", str(tmp_path / "b"))
+    assert [r["step"] for r in resumed] == [0, 1]
+    for key in ("reward", "L_token", "L_mem", "grad_norm", "response_len"):
+        assert abs(straight[1][key] - resumed[1][key]) < 1e-6, key
+    # Negative control: a different seed gives a different second step.
+    other = run_train(train_ckpt, tmp_path / "c", "--steps", "2", "--seed", "5")
+    assert abs(other[1]["L_token"] - straight[1]["L_token"]) > 1e-6
+
+
+# ---------------------------------------------------------------------------------------
+# Run directories and checkpoint saves
+
+
+def run_dir_state(path):
+    return {p.name: (p.read_bytes() if p.is_file() else sorted(q.name for q in p.iterdir())) for p in path.iterdir()}
+
+
+def test_a_new_run_never_overwrites_another(train_ckpt, tmp_path):
+    run_train(train_ckpt, tmp_path, "--steps", "1")
+    before = run_dir_state(tmp_path)
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path, "--steps", "1")
+    assert "already holds a run" in str(err.value) and "--resume" in str(err.value) and "\n" not in str(err.value)
+    assert run_dir_state(tmp_path) == before  # nothing touched
+    with pytest.raises(SystemExit) as err:  # --resume continues in place; another --out is refused
+        train.main(["--resume", str(tmp_path), "--out", str(tmp_path / "elsewhere")])
+    assert "drop --out" in str(err.value) and not (tmp_path / "elsewhere").exists()
+    log = run_train(train_ckpt, tmp_path, "--steps", "1", "--seed", "3", "--overwrite")
+    assert [r["step"] for r in log] == [0] and run_dir_state(tmp_path) != before
+
+
+def test_a_kill_at_any_point_of_the_checkpoint_swap_leaves_a_checkpoint(train_ckpt, tmp_path, monkeypatch):
+    """Kill the save before each rename (file or directory) it makes and before it deletes the old
+    copy: resume then finds a complete checkpoint (the old step or the new one), and the next save
+    works and leaves nothing behind."""
+    class Killed(Exception):
+        pass
+
+    real_replace, calls = os.replace, []
+    monkeypatch.setattr(os, "replace", lambda a, b: calls.append((a, b)) or real_replace(a, b))
+    save_small_checkpoint(train_ckpt, tmp_path / "count", step=1)
+    monkeypatch.undo()
+    n_renames = len(calls)
+    assert n_renames >= 5  # the files of the model directory, then the two directory renames
+    for kill_at in range(n_renames + 2):  # the last two: killed after the last rename, before/while deleting
+        run = tmp_path / f"kill{kill_at}"
+        save_small_checkpoint(train_ckpt, run, step=1, scale=1.0)
+        count = iter(range(10 ** 6))
+
+        def dying_replace(a, b):
+            if next(count) == kill_at:
+                raise Killed
+            real_replace(a, b)
+
+        def dying_rmtree(path, ignore_errors=False):
+            if os.path.exists(path):
+                if kill_at == n_renames + 1:  # half deleted
+                    next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+                raise Killed
+
+        monkeypatch.setattr(os, "replace", dying_replace)
+        monkeypatch.setattr(rundir.shutil, "rmtree", dying_rmtree)
+        with pytest.raises(Killed):
+            save_small_checkpoint(train_ckpt, run, step=2, scale=2.0)
+        monkeypatch.undo()
+        state = rundir.load_trainer_state(str(run))  # resume's first move: recover, then read
+        back = from_pretrained(str(run / "checkpoint"))
+        assert state["step"] in (1, 2)
+        expected = 2.0 if state["step"] == 2 else 1.0
+        assert torch.equal(back.lm_head.weight, from_pretrained(train_ckpt).lm_head.weight * expected)
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoint"]
+        save_small_checkpoint(train_ckpt, run, step=3)
+        assert rundir.load_trainer_state(str(run))["step"] == 3 and sorted(p.name for p in run.iterdir()) == ["checkpoint"]
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(train_ckpt, tmp_path, monkeypatch):
+    real, calls = rundir.save_pretrained, []
+
+    def full_disk(model, path, state=None):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real(model, path, state)
+
+    monkeypatch.setattr(rundir, "save_pretrained", full_disk)
+    with pytest.raises(SystemExit) as err:  # step 1 saves, the final save at step 2 fails
+        run_train(train_ckpt, tmp_path, "--steps", "2", "--save-every", "1")
+    assert "could not save" in str(err.value) and "No space left" in str(err.value) and "\n" not in str(err.value)
+    assert rundir.load_trainer_state(str(tmp_path))["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "log.jsonl"]
+
+
+# ---------------------------------------------------------------------------------------
+# Signals and the log
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckpt, tmp_path, sig, code):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run),
+                             "--threads", "1", "--steps", "200"], cwd=os.path.dirname(train.__file__),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_log_lines(run / "log.jsonl", 2)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, out
+    assert "Traceback" not in out and f"continue with --resume {run}" in out
+    saved = rundir.load_trainer_state(str(run))["step"]
+    logged = [r["step"] for r in rundir.read_log(str(run / "log.jsonl"))]
+    assert 2 <= saved < 200 and logged == list(range(saved))  # the checkpoint and the log agree
+    resumed = run_train(train_ckpt, run, "--resume", str(run), "--steps", str(saved + 2))
+    straight = run_train(train_ckpt, tmp_path / "straight", "--steps", str(saved + 2))
+    assert len(resumed) == len(straight) == saved + 2
+    for a, b in zip(resumed, straight):
+        for key in ("reward", "L_token", "L_mem", "response_len"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+
+
+def test_resume_drops_a_cut_last_log_line_and_refuses_a_bad_middle_one(train_ckpt, tmp_path, capsys):
+    run_train(train_ckpt, tmp_path, "--steps", "1", "--save-every", "1")
+    log = tmp_path / "log.jsonl"
+    log.write_text(log.read_text() + '{"step": 1, "rew')  # a crash in the middle of a write
+    resumed = run_train(train_ckpt, tmp_path, "--resume", str(tmp_path), "--steps", "2")
+    assert [r["step"] for r in resumed] == [0, 1] and "unfinished last line" in capsys.readouterr().out
+    log.write_text("garbage\n" + log.read_text())
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path, "--resume", str(tmp_path), "--steps", "3")
+    assert "log.jsonl line 1 is not JSON" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_log_is_strict_json_and_plain_lines_without_a_terminal(train_ckpt, tmp_path, capsys):
+    """Not a terminal (pytest captures): no progress bars, one plain line per step and per
+    evaluation; every log record parses as strict JSON (no NaN) with the step schema."""
+    run_train(train_ckpt, tmp_path, "--steps", "2", "--eval-every", "1", "--eval-problems", "2")
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "\x1b" not in out + err and "it/s" not in err
+    assert [line.split(" |")[0] for line in out.splitlines() if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    assert sum(line.startswith("eval @ step") for line in out.splitlines()) == 3
+
+    def no_constants(name):
+        raise ValueError(f"{name} in log")
+
+    records = [json.loads(line, parse_constant=no_constants) for line in open(tmp_path / "log.jsonl")]
+    assert [list(r) for r in records if "eval" not in r] == [rundir.STEP_KEYS] * 2
+    assert rundir.json_safe({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.5}) == {"a": None, "b": {"c": None},
+                                                                                         "d": 1.5}
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input, and --help
+
+
+def break_file(path, how):
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        path.write_text(how)
+
+
+BAD_TRAIN_FLAGS = [
+    (["--stage-steps", "0"], "--stage-steps 0 must be at least 1"), (["--train-problems", "0"], "at least 1"),
+    (["--micro-batch", "0"], "--micro-batch 0 must be at least 1"), (["--max-new-tokens", "0"], "at least 1"),
+    (["--temperature", "0"], "--temperature 0.0 must be positive"), (["--eval-rate", "1.5"], "must lie in (0, 1]"),
+    (["--eval-batch", "0"], "at least 1"), (["--lr", "-1"], "--lr -1.0 must be positive"),
+    (["--steps", "-3"], "--steps -3 must be at least 1"), (["--eval-problems", "0"], "at least 1"),
+    (["--device", "foo"], "--device 'foo' is not a device"), (["--retention", "0.9,x"], "comma-separated numbers"),
+    (["--eviction-rate", "1.5"], "must lie in"), (["--delta", "2"], "larger than the window"),
+    (["--group", "1"], "--group"), (["--beta2", "1"], "must lie in [0, 1)"), (["--threads", "0"], "at least 1"),
+    (["--steps", "x"], "invalid int value"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA GPU is visible")])
+BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
+             ("model.safetensors", "truncated", "not a readable safetensors file"),
+             ("tokenizer.json", "{not json", "not a readable tokenizer"),
+             ("config.json", "{not json", "config.json is not valid JSON"),
+             ("config.json", '{"model_type": "qwen2", "vocab_size": 96}', "config.json lacks hidden_size"),
+             ("ngc.json", "[1, 2", "ngc.json is not valid JSON")]
+
+
+@pytest.mark.parametrize("flags, message", BAD_TRAIN_FLAGS, ids=[" ".join(f) for f, _ in BAD_TRAIN_FLAGS])
+def test_bad_training_flags_fail_with_one_line_and_create_nothing(train_ckpt, tmp_path, flags, message):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", train_ckpt, "--out", str(out), *flags])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("file, how, message", BAD_FILES, ids=[f"{f} {h[:9]}" for f, h, _ in BAD_FILES])
+def test_broken_checkpoint_files_fail_with_one_line_and_create_nothing(train_ckpt, tmp_path, file, how, message):
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(train_ckpt, model)
+    break_file(model / file, how)
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", str(model), "--out", str(out)])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_bad_resume_and_run_dirs_fail_with_one_line(train_ckpt, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    run_train(train_ckpt, tmp_path / "run", "--steps", "1")
+    break_file(tmp_path / "run" / "checkpoint" / "trainer.pt", "truncated")
+    for argv, message in [(["--model", train_ckpt, "--out", str(a_file)], "is a file"),
+                          (["--resume", str(tmp_path / "none")], "nothing to resume"),
+                          (["--resume", str(tmp_path / "run")], "trainer.pt is unreadable"),
+                          (["--model", str(tmp_path / "none")], "no config.json")]:
+        with pytest.raises(SystemExit) as err:
+            train.main(argv)
+        assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_help_shows_the_checkpoints_defaults(train_ckpt, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", train_ckpt, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {TRAIN_DEFAULTS['delta']})" in text and "(default 0.75,0.5)" in text  # ngc.json's, not the paper's
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    assert f"(default {make_tiny.TINY_RUN['steps']})" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------
+# The math task (§5.4) through train.py and eval.py
+
+
+def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monkeypatch):
+    """`train.py --task math` on the demo set in DAPO's layout: the paper's math recipe underneath
+    (here shrunk), one step with the boxed-answer reward and the min-length penalty, an evaluation;
+    `eval.py --task math` then gives pass@k for NGC and a baseline."""
+    mt.make_demo(tmp_path / "data", n_train=8, n_test=3)
+    data, held_out = str(tmp_path / "data" / "train.jsonl"), str(tmp_path / "data" / "test.jsonl")
+    d = tasks.run_defaults(train_ckpt, "math")
+    assert (d["delta"], d["max_new_tokens"], d["prompts"], d["group"], d["steps"]) == (8, 24, 2, 4, 469)  # ngc.json wins
+    assert (tasks.MATH["delta"], tasks.MATH["min_length"], tasks.MATH["top_k"], tasks.MATH["beta2"]) == (350, 350, 0, 0.999)
+    calls = []
+    monkeypatch.setitem(tasks.TASK_REWARD, "math", lambda text, p: calls.append(p) or float(sum(map(ord, text)) % 2))
+    log = run_train_task(train_ckpt, tmp_path / "run", "--task", "math", "--data", data, "--eval-data", held_out,
+                         "--steps", "1", "--eval-every", "1", "--min-length", "20")
+    step = [r for r in log if "eval" not in r][0]
+    assert isinstance(calls[0], mt.Problem) and step["L_mem"] is not None
+    assert json.loads((tmp_path / "run" / "checkpoint" / "ngc.json").read_text())["task"] == "math"
+    monkeypatch.setattr(evaluation, "rollout", counting_rollout(seen := []))
+    evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
+             "--out", str(tmp_path / "math.jsonl")])
+    rows = [json.loads(line) for line in (tmp_path / "math.jsonl").read_text().splitlines()]
+    assert [r["policy"] for r in rows] == ["none", "ngc", "knorm"] and all(set(r["pass_at_k"]) == {"1", "2"} for r in rows)
+    s = seen[0]
+    assert (s.temperature, s.top_p, s.max_new_tokens) == (0.6, 0.95, 3850)  # the paper's math evaluation
+
+
+def run_train_task(ckpt, out, *flags):
+    train.main(["--model", ckpt, "--out", str(out), "--threads", "1", *flags])
+    return rundir.read_log(os.path.join(out, "log.jsonl"))
+
+
+def counting_rollout(seen):
+    def wrapped(model, prompts, sampling, eviction=None, **kw):
+        seen.append(sampling)
+        return rollout(model, prompts, replace(sampling, max_new_tokens=8), eviction, **kw)
+    return wrapped
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--task", "math"], "--task math reads its problems from files"),
+    (["--task", "math", "--data", "/no/such.jsonl", "--eval-every", "0"], "no such file: /no/such.jsonl"),
+    (["--task", "math", "--data", "x.jsonl", "--eval-every", "0", "--interoception"], "has no such tag"),
+    (["--top-p", "0"], "--top-p 0.0 must lie in (0, 1]"),
+    (["--blind-tag"], "add --interoception")])
+def test_bad_math_flags_fail_with_one_line(train_ckpt, tmp_path, flags, message):
+    with pytest.raises(SystemExit) as err:
+        train.main(["--model", train_ckpt, "--out", str(tmp_path / "run"), *flags])
+    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------
+# --meta-token (Appendix)
+
+
+def test_train_meta_token_saves_g_and_eval_forces_it(train_ckpt, tmp_path, monkeypatch):
+    """--meta-token: g is added at load, forced in the training and held-out rollouts, saved with the
+    checkpoint (model, tokenizer, ngc.json), and eval.py forces it from the checkpoint's setting.
+    A second load leaves the (possibly trained) row alone. Control: without the flag, no g anywhere."""
+    seen = []
+
+    def recording(model, prompts, sampling, eviction=None, **kw):
+        ro = rollout(model, prompts, sampling, eviction, **kw)
+        seen.append((sampling.meta_token, eviction is not None, bool(ro.forced.any())))
+        return ro
+
+    monkeypatch.setattr(train, "rollout", recording)
+    monkeypatch.setattr(evaluation, "rollout", recording)
+    run_train(train_ckpt, tmp_path / "run", "--meta-token", "--steps", "1", "--eval-every", "1")
+    out = str(tmp_path / "run" / "checkpoint")
+    back, tok = from_pretrained(out), load_tokenizer(out)
+    g = tok.token_to_id(META_TOKEN)
+    assert g == 96 and back.config.vocab_size == 97 and json.loads(Path(out, "ngc.json").read_text())["meta_token"]
+    assert all(meta == g for meta, _, _ in seen) and len(seen) == 5  # eval (full, ε), step, eval (full, ε)
+    assert all(forced == evicting for _, evicting, forced in seen)
+    row = back.model.embed_tokens.weight[g].clone()
+    assert add_meta_token(back, tok) == g and torch.equal(back.model.embed_tokens.weight[g], row)
+    seen.clear()
+    evaluation.main(["--model", out, "--policy", "none", "ngc", "--problems", "2"])
+    assert [meta for meta, _, _ in seen] == [g, g] and seen[1][2]
+    seen.clear()
+    run_train(train_ckpt, tmp_path / "plain", "--steps", "1")
+    assert seen and all(meta is None and not forced for meta, _, forced in seen)
+    assert load_tokenizer(str(tmp_path / "plain" / "checkpoint")).token_to_id(META_TOKEN) is None
+
+
+# ---------------------------------------------------------------------------------------
+# Failures a user meets: one line, nothing lost
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_finite_checkpoint(train_ckpt, tmp_path):
+    """A learning rate far too high: the first update (finite gradients) wrecks the model, whose
+    logits are then NaN. The next step stops the run with one line naming it, before any update,
+    and the checkpoint of step 1 (finite weights) stays; the control at a sane rate runs on."""
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path / "run", "--steps", "4", "--lr", "1e30", "--save-every", "1")
+    message = str(err.value)
+    assert message.startswith("error: training diverged at step 2 (") and "\n" not in message
+    assert "the checkpoint of step 1 is kept" in message and "lower --lr" in message
+    assert rundir.load_trainer_state(str(tmp_path / "run"))["step"] == 1
+    back = from_pretrained(str(tmp_path / "run" / "checkpoint"))
+    assert all(torch.isfinite(p).all() for p in back.parameters())
+    assert [r["step"] for r in rundir.read_log(str(tmp_path / "run" / "log.jsonl"))] == [0]
+    log = run_train(train_ckpt, tmp_path / "sane", "--steps", "4", "--save-every", "1")  # the control
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
+
+
+def test_weights_that_are_not_finite_are_never_saved(train_ckpt, tmp_path):
+    m = from_pretrained(train_ckpt)
+    c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(tmp_path / "run")]))
+    opt, tok = train.make_optimizer(m, c), load_tokenizer(train_ckpt)
+    rundir.save_checkpoint(str(tmp_path / "run"), m, opt, tok, train_ckpt, 1, tasks.as_settings(c))
+    with torch.no_grad():
+        m.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(rundir.Diverged, match="after step 2 are not finite"):
+        rundir.save_checkpoint(str(tmp_path / "run"), m, opt, tok, train_ckpt, 2, tasks.as_settings(c))
+    assert rundir.load_trainer_state(str(tmp_path / "run"))["step"] == 1
+
+
+def test_a_resume_with_other_settings_says_which(train_ckpt, tmp_path, capsys):
+    run_train(train_ckpt, tmp_path, "--steps", "1")
+    capsys.readouterr()
+    train.main(["--resume", str(tmp_path), "--steps", "2", "--lr", "2e-3", "--threads", "1"], reward_fn=parity_reward)
+    out = capsys.readouterr().out
+    assert "note: resuming at step 1 with changed settings: steps 1 → 2, lr 0.001 → 0.002" in out
+    train.main(["--resume", str(tmp_path), "--threads", "1"], reward_fn=parity_reward)  # the control: no change
+    assert "changed settings" not in capsys.readouterr().out
