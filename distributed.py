@@ -5,6 +5,7 @@ gradients are then averaged across processes, so one step equals the single-proc
 all the rollouts. Held-out evaluation splits the problems across processes the same way. With
 one process every function here is a no-op.
 """
+import atexit
 import contextlib
 import os
 
@@ -47,6 +48,7 @@ def start(device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    atexit.register(stop)  # on every exit (errors and signals too): a live group torn down at exit can abort
 
 
 def stop():

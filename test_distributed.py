@@ -47,6 +47,7 @@ opt.step()
 params, _ = distributed.full_state(model, opt)
 if rank == 0:
     torch.save({"grads": grads, "params": list(params.values())}, out)
+dist.destroy_process_group()  # before exit: tearing a live Gloo group down at exit can abort the process
 """
 
 
