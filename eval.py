@@ -195,7 +195,6 @@ def plot(rows, path):
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=150)
-    plt.close(fig)
 
 
 def main(argv=None):

@@ -33,8 +33,10 @@ def write_jsonl(path: str, rows):
 
 
 def save_figure(fig, path: str, dpi: int):
-    """A matplotlib figure as PNG."""
+    """A matplotlib figure as PNG; the figure is closed."""
+    import matplotlib.pyplot as plt  # only a caller with a figure gets here: matplotlib is installed
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    plt.close(fig)
 
 
 # A directory (a checkpoint) is replaced by a swap that keeps a complete copy at every instant:

@@ -187,7 +187,6 @@ def curves(out, names, seeds, path):
     axes[0].legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
-    plt.close(fig)
 
 
 def accuracy_vs_rate(curves_by_label, path):
@@ -203,7 +202,6 @@ def accuracy_vs_rate(curves_by_label, path):
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
-    plt.close(fig)
 
 
 def smooth(xs, n=5):

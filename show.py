@@ -171,7 +171,6 @@ def render_png(problems, runs: dict, path: str):
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 12), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     save_figure(fig, path, dpi=150)
-    plt.close(fig)
 
 
 def main(argv=None):
