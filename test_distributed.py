@@ -26,7 +26,7 @@ def torchrun(tmp_path, *args, nproc=2, timeout=240):
 
 
 DDP_STEP = """
-import sys, torch, torch.distributed as dist, distributed, train
+import os, sys, torch, torch.distributed as dist, distributed, train
 from checkpoint import from_pretrained
 ckpt, rollouts, out, reduce = sys.argv[1:]
 dist.init_process_group("gloo")
@@ -47,7 +47,12 @@ opt.step()
 params, _ = distributed.full_state(model, opt)
 if rank == 0:
     torch.save({"grads": grads, "params": list(params.values())}, out)
-dist.destroy_process_group()  # before exit: tearing a live Gloo group down at exit can abort the process
+# Leave without Python's teardown: a Gloo group (and FSDP's references to it) torn down during
+# interpreter finalization can abort the process (SIGABRT, "terminate called without an active
+# exception"); torchrun then kills the other rank and the run fails. rank 0's file is written.
+dist.destroy_process_group()
+sys.stdout.flush(), sys.stderr.flush()
+os._exit(0)
 """
 
 
