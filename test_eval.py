@@ -398,3 +398,22 @@ def test_the_demo_set_refuses_a_folder_that_cannot_be_created(tmp_path):
     out = subprocess.run([sys.executable, "mathtask.py", "--make-demo", str(tmp_path / "a-file" / "d")],
                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
     assert out.returncode == 1 and len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: cannot create")
+
+
+def test_cli_evaluates_another_layout_than_the_runs(train_ckpt, monkeypatch):
+    """--delta, --block and --window replace the run's δ, b and w (its ngc.json) for every policy;
+    without them the rollouts use the run's own (the control)."""
+    seen = []
+
+    def spy(model, prompts, sampling, eviction=None, **kw):
+        seen.append(None if eviction is None else (eviction.delta, eviction.block, eviction.window))
+        return rollout(model, prompts, sampling, eviction, **kw)
+
+    monkeypatch.setattr(evaluation, "rollout", spy)
+    flags = ["--model", train_ckpt, "--policy", "ngc", "knorm", "--problems", "2"]
+    evaluation.main(flags + ["--delta", "9", "--block", "3", "--window", "2"])
+    assert seen == [None, (9, 3, 2), (9, 3, 2)]  # the full-cache reference, then each policy
+    seen.clear()
+    evaluation.main(flags)
+    run = (TRAIN_DEFAULTS["delta"], TRAIN_DEFAULTS["block"], TRAIN_DEFAULTS["window"])
+    assert seen == [None, run, run] and run != (9, 3, 2)
