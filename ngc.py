@@ -239,8 +239,9 @@ def decode_state(model: Qwen2, batch: int, capacity: int, w: int, dtype, device,
     """A KVCache of `capacity` slots per row and a QueryWindow of w queries (None if w = 0)."""
     cfg = model.config
     cache = KVCache(cfg, batch, capacity, dtype, device, tight)
-    window = QueryWindow(cfg.num_hidden_layers, batch, w, cfg.num_attention_heads, cfg.head_dim, dtype, device)
-    return cache, window if w else None
+    L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
+    window = QueryWindow(L, batch, w, H, D, dtype, device) if w else None
+    return cache, window
 
 
 @torch.no_grad()
