@@ -126,7 +126,7 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
 
 
 STEP_KEYS = ["step", "reward", "accuracy", "eps", "response_len", "rounds", "L_token", "L_mem", "grad_norm",
-             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "tokens_per_s"]
+             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "tokens_per_s", "zero_adv_groups"]
 
 
 def json_safe(value):

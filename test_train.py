@@ -37,16 +37,32 @@ def test_one_training_step_in_each_mode(train_ckpt, tmp_path, mode):
     step = [r for r in log if "eval" not in r][0]
     assert list(step) == rundir.STEP_KEYS  # one schema for every step record
     assert math.isfinite(step["L_token"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
-    assert step["grad_norm_token"] > 0
-    if mode == "ngc":
+    assert (step["grad_norm_token"] > 0) == (mode != "mem-only")  # mem-only logs L_token, follows only L_mem
+    assert 0 <= step["zero_adv_groups"] <= 1
+    if mode in ("ngc", "mem-only"):
         assert math.isfinite(step["L_mem"]) and step["L_mem"] != 0 and step["grad_norm_mem"] > 0
+    if mode == "ngc":
         assert step["rounds"] > 0 and len([r for r in log if "eval" in r]) == 2
-    else:
+    elif mode != "mem-only":
         assert step["L_mem"] is None and step["grad_norm_mem"] is None
     assert (step["rounds"] > 0) == (mode != "no-evict")
     after = from_pretrained(os.path.join(tmp_path, "checkpoint")).state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
-    assert len(changed) == len(before)  # every tensor moved (Adam's first step is ±lr everywhere)
+    if mode == "mem-only":  # L_mem reaches what feeds the scores (every q/k projection), not the final norm
+        assert "model.norm.weight" not in changed and all(k in changed for k in before if "q_proj" in k or "k_proj" in k)
+    else:
+        assert len(changed) == len(before)  # every tensor moved (Adam's first step is ±lr everywhere)
+
+
+def test_token_only_and_mem_only_follow_one_term_each_of_ngc(train_ckpt, tmp_path):
+    """Step 0 rolls out the same groups in all three modes, so token-only's gradient is ngc's
+    ∇L_token and mem-only's is ngc's ∇L_mem (which --term-grad-norms measures apart)."""
+    norms = {m: [r for r in run_train(train_ckpt, tmp_path / m, "--mode", m, "--steps", "1", "--group", "4",
+                                      "--term-grad-norms") if "eval" not in r][0] for m in ("ngc", "token-only", "mem-only")}
+    assert norms["ngc"]["zero_adv_groups"] < 1  # some group has a signal: the gradients are not all zero
+    assert norms["token-only"]["grad_norm"] == pytest.approx(norms["ngc"]["grad_norm_token"], rel=1e-4)
+    assert norms["mem-only"]["grad_norm"] == pytest.approx(norms["ngc"]["grad_norm_mem"], rel=1e-4)
+    assert norms["ngc"]["grad_norm_mem"] != pytest.approx(norms["ngc"]["grad_norm_token"], rel=1e-2)  # control
 
 
 def test_resume_continues_exactly(train_ckpt, tmp_path):

@@ -45,11 +45,13 @@ class Mode:
     evict: bool  # evict during rollouts
     replay_masks: bool  # token log-probs under the per-layer replay masks (else the plain causal mask)
     eviction_loss: bool  # add L_mem
+    token_loss: bool = True  # follow L_token (else it is only logged)
 
 
 MODES = {
     "ngc": Mode(evict=True, replay_masks=True, eviction_loss=True),
     "token-only": Mode(evict=True, replay_masks=True, eviction_loss=False),  # ablation: no L_mem
+    "mem-only": Mode(evict=True, replay_masks=True, eviction_loss=True, token_loss=False),  # diagnosis: no L_token
     "targeted-dropout": Mode(evict=True, replay_masks=False, eviction_loss=False),  # ablation: causal log-probs
     "no-evict": Mode(evict=False, replay_masks=False, eviction_loss=False),  # the full-cache upper bound
 }
@@ -139,9 +141,10 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     for rows, a in chunks:  # (padding has advantage 0: a zero gradient)
         with amp:
             l_token, l_mem, _ = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, n_total=len(adv))
-        if diag:
+        if diag and mode.token_loss:
             diag.add(l_token)
-        (l_token if l_mem is None else l_token + l_mem).backward()
+        loss = l_token if mode.token_loss else 0 * l_token  # (a graph still: with FSDP every backward runs)
+        (loss if l_mem is None else loss + l_mem).backward()
         l_token_sum += l_token.item()
         if l_mem is not None:  # None: no rollout of this micro-batch had a round, so L_mem adds 0
             l_mem_sum += l_mem.item()
@@ -199,7 +202,8 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     means = distributed.mean_over_processes(dict(
         reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(), rounds=ro.n_rounds.float().mean(),
         peak_kv=ro.peak_kv.float().mean(), tokens_per_s=n_new.sum() / t_rollout,
-        sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
+        sampled_logprob=ro.logprobs.sum(1).mean(),  # not finite: the model's logits are not (diverged)
+        zero_adv_groups=(adv.view(-1, G) == 0).all(1).float().mean()))  # groups that teach nothing
     means["tokens_per_s"] *= world  # all processes together
     return {"step": step, **means, "eps": eps, **losses, "grad_norm": grad_norm,
             "step_time": time.perf_counter() - t0}
@@ -372,7 +376,8 @@ def parse_args(argv=None):
     g.add_argument("--top-p", type=float, help="nucleus sampling, 1 disables it")
     g = p.add_argument_group("eviction (paper §4.1-4.3, §4.6)")
     g.add_argument("--mode", choices=list(MODES),
-                   help="ngc | token-only (no L_mem) | targeted-dropout (causal log-probs) | no-evict (full cache)")
+                   help="ngc | token-only (no L_mem) | mem-only (no L_token) | targeted-dropout (causal log-probs) | "
+                        "no-evict (full cache)")
     g.add_argument("--delta", type=int, help="δ: a round every δ tokens of a sequence")
     g.add_argument("--block", type=int, help="b: block size")
     g.add_argument("--window", type=int, help="w: scoring queries")
