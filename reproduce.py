@@ -4,9 +4,11 @@
     python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --limit         # and the limit study: three changes to the default recipe
+    python reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
 
 It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
-its own training and held-out problems, rollouts and evictions), each only if
+its own training and held-out problems, rollouts and evictions; with --data-seed fixed, only its
+own rollouts and evictions, so the spread across seeds is training's alone), each only if
 results/runs/<name>[-seed<k>] has not finished yet, then evaluates them with eval.py on the
 held-out problems:
 

@@ -13,7 +13,7 @@ from checkpoint import CheckpointError
 
 COUNTDOWN = dict(  # the paper's Countdown settings (§5.2, Table 1), for large models
     task="countdown", prompt="plain", difficulty="paper", train_problems=327_680, eval_problems=1024,
-    data=None, eval_data=None, question_field=None, answer_field=None, seed=0,
+    data=None, eval_data=None, question_field=None, answer_field=None, seed=0, data_seed=None,
     steps=250, prompts=32, group=16, max_new_tokens=1024, temperature=0.9, top_k=50, top_p=1.0,
     mode="ngc", delta=256, block=32, window=5,
     retention="0.9,0.8,0.7,0.6,0.5", stage_steps=25, alpha=0.6, eviction_rate=None,
@@ -64,12 +64,18 @@ def run_defaults(model_dir: str, task: str | None = None) -> dict:
     return {**RECIPES[task], **extra, "task": task}
 
 
+def data_seed(c) -> int:
+    """The seed of a run's problems and their order: --data-seed, else --seed (which always seeds
+    the rollouts and evictions)."""
+    return c.seed if getattr(c, "data_seed", None) is None else c.data_seed
+
+
 def load_problems(c):
-    """(training, held-out) problems of settings c: Countdown's are generated from the seed,
+    """(training, held-out) problems of settings c: Countdown's are generated from the data seed,
     math problems are read from --data and --eval-data."""
     if c.task == "countdown":
         difficulty = countdown.DIFFICULTIES[c.difficulty]
-        return countdown.splits(c.seed, c.train_problems, c.eval_problems, difficulty, unique=False)
+        return countdown.splits(data_seed(c), c.train_problems, c.eval_problems, difficulty, unique=False)
     train = mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems] if c.data else []
     test = mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data else []
     return train, test[: c.eval_problems]

@@ -10,8 +10,10 @@ import subprocess
 import sys
 import time
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 import countdown as cd
@@ -84,6 +86,18 @@ def test_splits_are_disjoint_distinct_and_reproducible():
     assert not train_keys & test_keys
     assert cd.splits(seed=0, n_train=20_000) == (train, test)
     assert cd.splits(seed=1, n_train=20_000)[1] != test
+
+
+def test_data_seed_fixes_the_problems_and_seed_alone_the_noise():
+    import tasks
+    import train
+    c = lambda **kw: SimpleNamespace(**{**tasks.COUNTDOWN, "difficulty": "tiny", "train_problems": 50,
+                                        "eval_problems": 20, **kw})
+    assert tasks.load_problems(c(seed=1, data_seed=0)) == tasks.load_problems(c(seed=2, data_seed=0))
+    assert tasks.load_problems(c(seed=0)) == tasks.load_problems(c(seed=5, data_seed=0))
+    assert tasks.load_problems(c(seed=1))[1] != tasks.load_problems(c(seed=1, data_seed=0))[1]  # control
+    noise = lambda seed: torch.rand(3, generator=train.step_generator(seed, 0, 0, "cpu"))
+    assert not torch.equal(noise(1), noise(2))  # the rollouts' noise follows --seed alone
 
 
 def test_tiny_splits_disjoint_even_with_repeats():

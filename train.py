@@ -35,7 +35,7 @@ from cli import parser
 from eval import before_after, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from tasks import RECIPES, TASK_REWARD, as_settings, check_settings, load_problems, prompt_encoder, run_defaults
+from tasks import RECIPES, TASK_REWARD, as_settings, check_settings, data_seed, load_problems, prompt_encoder, run_defaults
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -251,7 +251,7 @@ def main(argv=None, reward_fn=None):
         + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
         f"ε -> {eviction_rate_at(None, c):g}, steps {step}..{c.steps}, run dir {c.out}")
     train, test = load_problems(c)
-    train = [train[i] for i in torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed)).tolist()]
+    train = [train[i] for i in torch.randperm(len(train), generator=torch.Generator().manual_seed(data_seed(c))).tolist()]
     eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or eviction_rate_at(None, c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
@@ -358,7 +358,10 @@ def parse_args(argv=None):
                    help="under torchrun: shard the model, gradients and optimizer state across the processes (FSDP2) "
                         "instead of a whole copy each")
     g = p.add_argument_group("task and run")
-    g.add_argument("--seed", type=int, help="seed of the problems, the rollouts and the evictions")
+    g.add_argument("--seed", type=int, help="seed of the rollouts' tokens and evictions, and of the problems "
+                   "unless --data-seed is given")
+    g.add_argument("--data-seed", type=int, help="seed of the training and held-out problems and their order "
+                   "(default: --seed); fix it to compare seeds on one held-out set")
     g.add_argument("--steps", type=int, help="optimizer steps")
     g.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="prompt style")
     g.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES), help="problem generator preset")
