@@ -2,6 +2,7 @@
 
     python show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] [--eviction-rate 0.5] \\
         --out forgets.html [--png forgets.png]
+    python show.py --model runs/ngc/checkpoint --problems 200 --survival survival.json
 
 The first N held-out problems of the run (`tasks.run_defaults`: the problems and prompts eval.py
 uses; a run trained with --interoception gets its rate tag, one trained with --meta-token its
@@ -18,6 +19,11 @@ sequence holds kδ tokens, so the keys it evicts are first missing for token kδ
 k = death // δ (replay.evicted_by). --png draws the same grids with matplotlib.
 One line per problem and model is printed: the verdict, the completion's length, and the
 fractions of prompt and of completion keys still in the cache at the end, averaged over layers.
+
+--survival FILE measures, over the N problems and for both models, how often the target's key
+(the one prompt token every verdict of a Countdown trace needs) is still in a layer's cache after
+round k, against the other prompt keys, and the accuracy of the rollouts that kept the target
+through round 1 in at least one layer against those that kept it in none.
 """
 import html
 import os
@@ -28,7 +34,7 @@ import torch
 
 from checkpoint import META_TOKEN, CheckpointError, load, load_config
 from cli import check_output_file, need, parser, pyplot
-from files import save_figure, write_text
+from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
 from tasks import TASK_REWARD, held_out, prompt_encoder, run_defaults
@@ -82,8 +88,42 @@ def trace_rollouts(path: str, c, problems, ev: Eviction, device):
     for i, (problem, text) in enumerate(zip(problems, completions)):
         tokens, rounds = fates(ro, i, tokenizer)
         runs.append(dict(correct=TASK_REWARD[c.task](text, problem) == 1.0, tokens=tokens, rounds=rounds,
-                         prompt_len=int(ro.prompt_lens[i])))
+                         prompt_len=int(ro.prompt_lens[i]), n_rounds=int(ro.n_rounds[i])))
     return runs
+
+
+def target_position(run, problem) -> int:
+    """The prompt position of a Countdown problem's target: its first token that reads the number."""
+    at = [t for t in range(run["prompt_len"]) if run["tokens"][t].strip() == str(problem.target)]
+    if not at:
+        raise ValueError(f"the target {problem.target} is not one token of the prompt; --survival needs a "
+                         "tokenizer that writes a number as one word (the tiny models')")
+    return at[0]
+
+
+def survival(runs, problems, max_round: int = 3) -> dict:
+    """Per round k ≤ max_round, over the rollouts that reached it: the mean fraction of layers whose
+    cache still holds the target's key after round k, and that of the other prompt keys; then the
+    accuracy of the rollouts whose target outlived round 1 in some layer, and of the rest."""
+    per_round = []
+    for k in range(1, max_round + 1):
+        target, other = [], []
+        for run, problem in zip(runs, problems):
+            if run["n_rounds"] < k:
+                continue
+            alive = ((run["rounds"] == ALIVE) | (run["rounds"] >= k)).float()  # (L, T) after round k
+            t, P = target_position(run, problem), run["prompt_len"]
+            target.append(alive[:, t].mean().item())
+            other.append(torch.cat([alive[:, :t], alive[:, t + 1:P]], 1).mean().item())
+        mean = lambda xs: sum(xs) / len(xs) if xs else None
+        per_round.append(dict(round=k, rollouts=len(target), target=mean(target), other_prompt=mean(other)))
+    kept = [run["n_rounds"] == 0 or bool(((run["rounds"] == ALIVE) | (run["rounds"] >= 1))[:, target_position(
+        run, problem)].any()) for run, problem in zip(runs, problems)]
+    split = lambda flag: [r["correct"] for r, k in zip(runs, kept) if k == flag]
+    acc = lambda xs: sum(xs) / len(xs) if xs else None
+    return dict(rounds=per_round, accuracy=acc([r["correct"] for r in runs]),
+                kept_target=dict(rollouts=len(split(True)), accuracy=acc(split(True))),
+                lost_target=dict(rollouts=len(split(False)), accuracy=acc(split(False))))
 
 
 CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}
@@ -180,14 +220,17 @@ def main(argv=None):
     p.add_argument("--before", default=TINY_DIR, help="the untrained model to compare with (default: tiny/)")
     p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
     p.add_argument("--eviction-rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round")
-    p.add_argument("--out", required=True, help="the HTML page to write")
+    p.add_argument("--out", default=None, help="the HTML page to write")
     p.add_argument("--png", default=None, help="also a PNG of the same grids (needs matplotlib)")
+    p.add_argument("--survival", default=None, help="a JSON file of the target's survival per round (Countdown)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     try:
         if args.problems < 1:
             raise ValueError(f"--problems {args.problems} must be at least 1")
-        for path in filter(None, [args.out, args.png]):
+        if not (args.out or args.survival):
+            raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
+        for path in filter(None, [args.out, args.png, args.survival]):
             check_output_file(path)
         if args.png:
             need("matplotlib", "--png")
@@ -196,16 +239,29 @@ def main(argv=None):
         d = run_defaults(args.model)
         ev = Eviction(d["delta"], d["block"], d["window"], args.eviction_rate, greedy=True)  # bad ε: one line
         c, problems = SimpleNamespace(**d), held_out(d, args.problems)
+        if args.survival and d["task"] != "countdown":
+            raise ValueError("--survival measures a Countdown target; this run's task is " + d["task"])
         runs = {"untrained": trace_rollouts(args.before, c, problems, ev, args.device),
                 "trained": trace_rollouts(args.model, c, problems, ev, args.device)}
+        kept = {name: survival(rs, problems) for name, rs in runs.items()} if args.survival else None
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
-    for i in range(len(problems)):
-        for name, rs in runs.items():
-            print(f"problem {i + 1} {name:>9}: {'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
+    if args.out:
+        for i in range(len(problems)):
+            for name, rs in runs.items():
+                print(f"problem {i + 1} {name:>9}: {'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
+    for name, k in (kept or {}).items():
+        print(f"{name:>9}: accuracy {k['accuracy']:.1%}; the target's key after round " + ", ".join(
+            f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
+            for r in k["rounds"] if r["rollouts"]))
     info = {"eviction": ev, "task": d["task"], "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": args.before, "trained": args.model}}
     try:
+        if args.survival:
+            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **kept))
+            print(f"wrote {args.survival}")
+        if not args.out:
+            return
         write_text(args.out, render_html(problems, runs, info))
         print(f"wrote {args.out}")
         if args.png:

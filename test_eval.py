@@ -276,6 +276,29 @@ def test_show_png(ckpt, train_ckpt, tmp_path):
     assert not os.path.exists(str(png) + ".tmp")
 
 
+def test_target_survival_by_hand():
+    prompt = ["<bos>", "reach", "7", "with", "1"]
+    a = dict(tokens=prompt + ["x"], prompt_len=5, n_rounds=2, correct=True,  # death rounds (L=2, T=6), 0-based
+             rounds=torch.tensor([[-1, 0, -1, 1, 0, -1], [0, 0, 1, -1, -1, -1]]))
+    b = dict(tokens=prompt + ["x"], prompt_len=5, n_rounds=1, correct=False, rounds=torch.zeros(2, 6, dtype=torch.long))
+    s = show.survival([a, b], [SimpleNamespace(target=7)] * 2, max_round=3)
+    assert s["rounds"][0] == dict(round=1, rollouts=2, target=0.5, other_prompt=0.25)  # a: 1 and 4/8; b: 0 and 0
+    assert s["rounds"][1] == dict(round=2, rollouts=1, target=0.5, other_prompt=0.375)  # b never reached round 2
+    assert s["rounds"][2] == dict(round=3, rollouts=0, target=None, other_prompt=None)
+    assert s["kept_target"] == dict(rollouts=1, accuracy=1.0) and s["lost_target"] == dict(rollouts=1, accuracy=0.0)
+    with pytest.raises(ValueError, match="not one token"):
+        show.survival([a], [SimpleNamespace(target=8)])
+
+
+def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(show, "target_position", lambda run, problem: 1)  # the test tokenizer splits numbers
+    out = tmp_path / "s.json"
+    show.main(["--model", train_ckpt, "--before", train_ckpt, "--problems", "2", "--survival", str(out)])
+    s = json.loads(out.read_text())
+    assert s["untrained"] == s["trained"] and s["problems"] == 2 and list(tmp_path.iterdir()) == [out]
+    assert s["untrained"]["kept_target"]["rollouts"] + s["untrained"]["lost_target"]["rollouts"] == 2
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--eviction-rate", "1.5"], "must lie in (0, 1]"), (["--problems", "0"], "--problems 0 must be at least 1"),
     (["--problems", "5"], "test split has 4"), (["--out", "/no/such/dir/f.html"], "does not exist"),
