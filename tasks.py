@@ -7,6 +7,8 @@ import json
 import os
 from types import SimpleNamespace
 
+import torch
+
 import countdown
 import mathtask
 from checkpoint import CheckpointError
@@ -71,14 +73,16 @@ def data_seed(c) -> int:
 
 
 def load_problems(c):
-    """(training, held-out) problems of settings c: Countdown's are generated from the data seed,
-    math problems are read from --data and --eval-data."""
+    """(training problems in the data seed's order, held-out problems) of settings c: Countdown's
+    are generated from the data seed, math problems are read from --data and --eval-data."""
     if c.task == "countdown":
         difficulty = countdown.DIFFICULTIES[c.difficulty]
-        return countdown.splits(data_seed(c), c.train_problems, c.eval_problems, difficulty, unique=False)
-    train = mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems] if c.data else []
-    test = mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data else []
-    return train, test[: c.eval_problems]
+        train, test = countdown.splits(data_seed(c), c.train_problems, c.eval_problems, difficulty, unique=False)
+    else:
+        train = mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems] if c.data else []
+        test = (mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data else [])[: c.eval_problems]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(data_seed(c))).tolist()
+    return [train[i] for i in order], test
 
 
 def held_out(d: dict, n: int | None = None) -> list:

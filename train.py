@@ -35,7 +35,7 @@ from cli import parser
 from eval import before_after, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from tasks import RECIPES, TASK_REWARD, as_settings, check_settings, data_seed, load_problems, prompt_encoder, run_defaults
+from tasks import RECIPES, TASK_REWARD, as_settings, check_settings, load_problems, prompt_encoder, run_defaults
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -251,7 +251,6 @@ def main(argv=None, reward_fn=None):
         + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
         f"ε -> {eviction_rate_at(None, c):g}, steps {step}..{c.steps}, run dir {c.out}")
     train, test = load_problems(c)
-    train = [train[i] for i in torch.randperm(len(train), generator=torch.Generator().manual_seed(data_seed(c))).tolist()]
     eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or eviction_rate_at(None, c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
@@ -351,15 +350,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="compute dtype; weights and optimizer stay fp32 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--compile", action="store_true",
-                   help="capture the decode step with torch.compile (CUDA graphs on CUDA): the eager rollouts up to "
-                        "float rounding, faster on GPUs and, with eviction, on the CPU")
-    p.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard the model, gradients and optimizer state across the processes (FSDP2) "
-                        "instead of a whole copy each")
+    p.add_argument("--compile", action="store_true", help="capture the decode step with torch.compile (CUDA graphs "
+                   "on CUDA): eager's rollouts up to float rounding, faster")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model, gradients and optimizer "
+                   "state across the processes (FSDP2) instead of a whole copy each")
     g = p.add_argument_group("task and run")
-    g.add_argument("--seed", type=int, help="seed of the rollouts' tokens and evictions, and of the problems "
-                   "unless --data-seed is given")
+    g.add_argument("--seed", type=int, help="seed of the rollouts and evictions (and of the problems without --data-seed)")
     g.add_argument("--data-seed", type=int, help="seed of the training and held-out problems and their order "
                    "(default: --seed); fix it to compare seeds on one held-out set")
     g.add_argument("--steps", type=int, help="optimizer steps")
@@ -378,9 +374,8 @@ def parse_args(argv=None):
     g.add_argument("--top-k", type=int, help="0 disables top-k")
     g.add_argument("--top-p", type=float, help="nucleus sampling, 1 disables it")
     g = p.add_argument_group("eviction (paper §4.1-4.3, §4.6)")
-    g.add_argument("--mode", choices=list(MODES),
-                   help="ngc | token-only (no L_mem) | mem-only (no L_token) | targeted-dropout (causal log-probs) | "
-                        "no-evict (full cache)")
+    g.add_argument("--mode", choices=list(MODES), help="ngc | token-only (no L_mem) | mem-only (no L_token) | "
+                   "targeted-dropout | no-evict (full cache)")
     g.add_argument("--delta", type=int, help="δ: a round every δ tokens of a sequence")
     g.add_argument("--block", type=int, help="b: block size")
     g.add_argument("--window", type=int, help="w: scoring queries")
@@ -391,14 +386,12 @@ def parse_args(argv=None):
     g.add_argument("--interoception", action=argparse.BooleanOptionalAction,
                    help="one ε per group, written into its prompts as <eviction_rate>ε%%</eviction_rate>")
     g.add_argument("--interoception-rates", help="the rates groups draw from (scaled by curriculum progress)")
-    g.add_argument("--blind-tag", action=argparse.BooleanOptionalAction,
-                   help="with --interoception, the control: the same per-group ε, but the tag reads "
-                        "<eviction_rate>-%%</eviction_rate> (same length: the prompts and blocks match)")
+    g.add_argument("--blind-tag", action=argparse.BooleanOptionalAction, help="with --interoception, the control: "
+                   "the same per-group ε, the tag <eviction_rate>-%%</eviction_rate> (same length, same blocks)")
     g.add_argument("--min-length", type=int, help="reward 0 when prompt+completion is shorter (Appendix A.1)")
     g.add_argument("--meta-token", action=argparse.BooleanOptionalAction,
-                   help=f"force the meta-token {META_TOKEN} as the last token before each round (Appendix, "
-                        "compression via meta-tokens); a checkpoint that lacks it gets it, embedded as the mean of "
-                        "the embeddings of 'tl;dr'")
+                   help=f"force the meta-token {META_TOKEN} as the last token before each round (Appendix, meta-tokens; "
+                        "added to a checkpoint that lacks it as the mean embedding of 'tl;dr')")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, help="AdamW learning rate, constant")
     g.add_argument("--beta1", type=float, help="AdamW β1")
@@ -408,8 +401,7 @@ def parse_args(argv=None):
     g.add_argument("--clip", type=float, help="grad-norm clipping")
     g.add_argument("--micro-batch", type=int, help="rollouts per replay forward/backward")
     g.add_argument("--term-grad-norms", action=argparse.BooleanOptionalAction,
-                   help="log the grad norms of L_token and L_mem apart (one extra backward per micro-batch "
-                        "and one extra copy of the gradients)")
+                   help="log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward per micro-batch, one more gradient copy)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (0: never)")
     g.add_argument("--eval-problems", type=int, help="held-out problems")
