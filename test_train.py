@@ -77,6 +77,18 @@ def test_resume_continues_exactly(train_ckpt, tmp_path):
     assert abs(other[1]["L_token"] - straight[1]["L_token"]) > 1e-6
 
 
+def test_a_resumed_run_s_final_table_starts_from_the_run_s_first_evaluation(train_ckpt, tmp_path, monkeypatch):
+    """The before/after table compares the run's step-0 evaluation with its last, also when the
+    last process resumed the run (it logged only the later ones)."""
+    tables = []
+    monkeypatch.setattr(train, "before_after", lambda evals, rate, seconds: tables.append(list(evals)) or "")
+    flags = ["--eval-every", "1", "--eval-problems", "2"]
+    run_train(train_ckpt, tmp_path, "--steps", "1", *flags)
+    log = run_train(train_ckpt, tmp_path, "--steps", "2", *flags, "--resume", str(tmp_path))
+    assert [r["step"] for r in log if "eval" in r] == [0, 1, 2]
+    assert tables[-1] == [r["eval"] for r in log if "eval" in r]
+
+
 # ---------------------------------------------------------------------------------------
 # Run directories and checkpoint saves
 

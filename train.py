@@ -254,7 +254,7 @@ def main(argv=None, reward_fn=None):
     eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or eviction_rate_at(None, c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
-    evals = []
+    evals = [r["eval"] for r in rundir.read_log(log_path) if "eval" in r] if master else []  # a resume's, too
 
     def run_eval():
         with amp, distributed.whole_model(model):
