@@ -3,11 +3,14 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
 
     python make_tiny.py                      # rebuild tiny/ (about 45 minutes on one core)
     python make_tiny.py --steps 300 --out runs/tiny-smoke
+    python make_tiny.py --restate 0.25 --out runs/tiny-restate   # traces that sometimes restate the target
     python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
 
 Countdown: the model learns to write a depth-first search, Stream-of-Search style. The target
 appears only in the prompt; the trace never restates it, so every leaf's yes/no must look it up
-far back and a KV-cache policy that evicts the prompt loses:
+far back and a KV-cache policy that evicts the prompt loses. With --restate p a trace writes
+`reach <target>` after each `[ ... ]` with probability p: a choice the token policy can learn to
+make more often when the prompt may be evicted.
 
     prompt:     <bos> Countdown : reach 16 with 3 5 2 .
     completion: [ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 yes <answer> ( 5 + 3 ) * 2 </answer> <eos>
@@ -35,6 +38,7 @@ with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine; tiny-math/ is
 `python make_tiny.py --task math` the same way.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -98,14 +102,20 @@ def moves(a, b):
     return out + [("/", a // b)] if b and a % b == 0 else out
 
 
-def state(nums) -> str:
+def numbers(nums) -> str:
     return "[ " + " ".join(map(str, sorted(nums, reverse=True))) + " ]"
 
 
-def trace(problem) -> str:
-    """The deterministic depth-first search trace for a 3-number problem, answer included."""
+def trace(problem, restate: float = 0.0, rng=None) -> str:
+    """The depth-first search trace for a 3-number problem, answer included: deterministic, or
+    with restate > 0, each `[ ... ]` followed by `reach <target>` with that probability (rng)."""
     nums = sorted(problem.nums, reverse=True)
     assert len(nums) == 3, "traces are written for 3 numbers"
+
+    def state(nums) -> str:
+        restated = restate and rng.random() < restate
+        return numbers(nums) + (f" reach {problem.target}" if restated else "")
+
     out = [state(nums)]
     for i, j in [(0, 1), (0, 2), (1, 2)]:
         a, b, c = nums[i], nums[j], nums[3 - i - j]
@@ -138,9 +148,12 @@ def check_trace(problem, text: str) -> bool:
 
     try:
         while k < len(words) and words[k] != "<answer>":
-            if words[k] in ("[", "back"):  # the start, or a return to it
+            if words[k] == "reach":  # a restatement of the target (make_tiny.py --restate)
+                if int(take(2)[1]) != problem.target:
+                    return False
+            elif words[k] in ("[", "back"):  # the start, or a return to it
                 k += words[k] == "back"
-                if take(len(start) + 2) != state(start).split():
+                if take(len(start) + 2) != numbers(start).split():
                     return False
                 nums = list(start)
             elif words[k] in ("+", "*", "-", "/") and nums is not None and len(nums) == 2:  # a leaf
@@ -153,7 +166,7 @@ def check_trace(problem, text: str) -> bool:
                 a, b, v = int(a), int(b), int(v)
                 rest = list(nums)
                 rest.remove(a), rest.remove(b)
-                if eq != "=" or a < b or dict(moves(a, b)).get(op) != v or take(4) != state(rest + [v]).split():
+                if eq != "=" or a < b or dict(moves(a, b)).get(op) != v or take(4) != numbers(rest + [v]).split():
                     return False
                 nums = rest + [v]
         return cd.reward(" ".join(words[k:]), problem) == 1.0
@@ -225,11 +238,11 @@ def split_problems(seed: int, n_test: int, n_train: int = 300_000):
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
-def countdown_example(tok, problem, rng):
+def countdown_example(tok, problem, rng, restate=0.0):
     """(prompt ids, completion ids). Half the prompts carry a random budget tag (it says nothing
     yet) so that train.py --interoception starts from a model that has read it."""
     rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
-    return tok.encode(tiny_prompt(problem, rate)).ids, tok.encode(trace(problem)).ids
+    return tok.encode(tiny_prompt(problem, rate)).ids, tok.encode(trace(problem, restate, rng)).ids
 
 
 def math_example(tok, problem, rng):
@@ -331,6 +344,9 @@ def main(argv=None):
     ap.add_argument("--n-test", type=int, default=500, help="held-out problems to evaluate on")
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
     ap.add_argument("--max-new-tokens", type=int, default=400, help="completion cap of the held-out evaluation")
+    ap.add_argument("--restate", type=float, default=0.0,
+                    help="Countdown: the probability that a trace restates the target (`reach N`) after each "
+                         "`[ ... ]`, a choice the token policy can learn under eviction (default 0: never)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
@@ -359,12 +375,13 @@ def main(argv=None):
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
+    example = functools.partial(task.example, restate=args.restate) if args.restate else task.example
     rng, t0, seen = random.Random(args.seed), time.time(), 0
     bar = tqdm(range(args.steps), desc="pretrain")
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        micro = list(batches(tok, train, rng, args.batch, args.micro, task.example))
+        micro = list(batches(tok, train, rng, args.batch, args.micro, example))
         n_targets = sum(int((y != -100).sum()) for _, y in micro)
         total = 0.0
         for x, y in micro:

@@ -61,6 +61,24 @@ def test_search_depends_on_target_only_through_verdicts():
     assert pairs > 20
 
 
+def test_restating_traces_write_the_target_after_numbers_and_still_replay():
+    """make_tiny.py --restate p: each `[ ... ]` is followed by `reach <target>` with probability p,
+    check_trace accepts the restatement of the right target only, and p = 0 draws nothing."""
+    p = cd.Problem((3, 5, 2), 16)
+    assert trace(p, 1.0, random.Random(0)) == ("[ 5 3 2 ] reach 16 5 + 3 = 8 [ 8 2 ] reach 16 + 10 no * 16 yes "
+                                              "<answer> ( 5 + 3 ) * 2 </answer>")
+    assert not check_trace(p, trace(p, 1.0, random.Random(0)).replace("reach 16 +", "reach 15 +"))
+    rng, restated = random.Random(1), 0
+    for q in cd.generate(300, 5, cd.SMALL):
+        t = trace(q, 0.25, rng)
+        assert check_trace(q, t) and t.replace(f" reach {q.target}", "") == trace(q), (q, t)
+        restated += t.count("reach")
+    assert 0.2 < restated / sum(len(trace(q).split("[")) - 1 for q in cd.generate(300, 5, cd.SMALL)) < 0.3
+    rng = random.Random(2)
+    trace(p, 0.0, rng)
+    assert rng.random() == random.Random(2).random()
+
+
 @pytest.mark.parametrize("corrupt", [
     lambda t: t.replace("* 16 yes", "* 17 yes"),  # wrong arithmetic at a leaf
     lambda t: t.replace("+ 10 no", "+ 10 yes"),  # wrong verdict
