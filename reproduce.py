@@ -38,6 +38,19 @@ their evaluations during training, beside the default run's, as section 5 and re
     steps120             twice as long                       train.py --steps 120
     lr1e-4               a learning rate 3.3x larger         train.py --lr 1e-4
     p8g16                8 prompts x 16 rollouts, not 16 x 8 train.py --prompts 8 --group 16
+
+With --diagnose it trains only the diagnosis runs (seed 0, results/runs/diag-<name>, and the default
+run if absent) and writes results/diag/: each run's log.jsonl as <name>.log.jsonl; diagnosis.jsonl,
+one row per run and evaluation during training with the training log's means since the previous
+one (reward, fraction of groups whose advantages are all zero, gradient norm of each loss);
+sampling.jsonl, eval.py's greedy against Gumbel-sampled evictions (ngc, ngc-sample) at ε = 0.5
+on tiny/ and on the default run; survival.json (show.py --survival, 200 problems); diagnosis.md:
+
+    ngc-120              the default recipe for 120 steps    train.py --steps 120
+    mem-only             L_mem alone, 120 steps              train.py --mode mem-only --steps 120
+    token-only           L_token alone, 120 steps            train.py --mode token-only --steps 120
+    t09-k50              the paper's sampling, 60 steps      train.py --temperature 0.9 --top-k 50
+    paper-optim          and the paper's AdamW, 60 steps     ... --lr 5e-6 --beta2 0.95 --adam-eps 1e-15
 """
 import json
 import os
@@ -61,6 +74,14 @@ SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same
 INTERO_SWEEP = [0.25, 0.5, 0.75, 0.8]  # the tags the groups trained on at the end, and a stricter one
 LIMIT = {"steps120": ["--steps", "120", "--eval-every", "30"], "lr1e-4": ["--lr", "1e-4", "--eval-every", "20"],
          "p8g16": ["--prompts", "8", "--group", "16", "--eval-every", "30"]}
+
+
+EVERY_30 = ["--eval-every", "30"]
+DIAGNOSE = {"ngc-120": ["--steps", "120", *EVERY_30], "mem-only": ["--mode", "mem-only", "--steps", "120", *EVERY_30],
+            "token-only": ["--mode", "token-only", "--steps", "120", *EVERY_30],
+            "t09-k50": ["--temperature", "0.9", "--top-k", "50", *EVERY_30],
+            "paper-optim": ["--lr", "5e-6", "--beta2", "0.95", "--adam-eps", "1e-15", "--temperature", "0.9",
+                            "--top-k", "50", *EVERY_30]}
 
 
 def run_name(name: str, seed: int) -> str:
@@ -166,6 +187,64 @@ def limit_markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def diagnosis_rows(out):
+    """One row per diagnosis run and evaluation during training, with the means of the training
+    log's steps since the previous evaluation (none for the evaluation before step 0)."""
+    rows = []
+    for name, flags in DIAGNOSE.items():
+        log = rundir.read_log(os.path.join(out, "runs", f"diag-{name}", "log.jsonl"))
+        steps, last = [s for s in log if "reward" in s], 0
+        for e in (s for s in log if "eval" in s):
+            window = [s for s in steps if last <= s["step"] < e["step"]]
+            mean = lambda key: (statistics.fmean(s[key] for s in window)
+                                if window and all(s.get(key) is not None for s in window) else None)
+            rows.append(dict(run=name, flags=" ".join(flags), step=e["step"], accuracy_full=e["eval"]["acc_full"],
+                             accuracy=e["eval"]["acc"], kv_reduction=e["eval"]["kv_reduction"],
+                             length=e["eval"]["length"], rounds=e["eval"]["rounds"], steps_since=len(window),
+                             **{k: mean(k) for k in ("reward", "zero_adv_groups", "grad_norm_token", "grad_norm_mem")}))
+            last = e["step"]
+    return rows
+
+
+def diagnosis_markdown(rows, sampling) -> str:
+    f = lambda x, spec: "–" if x is None else format(x, spec)
+    lines = ["| run | train.py flags | step | full cache | ε = 0.5 | peak-KV reduction | reward | all-zero groups "
+             "| ‖∇L_token‖ | ‖∇L_mem‖ |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | `{r['flags']}` | {r['step']} | {r['accuracy_full']:.1%} | {r['accuracy']:.1%} | "
+              f"{r['kv_reduction']:.2f}x | {f(r['reward'], '.3f')} | {f(r['zero_adv_groups'], '.2f')} | "
+              f"{f(r['grad_norm_token'], '.3f')} | {f(r['grad_norm_mem'], '.3f')} |" for r in rows]
+    lines += ["", "| model | policy | ε | accuracy | length | rounds | peak-KV reduction |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | {r['policy']} | {r['eviction_rate']} | {r['accuracy']:.1%} | {r['length']:.0f} | "
+              f"{r['rounds']:.2f} | {r['kv_reduction']:.2f}x |" for r in sampling]
+    return "\n".join(lines)
+
+
+def diagnose(out, model, jobs, extra):
+    """--diagnose: train the diagnosis runs and write results/diag/ (see the docstring)."""
+    t0, diag = time.time(), os.path.join(out, "diag")
+    runs = {os.path.join("runs", f"diag-{name}"): flags for name, flags in DIAGNOSE.items()}
+    train_all(out, model, jobs, {os.path.join("runs", "ngc"): [], **runs}, extra)
+    os.makedirs(diag, exist_ok=True)
+    for name in DIAGNOSE:
+        with open(os.path.join(out, "runs", f"diag-{name}", "log.jsonl")) as f:
+            write_text(os.path.join(diag, f"{name}.log.jsonl"), f.read())
+    rows = diagnosis_rows(out)
+    write_jsonl(os.path.join(diag, "diagnosis.jsonl"), rows)
+    sampling = []
+    for run, checkpoint in [("tiny", model), ("ngc", os.path.join(out, "runs", "ngc", "checkpoint"))]:
+        path = os.path.join(diag, f"sampling-{run}.jsonl")
+        evaluation.main(["--model", checkpoint, "--policy", *(["none"] if run == "ngc" else []), "ngc", "ngc-sample",
+                         "--eviction-rate", "0.5", "--out", path])
+        with open(path) as f:
+            sampling += [dict(json.loads(line), run=run) for line in f]
+    show.main(["--model", os.path.join(out, "runs", "ngc", "checkpoint"), "--before", model, "--problems", "200",
+               "--survival", os.path.join(diag, "survival.json")])
+    write_text(os.path.join(diag, "diagnosis.md"), f"# Diagnosis runs (seed 0)\n\n{diagnosis_markdown(rows, sampling)}"
+               f"\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min (runs already trained are not "
+               "retrained).\n")
+    print(f"wrote {diag}/")
+
+
 def curves(out, names, seeds, path):
     """Reward and grad-norm curves per step of the given runs, means over seeds (Figure 5)."""
     plt = pyplot("plots")
@@ -232,6 +311,8 @@ def main(argv=None):
     p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
     p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
                                                          "their evaluations during training")
+    p.add_argument("--diagnose", action="store_true", help="train only the diagnosis runs (seed 0) and write "
+                                                            "results/diag/")
     args = p.parse_args(argv)
     if min(args.jobs, args.seeds, args.problems or 1) < 1:
         sys.exit("error: --jobs, --seeds and --problems must be at least 1")
@@ -239,6 +320,8 @@ def main(argv=None):
         make_output_dir(args.out)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if args.diagnose:
+        return diagnose(args.out, args.model, args.jobs, args.train_args.split())
     t0 = time.time()
     runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
             for k in range(args.seeds) for name in RUNS}

@@ -255,7 +255,7 @@ def main(argv=None):
             f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
             for r in k["rounds"] if r["rollouts"]))
     info = {"eviction": ev, "task": d["task"], "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
-            "models": {"untrained": args.before, "trained": args.model}}
+            "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
     try:
         if args.survival:
             write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **kept))

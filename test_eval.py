@@ -393,6 +393,33 @@ def test_reproduce_limit_study_tabulates_each_run_s_evaluations_during_training(
     assert "| default | `` | 0 | 90.0% | 10.0% | 3.0 | 2.00x |" in table  # sqrt(0.1 * 0.9 / 100) = 3.0 points
 
 
+def test_reproduce_diagnosis_averages_the_training_log_between_evaluations(tmp_path):
+    """reproduce.py --diagnose: each evaluation during training gets the means of the steps since
+    the previous one (steps 0-1 for the evaluation at step 2, then 2-3), none before step 0, and
+    a gradient norm a mode does not log (null) stays empty rather than averaged as zero."""
+    import reproduce
+    for i, name in enumerate(reproduce.DIAGNOSE):
+        run_dir = tmp_path / "runs" / f"diag-{name}"
+        run_dir.mkdir(parents=True)
+        steps = [dict.fromkeys(rundir.STEP_KEYS, 0.0) | {"step": s, "reward": s / 10, "zero_adv_groups": 0.5 * (s % 2),
+                                                          "grad_norm_mem": None if i == 1 else 1.0 + s} for s in range(4)]
+        evals = [{"step": s, "eval": {"acc": 0.1 * s, "acc_full": 0.9, "kv_reduction": 2.0, "length": 80.0,
+                                      "rounds": 3.0}} for s in (0, 2, 4)]
+        log = [evals[0], *steps[:2], evals[1], *steps[2:], evals[2]]
+        (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    rows = reproduce.diagnosis_rows(str(tmp_path))
+    assert [(r["run"], r["step"], r["steps_since"]) for r in rows] == [
+        (n, s, k) for n in reproduce.DIAGNOSE for s, k in ((0, 0), (2, 2), (4, 2))]
+    first, second, third = rows[:3]
+    assert first["reward"] is None and first["grad_norm_mem"] is None
+    assert second["reward"] == pytest.approx(0.05) and third["reward"] == pytest.approx(0.25)
+    assert second["zero_adv_groups"] == pytest.approx(0.25) and third["grad_norm_mem"] == pytest.approx(3.5)
+    assert rows[4]["grad_norm_mem"] is None and rows[4]["reward"] == pytest.approx(0.05)
+    assert rows[0]["flags"] == "--steps 120 --eval-every 30"
+    table = reproduce.diagnosis_markdown(rows, [])
+    assert "| ngc-120 | `--steps 120 --eval-every 30` | 4 | 90.0% | 40.0% | 2.00x | 0.250 | 0.25 | 0.000 | 3.500 |" in table
+
+
 def output_under_a_file(tmp_path, ckpt, train_ckpt):
     """Each script's command line with its output path under a regular file (which no directory can be)."""
     blocker = tmp_path / "a-file"
