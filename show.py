@@ -23,7 +23,8 @@ fractions of prompt and of completion keys still in the cache at the end, averag
 --survival FILE measures, over the N problems and for both models, how often the target's key
 (the one prompt token every verdict of a Countdown trace needs) is still in a layer's cache after
 round k, against the other prompt keys, and the accuracy of the rollouts that kept the target
-through round 1 in at least one layer against those that kept it in none.
+through round 1 in at least one layer against those that kept it in none, and how many
+completions restate the target (`reach <target>`, the traces of make_tiny.py --restate).
 """
 import html
 import os
@@ -121,9 +122,17 @@ def survival(runs, problems, max_round: int = 3) -> dict:
         run, problem)].any()) for run, problem in zip(runs, problems)]
     split = lambda flag: [r["correct"] for r, k in zip(runs, kept) if k == flag]
     acc = lambda xs: sum(xs) / len(xs) if xs else None
+    restated = [restatements(run, problem) for run, problem in zip(runs, problems)]
     return dict(rounds=per_round, accuracy=acc([r["correct"] for r in runs]),
                 kept_target=dict(rollouts=len(split(True)), accuracy=acc(split(True))),
-                lost_target=dict(rollouts=len(split(False)), accuracy=acc(split(False))))
+                lost_target=dict(rollouts=len(split(False)), accuracy=acc(split(False))),
+                restated=dict(rollouts=acc([n > 0 for n in restated]), per_rollout=acc(restated)))
+
+
+def restatements(run, problem) -> int:
+    """How often the completion writes `reach <target>` (traces of make_tiny.py --restate)."""
+    words = [w.strip() for w in run["tokens"][run["prompt_len"]:]]
+    return sum(a == "reach" and b == str(problem.target) for a, b in zip(words, words[1:]))
 
 
 CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}

@@ -280,12 +280,14 @@ def test_target_survival_by_hand():
     prompt = ["<bos>", "reach", "7", "with", "1"]
     a = dict(tokens=prompt + ["x"], prompt_len=5, n_rounds=2, correct=True,  # death rounds (L=2, T=6), 0-based
              rounds=torch.tensor([[-1, 0, -1, 1, 0, -1], [0, 0, 1, -1, -1, -1]]))
-    b = dict(tokens=prompt + ["x"], prompt_len=5, n_rounds=1, correct=False, rounds=torch.zeros(2, 6, dtype=torch.long))
+    b = dict(tokens=prompt + ["reach", "7", "reach", "8", " reach", "7"], prompt_len=5, n_rounds=1, correct=False,
+             rounds=torch.zeros(2, 11, dtype=torch.long))
     s = show.survival([a, b], [SimpleNamespace(target=7)] * 2, max_round=3)
     assert s["rounds"][0] == dict(round=1, rollouts=2, target=0.5, other_prompt=0.25)  # a: 1 and 4/8; b: 0 and 0
     assert s["rounds"][1] == dict(round=2, rollouts=1, target=0.5, other_prompt=0.375)  # b never reached round 2
     assert s["rounds"][2] == dict(round=3, rollouts=0, target=None, other_prompt=None)
     assert s["kept_target"] == dict(rollouts=1, accuracy=1.0) and s["lost_target"] == dict(rollouts=1, accuracy=0.0)
+    assert s["restated"] == dict(rollouts=0.5, per_rollout=1.0)  # b writes `reach 7` twice (not the prompt's)
     with pytest.raises(ValueError, match="not one token"):
         show.survival([a], [SimpleNamespace(target=8)])
 
