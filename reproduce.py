@@ -50,7 +50,7 @@ on tiny/ and on the default run; survival.json (show.py --survival, 200 problems
     mem-only             L_mem alone, 120 steps              train.py --mode mem-only --steps 120
     token-only           L_token alone, 120 steps            train.py --mode token-only --steps 120
     t09-k50              the paper's sampling, 60 steps      train.py --temperature 0.9 --top-k 50
-    paper-optim          and the paper's AdamW, 60 steps     ... --lr 5e-6 --beta2 0.95 --adam-eps 1e-15
+    paper-optim          and the paper's AdamW, 250 steps    ... --lr 5e-6 --beta2 0.95 --adam-eps 1e-15
 """
 import json
 import os
@@ -81,7 +81,7 @@ DIAGNOSE = {"ngc-120": ["--steps", "120", *EVERY_30], "mem-only": ["--mode", "me
             "token-only": ["--mode", "token-only", "--steps", "120", *EVERY_30],
             "t09-k50": ["--temperature", "0.9", "--top-k", "50", *EVERY_30],
             "paper-optim": ["--lr", "5e-6", "--beta2", "0.95", "--adam-eps", "1e-15", "--temperature", "0.9",
-                            "--top-k", "50", *EVERY_30]}
+                            "--top-k", "50", "--steps", "250", *EVERY_30]}
 
 
 def run_name(name: str, seed: int) -> str:
