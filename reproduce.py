@@ -39,12 +39,17 @@ their evaluations during training, beside the default run's, as section 5 and re
     lr1e-4               a learning rate 3.3x larger         train.py --lr 1e-4
     p8g16                8 prompts x 16 rollouts, not 16 x 8 train.py --prompts 8 --group 16
 
+With --headline it trains only the default run and its token-only ablation, --seeds of each, and
+writes headline.jsonl and headline.md: per seed, the full cache and NGC at ε = 0.5 before
+training (train.py's step-0 evaluation) and after (eval.py on the final checkpoint), NGC's
+accuracy as a fraction of the full cache's, and the mean and standard deviation over seeds.
+
 With --diagnose it trains only the diagnosis runs (seed 0, results/runs/diag-<name>, and the default
 run if absent) and writes results/diag/: each run's log.jsonl as <name>.log.jsonl; diagnosis.jsonl,
 one row per run and evaluation during training with the training log's means since the previous
 one (reward, fraction of groups whose advantages are all zero, gradient norm of each loss);
 sampling.jsonl, eval.py's greedy against Gumbel-sampled evictions (ngc, ngc-sample) at ε = 0.5
-on tiny/ and on the default run; survival.json (show.py --survival, 200 problems); diagnosis.md:
+on the untrained model and on the default run; survival.json (show.py --survival, 200 problems); diagnosis.md:
 
     ngc-120              the default recipe for 120 steps    train.py --steps 120
     mem-only             L_mem alone, 120 steps              train.py --mode mem-only --steps 120
@@ -76,6 +81,7 @@ LIMIT = {"steps120": ["--steps", "120", "--eval-every", "30"], "lr1e-4": ["--lr"
          "p8g16": ["--prompts", "8", "--group", "16", "--eval-every", "30"]}
 
 
+HEADLINE = ["ngc", "token-only"]
 EVERY_30 = ["--eval-every", "30"]
 DIAGNOSE = {"ngc-120": ["--steps", "120", *EVERY_30], "mem-only": ["--mode", "mem-only", "--steps", "120", *EVERY_30],
             "token-only": ["--mode", "token-only", "--steps", "120", *EVERY_30],
@@ -231,7 +237,7 @@ def diagnose(out, model, jobs, extra):
     rows = diagnosis_rows(out)
     write_jsonl(os.path.join(diag, "diagnosis.jsonl"), rows)
     sampling = []
-    for run, checkpoint in [("tiny", model), ("ngc", os.path.join(out, "runs", "ngc", "checkpoint"))]:
+    for run, checkpoint in [("untrained", model), ("ngc", os.path.join(out, "runs", "ngc", "checkpoint"))]:
         path = os.path.join(diag, f"sampling-{run}.jsonl")
         evaluation.main(["--model", checkpoint, "--policy", *(["none"] if run == "ngc" else []), "ngc", "ngc-sample",
                          "--eviction-rate", "0.5", "--out", path])
@@ -243,6 +249,52 @@ def diagnose(out, model, jobs, extra):
                f"\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min (runs already trained are not "
                "retrained).\n")
     print(f"wrote {diag}/")
+
+
+def headline_rows(out, seeds, problems=None):
+    """--headline: per run and seed, train.py's evaluation before step 0 (its log) and eval.py's
+    of the final checkpoint, full cache and NGC (greedy top-K) at ε = 0.5."""
+    rows = []
+    for k in range(seeds):
+        for name in HEADLINE:
+            log = rundir.read_log(os.path.join(out, "runs", run_name(name, k), "log.jsonl"))
+            before = next(s["eval"] for s in log if "eval" in s and s["step"] == 0)
+            full, ngc = eval_study(out, f"headline-{name}", name, ["none", "ngc"], [0.5], k, problems)
+            rows.append(dict(run=name, seed=k, problems=ngc["problems"], full_before=before["acc_full"],
+                             full_after=full["accuracy"], before=before["acc"], after=ngc["accuracy"],
+                             kv_before=before["kv_reduction"], kv_after=ngc["kv_reduction"],
+                             of_full=ngc["accuracy"] / full["accuracy"], length=ngc["length"], rounds=ngc["rounds"]))
+    return rows
+
+
+def headline_markdown(rows) -> str:
+    cells = lambda r: (f"{r['full_before']:.1%} → {r['full_after']:.1%} | {r['before']:.1%} → {r['after']:.1%} | "
+                       f"{r['of_full']:.0%} | {r['kv_before']:.2f}x → {r['kv_after']:.2f}x")
+    lines = ["| run | seed | full cache, before → after | ε = 0.5, before → after | ε = 0.5 / full cache "
+             "| peak-KV reduction, before → after |", "|---|---|---|---|---|---|"]
+    for name in HEADLINE:
+        mine = [r for r in rows if r["run"] == name]
+        lines += [f"| {name} | {r['seed']} | {cells(r)} |" for r in mine]
+        if len(mine) > 1:
+            mean = {key: statistics.fmean(r[key] for r in mine) for key in mine[0] if key not in ("run", "seed")}
+            sd = lambda key: statistics.stdev(r[key] for r in mine)
+            lines.append(f"| {name} | mean | {cells(mean)} |")
+            lines.append(f"| {name} | sd | {100 * sd('full_before'):.1f} → {100 * sd('full_after'):.1f} | "
+                         f"{100 * sd('before'):.1f} → {100 * sd('after'):.1f} | {sd('of_full'):.0%} | |")
+    return "\n".join(lines)
+
+
+def headline(out, model, seeds, jobs, extra, problems=None):
+    """--headline: the default run and its token-only ablation over seeds (see the docstring)."""
+    t0 = time.time()
+    train_all(out, model, jobs, {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
+                                 for k in range(seeds) for name in HEADLINE}, extra)
+    rows = headline_rows(out, seeds, problems)
+    write_jsonl(os.path.join(out, "headline.jsonl"), rows)
+    write_text(os.path.join(out, "headline.md"), f"# The default run from {os.path.relpath(model)}, seeds 0..{seeds - 1}"
+               f"\n\n{headline_markdown(rows)}\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min "
+               "(runs already trained are not retrained).\n")
+    print(f"wrote {os.path.join(out, 'headline.md')}")
 
 
 def curves(out, names, seeds, path):
@@ -311,6 +363,8 @@ def main(argv=None):
     p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
     p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
                                                          "their evaluations during training")
+    p.add_argument("--headline", action="store_true", help="train only the default run and token-only, "
+                                                            "--seeds of each, and write headline.md")
     p.add_argument("--diagnose", action="store_true", help="train only the diagnosis runs (seed 0) and write "
                                                             "results/diag/")
     args = p.parse_args(argv)
@@ -322,6 +376,8 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if args.diagnose:
         return diagnose(args.out, args.model, args.jobs, args.train_args.split())
+    if args.headline:
+        return headline(args.out, args.model, args.seeds, args.jobs, args.train_args.split(), args.problems)
     t0 = time.time()
     runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
             for k in range(args.seeds) for name in RUNS}

@@ -422,6 +422,33 @@ def test_reproduce_diagnosis_averages_the_training_log_between_evaluations(tmp_p
     assert "| ngc-120 | `--steps 120 --eval-every 30` | 4 | 90.0% | 40.0% | 2.00x | 0.250 | 0.25 | 0.000 | 3.500 |" in table
 
 
+def test_reproduce_headline_puts_each_seed_s_step_0_beside_its_final_evaluation(tmp_path, monkeypatch):
+    """reproduce.py --headline: before = train.py's step-0 evaluation in the run's log, after =
+    eval.py's rows of the final checkpoint; NGC as a fraction of the full cache; mean and sd."""
+    import reproduce
+    for k in range(2):
+        for name in reproduce.HEADLINE:
+            run_dir = tmp_path / "runs" / reproduce.run_name(name, k)
+            run_dir.mkdir(parents=True)
+            evals = [{"step": s, "eval": {"acc": 0.01 * (s + k + 1), "acc_full": 0.9, "kv_reduction": 1.8}} for s in (0, 60)]
+            (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+
+    def fake_eval(out, study, run, policies, rates, seed, problems=None):
+        acc = 0.4 + 0.1 * seed if run == "ngc" else 0.0
+        return [dict(policy="none", accuracy=0.8, problems=200, length=80.0, rounds=0.0, kv_reduction=1.0),
+                dict(policy="ngc", accuracy=acc, problems=200, length=140.0, rounds=6.0, kv_reduction=2.2)]
+
+    monkeypatch.setattr(reproduce, "eval_study", fake_eval)
+    rows = reproduce.headline_rows(str(tmp_path), 2)
+    ngc1 = [r for r in rows if r["run"] == "ngc" and r["seed"] == 1][0]
+    assert (ngc1["before"], ngc1["after"], ngc1["full_after"], ngc1["kv_after"]) == (0.02, 0.5, 0.8, 2.2)
+    assert ngc1["of_full"] == pytest.approx(0.625)
+    table = reproduce.headline_markdown(rows)
+    assert "| ngc | 1 | 90.0% → 80.0% | 2.0% → 50.0% | 62% | 1.80x → 2.20x |" in table
+    assert "| ngc | mean | 90.0% → 80.0% | 1.5% → 45.0% | 56% | 1.80x → 2.20x |" in table
+    assert "| ngc | sd | 0.0 → 0.0 | 0.7 → 7.1 | 9% | |" in table
+
+
 def output_under_a_file(tmp_path, ckpt, train_ckpt):
     """Each script's command line with its output path under a regular file (which no directory can be)."""
     blocker = tmp_path / "a-file"
