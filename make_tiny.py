@@ -3,14 +3,14 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
 
     python make_tiny.py                      # rebuild tiny/ (about 45 minutes on one core)
     python make_tiny.py --steps 300 --out runs/tiny-smoke
-    python make_tiny.py --restate 0.25 --out runs/tiny-restate   # traces that sometimes restate the target
+    python make_tiny.py --restate 0 --out tiny-plain   # traces that never restate the target
     python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
 
 Countdown: the model learns to write a depth-first search, Stream-of-Search style. The target
-appears only in the prompt; the trace never restates it, so every leaf's yes/no must look it up
-far back and a KV-cache policy that evicts the prompt loses. With --restate p a trace writes
-`reach <target>` after each `[ ... ]` with probability p: a choice the token policy can learn to
-make more often when the prompt may be evicted.
+is given in the prompt, and every leaf's yes/no needs it, so a KV-cache policy that evicts it
+loses. After each `[ ... ]` a trace restates it (`reach <target>`) with probability --restate
+(0.25; the greedy model rarely does): a choice the token policy has. With --restate 0 the trace
+never restates it, the earlier tiny/ on which RESULTS.md §1-9 were measured.
 
     prompt:     <bos> Countdown : reach 16 with 3 5 2 .
     completion: [ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 yes <answer> ( 5 + 3 ) * 2 </answer> <eos>
@@ -86,7 +86,7 @@ MATH_RUN = dict(
 MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
     # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
-    max_new_tokens=MATH_RUN["max_new_tokens"])
+    max_new_tokens=MATH_RUN["max_new_tokens"], restate=0.0)
 MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
@@ -344,9 +344,9 @@ def main(argv=None):
     ap.add_argument("--n-test", type=int, default=500, help="held-out problems to evaluate on")
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
     ap.add_argument("--max-new-tokens", type=int, default=400, help="completion cap of the held-out evaluation")
-    ap.add_argument("--restate", type=float, default=0.0,
+    ap.add_argument("--restate", type=float, default=0.25,
                     help="Countdown: the probability that a trace restates the target (`reach N`) after each "
-                         "`[ ... ]`, a choice the token policy can learn under eviction (default 0: never)")
+                         "`[ ... ]` (default 0.25, tiny/; 0 never restates, the earlier tiny/ of RESULTS.md §1-9)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
@@ -355,6 +355,8 @@ def main(argv=None):
     task = TASKS[pre.parse_known_args(argv)[0].task]
     ap.set_defaults(**task.flags)
     args = ap.parse_args(argv)
+    if args.restate and args.task != "countdown" or not 0 <= args.restate <= 1:
+        sys.exit(f"error: --restate {args.restate} must lie in [0, 1], and be 0 for --task {args.task}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     train, test = task.splits(args.seed, args.n_test, args.train_problems)

@@ -79,6 +79,14 @@ def test_restating_traces_write_the_target_after_numbers_and_still_replay():
     assert rng.random() == random.Random(2).random()
 
 
+@pytest.mark.parametrize("flags", [["--restate", "1.5"], ["--task", "math", "--restate", "0.2"]])
+def test_make_tiny_refuses_a_restate_it_cannot_write(tmp_path, flags):
+    with pytest.raises(SystemExit) as err:
+        make_tiny.main(["--out", str(tmp_path / "t"), "--steps", "1", *flags])
+    assert str(err.value).startswith("error: --restate") and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("corrupt", [
     lambda t: t.replace("* 16 yes", "* 17 yes"),  # wrong arithmetic at a leaf
     lambda t: t.replace("+ 10 no", "+ 10 yes"),  # wrong verdict
