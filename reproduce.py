@@ -48,8 +48,8 @@ With --diagnose it trains only the diagnosis runs (seed 0, results/runs/diag-<na
 run if absent) and writes results/diag/: each run's log.jsonl as <name>.log.jsonl; diagnosis.jsonl,
 one row per run and evaluation during training with the training log's means since the previous
 one (reward, fraction of groups whose advantages are all zero, gradient norm of each loss);
-sampling.jsonl, eval.py's greedy against Gumbel-sampled evictions (ngc, ngc-sample) at ε = 0.5
-on the untrained model and on the default run; survival.json (show.py --survival, 200 problems); diagnosis.md:
+sampling-untrained.jsonl and sampling-ngc.jsonl, eval.py's greedy against Gumbel-sampled evictions
+(ngc, ngc-sample) at ε = 0.5 on the untrained model and on the default run; survival.json (show.py --survival, 200 problems); diagnosis.md:
 
     ngc-120              the default recipe for 120 steps    train.py --steps 120
     mem-only             L_mem alone, 120 steps              train.py --mode mem-only --steps 120
