@@ -280,7 +280,8 @@ def test_broken_checkpoint_files_fail_with_one_line_and_create_nothing(train_ckp
     assert not out.exists()
 
 
-def test_bad_resume_and_run_dirs_fail_with_one_line(train_ckpt, tmp_path):
+def test_bad_resume_and_run_dirs_fail_with_one_line(train_ckpt, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the last case uses the default --out, runs/ngc, which must not hold a run
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     run_train(train_ckpt, tmp_path / "run", "--steps", "1")
