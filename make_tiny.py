@@ -355,7 +355,7 @@ def main(argv=None):
     task = TASKS[pre.parse_known_args(argv)[0].task]
     ap.set_defaults(**task.flags)
     args = ap.parse_args(argv)
-    if args.restate and args.task != "countdown" or not 0 <= args.restate <= 1:
+    if not 0 <= args.restate <= 1 or (args.restate and args.task != "countdown"):
         sys.exit(f"error: --restate {args.restate} must lie in [0, 1], and be 0 for --task {args.task}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -94,6 +94,16 @@ def run_name(name: str, seed: int) -> str:
     return name if seed == 0 else f"{name}-seed{seed}"
 
 
+def seeded_runs(names, seeds: int) -> dict:
+    """{dir under out: train.py flags} for each of RUNS' `names` at seeds 0..seeds-1."""
+    return {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
+            for k in range(seeds) for name in names}
+
+
+def wall_time(t0) -> str:
+    return f"Total wall time of this command {(time.time() - t0) / 60:.1f} min (runs already trained are not retrained)."
+
+
 def finished(run_dir) -> bool:
     state = os.path.join(run_dir, "checkpoint", "ngc.json")
     if not os.path.exists(state):
@@ -245,9 +255,8 @@ def diagnose(out, model, jobs, extra):
             sampling += [dict(json.loads(line), run=run) for line in f]
     show.main(["--model", os.path.join(out, "runs", "ngc", "checkpoint"), "--before", model, "--problems", "200",
                "--survival", os.path.join(diag, "survival.json")])
-    write_text(os.path.join(diag, "diagnosis.md"), f"# Diagnosis runs (seed 0)\n\n{diagnosis_markdown(rows, sampling)}"
-               f"\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min (runs already trained are not "
-               "retrained).\n")
+    write_text(os.path.join(diag, "diagnosis.md"),
+               f"# Diagnosis runs (seed 0)\n\n{diagnosis_markdown(rows, sampling)}\n\n{wall_time(t0)}\n")
     print(f"wrote {diag}/")
 
 
@@ -287,13 +296,11 @@ def headline_markdown(rows) -> str:
 def headline(out, model, seeds, jobs, extra, problems=None):
     """--headline: the default run and its token-only ablation over seeds (see the docstring)."""
     t0 = time.time()
-    train_all(out, model, jobs, {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
-                                 for k in range(seeds) for name in HEADLINE}, extra)
+    train_all(out, model, jobs, seeded_runs(HEADLINE, seeds), extra)
     rows = headline_rows(out, seeds, problems)
     write_jsonl(os.path.join(out, "headline.jsonl"), rows)
     write_text(os.path.join(out, "headline.md"), f"# The default run from {os.path.relpath(model)}, seeds 0..{seeds - 1}"
-               f"\n\n{headline_markdown(rows)}\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min "
-               "(runs already trained are not retrained).\n")
+               f"\n\n{headline_markdown(rows)}\n\n{wall_time(t0)}\n")
     print(f"wrote {os.path.join(out, 'headline.md')}")
 
 
@@ -379,8 +386,7 @@ def main(argv=None):
     if args.headline:
         return headline(args.out, args.model, args.seeds, args.jobs, args.train_args.split(), args.problems)
     t0 = time.time()
-    runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
-            for k in range(args.seeds) for name in RUNS}
+    runs = seeded_runs(RUNS, args.seeds)
     if args.limit:
         runs.update({limit_dir(name): flags for name, flags in LIMIT.items()})
     train_all(args.out, args.model, args.jobs, runs, args.train_args.split())
