@@ -24,7 +24,11 @@ fractions of prompt and of completion keys still in the cache at the end, averag
 (the one prompt token every verdict of a Countdown trace needs) is still in a layer's cache after
 round k, against the other prompt keys, and the accuracy of the rollouts that kept the target
 through round 1 in at least one layer against those that kept it in none, and how many
-completions restate the target (`reach <target>`, the traces of make_tiny.py --restate).
+completions restate the target (`reach <target>`, the traces of make_tiny.py --restate). It also
+rolls out the full cache and, for each rollout that fails under eviction where the full cache
+succeeds, finds the first token where the two greedy completions differ: after how many rounds
+and how many tokens after the last of them, and what the full cache wrote there (a number computed
+after an operator or `=`, a verdict `yes`/`no`, or another token).
 """
 import html
 import os
@@ -76,12 +80,12 @@ def summary(run) -> str:
             f"completion {alive[:, P:].mean():.0%}")
 
 
-def trace_rollouts(path: str, c, problems, ev: Eviction, device):
-    """The greedy rollouts of `problems` by the model at `path` under ev: per problem its verdict,
+def trace_rollouts(path: str, c, problems, ev: Eviction | None, device):
+    """The greedy rollouts of `problems` by the model at `path` under ev (None: the full cache): per problem its verdict,
     token texts, prompt length and death rounds (L, T)."""
     model, tokenizer = load(path, device, c.meta_token)  # as eval.py: g is forced before each round
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
+    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None, c.blind_tag)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
     ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev, eos_ids=model.config.eos_ids)
     completions = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
@@ -133,6 +137,39 @@ def restatements(run, problem) -> int:
     """How often the completion writes `reach <target>` (traces of make_tiny.py --restate)."""
     words = [w.strip() for w in run["tokens"][run["prompt_len"]:]]
     return sum(a == "reach" and b == str(problem.target) for a, b in zip(words, words[1:]))
+
+
+OPERATORS = {"+", "-", "*", "/", "="}
+
+
+def first_divergence(full, evicted, delta: int):
+    """Where a rollout under eviction first writes a token other than the same model's full-cache
+    rollout of the same prompt (both greedy): (the rounds fired before it, how many tokens after the
+    last of them, what the full cache wrote there), or None where one completion is a prefix of the
+    other. Token t is written by the query at t - 1, which sees every round k with kδ ≤ t - 1."""
+    a, b, P = full["tokens"], evicted["tokens"], full["prompt_len"]
+    t = next((i for i in range(P, min(len(a), len(b))) if a[i] != b[i]), None)
+    if t is None:
+        return None
+    before, word = a[t - 1].strip(), a[t].strip()
+    kind = ("a computed number" if before in OPERATORS and word.isdigit() else
+            "a verdict" if word in ("yes", "no") else "another token")
+    return (t - 1) // delta, (t - 1) % delta, kind
+
+
+def failures(full_runs, evicted_runs, delta: int) -> dict:
+    """The rollouts under eviction that fail: how many the full cache fails too, and for the rest
+    where they first leave the full cache's completion (first_divergence), as counts."""
+    wrong = [(f, e) for f, e in zip(full_runs, evicted_runs) if not e["correct"]]
+    found = [first_divergence(f, e, delta) for f, e in wrong if f["correct"]]
+    diverged = [x for x in found if x is not None]
+    count = lambda xs: {str(x): xs.count(x) for x in sorted(set(xs))}
+    since = [0] * delta
+    for r, k, _ in diverged:
+        since[k] += r > 0  # the offset from round r; before round 1 there is none
+    return dict(rollouts=len(evicted_runs), wrong=len(wrong), full_cache_wrong_too=len(wrong) - len(found),
+                no_divergence=found.count(None), rounds_before=count([r for r, _, _ in diverged]),
+                tokens_after_round=since, full_cache_wrote=count([kind for _, _, kind in diverged]))
 
 
 CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}
@@ -253,6 +290,9 @@ def main(argv=None):
         runs = {"untrained": trace_rollouts(args.before, c, problems, ev, args.device),
                 "trained": trace_rollouts(args.model, c, problems, ev, args.device)}
         kept = {name: survival(rs, problems) for name, rs in runs.items()} if args.survival else None
+        for name, path in (("untrained", args.before), ("trained", args.model)) if args.survival else ():
+            full = trace_rollouts(path, c, problems, None, args.device)
+            kept[name]["failures"] = failures(full, runs[name], ev.delta)
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.out:
@@ -263,6 +303,10 @@ def main(argv=None):
         print(f"{name:>9}: accuracy {k['accuracy']:.1%}; the target's key after round " + ", ".join(
             f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
             for r in k["rounds"] if r["rollouts"]))
+        f = k["failures"]
+        print(f"{'':>9}  {f['wrong']} wrong under eviction, {f['full_cache_wrong_too']} of them also with the full "
+              f"cache; the rest first leave its completion at: " + ", ".join(
+              f"{kind} {n}" for kind, n in f["full_cache_wrote"].items()))
     info = {"eviction": ev, "task": d["task"], "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
     try:

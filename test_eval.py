@@ -293,6 +293,25 @@ def test_target_survival_by_hand():
         show.survival([a], [SimpleNamespace(target=8)])
 
 
+def test_failures_find_where_eviction_first_changes_the_completion():
+    def run(completion, correct, prompt=("<bos>", "reach", "7")):  # δ = 4: rounds at 4, 8, 12 tokens
+        return dict(tokens=list(prompt) + completion.split(), prompt_len=len(prompt), correct=correct)
+    full = [run("5 + 2 = 7 yes", True), run("5 * 2 = 10 no back", True), run("5 + 2 = 9 no back", True),
+            run("5 + 2", False), run("5 + 2 = 7 yes", True)]
+    evicted = [run("5 + 2 = 7 yes", True), run("5 * 2 = 11 no back", False),  # token 7: a computed number
+               run("5 + 2 = 9 yes", False),  # token 8, a verdict, written by the query at 7: 3 tokens after round 1
+               run("5 + 2", False),  # the full cache fails too
+               run("6 + 2 = 8 no", False)]  # token 3, an operand (a number, not after an operator): before round 1
+    assert show.first_divergence(full[1], evicted[1], 4) == (1, 2, "a computed number")
+    assert show.first_divergence(full[2], evicted[2], 4) == (1, 3, "a verdict")
+    assert show.first_divergence(full[4], evicted[4], 4) == (0, 2, "another token")
+    assert show.first_divergence(full[0], evicted[0], 4) is None
+    f = show.failures(full, evicted, delta=4)
+    assert f == dict(rollouts=5, wrong=4, full_cache_wrong_too=1, no_divergence=0, rounds_before={"0": 1, "1": 2},
+                     tokens_after_round=[0, 0, 1, 1],
+                     full_cache_wrote={"a computed number": 1, "a verdict": 1, "another token": 1})
+
+
 def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(show, "target_position", lambda run, problem: 1)  # the test tokenizer splits numbers
     out = tmp_path / "s.json"
