@@ -81,8 +81,8 @@ def summary(run) -> str:
 
 
 def trace_rollouts(path: str, c, problems, ev: Eviction | None, device):
-    """The greedy rollouts of `problems` by the model at `path` under ev (None: the full cache): per problem its verdict,
-    token texts, prompt length and death rounds (L, T)."""
+    """The greedy rollouts of `problems` by the model at `path` under ev (None: the full cache): per
+    problem its verdict, token texts, prompt length and death rounds (L, T)."""
     model, tokenizer = load(path, device, c.meta_token)  # as eval.py: g is forced before each round
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None, c.blind_tag)

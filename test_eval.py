@@ -319,6 +319,9 @@ def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch):
     s = json.loads(out.read_text())
     assert s["untrained"] == s["trained"] and s["problems"] == 2 and list(tmp_path.iterdir()) == [out]
     assert s["untrained"]["kept_target"]["rollouts"] + s["untrained"]["lost_target"]["rollouts"] == 2
+    f = s["trained"]["failures"]  # the full cache rolled out beside: every failure is counted once
+    assert f["rollouts"] == 2
+    assert f["full_cache_wrong_too"] + f["no_divergence"] + sum(f["full_cache_wrote"].values()) == f["wrong"]
 
 
 @pytest.mark.parametrize("flags, message", [
