@@ -33,6 +33,7 @@ after an operator or `=`, a verdict `yes`/`no`, or another token).
 import html
 import os
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import torch
@@ -80,10 +81,10 @@ def summary(run) -> str:
             f"completion {alive[:, P:].mean():.0%}")
 
 
-def trace_rollouts(path: str, c, problems, ev: Eviction | None, device):
-    """The greedy rollouts of `problems` by the model at `path` under ev (None: the full cache): per
-    problem its verdict, token texts, prompt length and death rounds (L, T)."""
-    model, tokenizer = load(path, device, c.meta_token)  # as eval.py: g is forced before each round
+def trace_rollouts(model, tokenizer, c, problems, ev: Eviction | None):
+    """The greedy rollouts of `problems` by `model` under ev (None: the full cache): per problem its
+    verdict, token texts, prompt length and death rounds (L, T). With c.meta_token, g is forced
+    before each round, as in eval.py."""
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None, c.blind_tag)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
@@ -163,13 +164,12 @@ def failures(full_runs, evicted_runs, delta: int) -> dict:
     wrong = [(f, e) for f, e in zip(full_runs, evicted_runs) if not e["correct"]]
     found = [first_divergence(f, e, delta) for f, e in wrong if f["correct"]]
     diverged = [x for x in found if x is not None]
-    count = lambda xs: {str(x): xs.count(x) for x in sorted(set(xs))}
-    since = [0] * delta
-    for r, k, _ in diverged:
-        since[k] += r > 0  # the offset from round r; before round 1 there is none
+    count = lambda xs: {str(x): n for x, n in sorted(Counter(xs).items())}
+    after = Counter(k for r, k, _ in diverged if r > 0)  # before round 1 there is no round to count from
     return dict(rollouts=len(evicted_runs), wrong=len(wrong), full_cache_wrong_too=len(wrong) - len(found),
-                no_divergence=found.count(None), rounds_before=count([r for r, _, _ in diverged]),
-                tokens_after_round=since, full_cache_wrote=count([kind for _, _, kind in diverged]))
+                no_divergence=found.count(None), rounds_before=count(r for r, _, _ in diverged),
+                tokens_after_round=[after[k] for k in range(delta)],
+                full_cache_wrote=count(kind for _, _, kind in diverged))
 
 
 CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}
@@ -287,19 +287,20 @@ def main(argv=None):
         c, problems = SimpleNamespace(**d), held_out(d, args.problems)
         if args.survival and d["task"] != "countdown":
             raise ValueError("--survival measures a Countdown target; this run's task is " + d["task"])
-        runs = {"untrained": trace_rollouts(args.before, c, problems, ev, args.device),
-                "trained": trace_rollouts(args.model, c, problems, ev, args.device)}
-        kept = {name: survival(rs, problems) for name, rs in runs.items()} if args.survival else None
-        for name, path in (("untrained", args.before), ("trained", args.model)) if args.survival else ():
-            full = trace_rollouts(path, c, problems, None, args.device)
-            kept[name]["failures"] = failures(full, runs[name], ev.delta)
+        runs, measures = {}, {}  # measures: --survival's, per model
+        for name, path in (("untrained", args.before), ("trained", args.model)):
+            model, tokenizer = load(path, args.device, c.meta_token)
+            runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
+            if args.survival:
+                full = trace_rollouts(model, tokenizer, c, problems, None)
+                measures[name] = dict(survival(runs[name], problems), failures=failures(full, runs[name], ev.delta))
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.out:
         for i in range(len(problems)):
             for name, rs in runs.items():
                 print(f"problem {i + 1} {name:>9}: {'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
-    for name, k in (kept or {}).items():
+    for name, k in measures.items():
         print(f"{name:>9}: accuracy {k['accuracy']:.1%}; the target's key after round " + ", ".join(
             f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
             for r in k["rounds"] if r["rollouts"]))
@@ -311,7 +312,7 @@ def main(argv=None):
             "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
     try:
         if args.survival:
-            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **kept))
+            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **measures))
             print(f"wrote {args.survival}")
         if not args.out:
             return
