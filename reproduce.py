@@ -434,7 +434,7 @@ def main(argv=None):
     seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
     write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}SE: the binomial standard "
                f"error of one evaluation, in points)\n\n" + "\n".join(sections)
-               + f"\n![what ngc forgets](forgets.png)\n\nTotal wall time {(time.time() - t0) / 60:.1f} min.\n")
+               + f"\n![what ngc forgets](forgets.png)\n\n{wall_time(t0)}\n")
     print(f"wrote {summary}")
 
 
