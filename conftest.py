@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import eval as evaluation
 import rundir
+import settings
 import tasks
 import ngc
 import train
@@ -84,6 +85,11 @@ def sampled(model):
 # A checkpoint with a run's settings (ngc.json), and train.py on it
 
 
+# The keys of a step record in log.jsonl, in order (train.step_gradients writes them; a test there
+# checks it), for the tests that write logs by hand.
+STEP_KEYS = ["step", "reward", "accuracy", "eps", "response_len", "rounds", "L_token", "L_mem", "grad_norm",
+             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "tokens_per_s", "zero_adv_groups",
+             "sampled_logprob"]
 TRAIN_DEFAULTS = dict(difficulty="tiny", train_problems=64, eval_problems=4, prompts=2, group=4, max_new_tokens=24,
                       temperature=1.0, top_k=0, delta=8, block=2, window=3, retention="0.75,0.5", stage_steps=1,
                       micro_batch=3, eval_every=0, save_every=0, lr=1e-3)
@@ -113,7 +119,7 @@ def save_small_checkpoint(train_ckpt, run_dir, step=3, scale=1.5):
         m.lm_head.weight.mul_(scale)  # something a fresh load of train_ckpt would not have
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(run_dir), "--overwrite"]))
     opt = train.make_optimizer(m, c)
-    rundir.save_checkpoint(str(run_dir), m, opt, load_tokenizer(train_ckpt), train_ckpt, step, tasks.as_settings(c))
+    rundir.save_checkpoint(str(run_dir), m, opt, load_tokenizer(train_ckpt), train_ckpt, step, settings.saved(c))
     return m
 
 

@@ -12,7 +12,7 @@ Policies:
     snapkv, keydiff, knorm, streamingllm   the heuristics of baselines.py (deterministic)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
-The problems are the held-out split of the run's settings (`tasks.run_defaults`: the paper's recipe
+The problems are the held-out split of the run's settings (`settings.run_defaults`: the paper's recipe
 for the task, or the checkpoint's ngc.json): Countdown's generated test split, or the math
 --eval-data file. A run trained with --meta-token is evaluated with it: g is forced before every
 round of every policy. Tokens are greedy, one completion per problem (the Countdown default); with
@@ -26,7 +26,6 @@ samples), averaged over problems. One JSONL line per policy x rate.
 import sys
 from dataclasses import replace
 from math import comb
-from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
@@ -38,7 +37,8 @@ from checkpoint import META_TOKEN, CheckpointError, load
 from cli import check_output_file, need, parser, pyplot
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
-from tasks import TASK_REWARD, held_out, prompt_encoder, run_defaults
+from settings import run_defaults
+from tasks import TASK_REWARD, held_out, prompt_encoder
 
 CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
     "ngc": dict(greedy=True), "ngc-sample": dict(greedy=False), "snapkv": dict(greedy=True, score=baselines.snapkv),
@@ -114,21 +114,20 @@ def pass_at_k(n: int, c, k: int) -> float:
     return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
 
 
-def compare(model, tokenizer, d, problems, policies, rates, samples=None, batch_size=64, progress=True,
+def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=64, progress=True,
             compile=False):
     """One result row per (policy, rate), all against one shared no-eviction reference run."""
     n = samples or 1
-    c = SimpleNamespace(**d)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
                         top_p=c.eval_top_p or c.top_p, greedy=samples is None,
                         meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
     device = model.lm_head.weight.device
 
     def run(name, rate):
-        ev = None if CLI_POLICIES[name] is None else Eviction(d["delta"], d["block"], d["window"], rate,
+        ev = None if CLI_POLICIES[name] is None else Eviction(c.delta, c.block, c.window, rate,
                                                                **CLI_POLICIES[name])
         encode = prompt_encoder(c.task, c.prompt, rate if c.interoception and ev else None, c.blind_tag)
-        gen = torch.Generator(device=device).manual_seed(d["seed"])
+        gen = torch.Generator(device=device).manual_seed(c.seed)
         return roll_out_and_score(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
                      desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None, compile=compile)
 
@@ -229,22 +228,22 @@ def main(argv=None):
             need("matplotlib", "--plot")
         for path in filter(None, [args.out, args.plot]):
             check_output_file(path)
-        d = run_defaults(args.model, args.task)
-        d["eval_data"] = args.eval_data or d["eval_data"]
-        d.update({k: getattr(args, k) for k in ("delta", "block", "window") if getattr(args, k) is not None})
-        args.samples = args.samples or d["eval_samples"]
+        c = run_defaults(args.model, args.task)
+        c = replace(c, eval_data=args.eval_data or c.eval_data,
+                    **{k: getattr(args, k) for k in ("delta", "block", "window") if getattr(args, k) is not None})
+        args.samples = args.samples or c.eval_samples
         for rate in args.eviction_rate:
-            Eviction(d["delta"], d["block"], d["window"], rate)  # one-line errors for bad ε, δ, b, w
-        problems = held_out(d, args.problems)
+            Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
+        problems = held_out(c, args.problems)
         args.device = distributed.local_device(args.device)  # torchrun: one GPU per process
-        model, tokenizer = load(args.model, args.device, d["meta_token"])  # a --meta-token run saved g
+        model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     device = torch.device(args.device)
     distributed.start(device)  # under torchrun the problems are split across the processes
     bf16 = (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        rows = compare(model, tokenizer, d, problems, list(dict.fromkeys(args.policy)),
+        rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
                        progress=distributed.rank_and_world()[0] == 0, compile=args.compile)
     rank = distributed.rank_and_world()[0]

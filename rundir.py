@@ -122,11 +122,7 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------
-# The log: one JSON object per line, every step record with the same keys
-
-
-STEP_KEYS = ["step", "reward", "accuracy", "eps", "response_len", "rounds", "L_token", "L_mem", "grad_norm",
-             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "tokens_per_s", "zero_adv_groups"]
+# The log: one JSON object per line, every step record with the keys train.step_gradients gives it
 
 
 def json_safe(value):

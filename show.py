@@ -4,7 +4,7 @@
         --out forgets.html [--png forgets.png]
     python show.py --model runs/ngc/checkpoint --problems 200 --survival survival.json
 
-The first N held-out problems of the run (`tasks.run_defaults`: the problems and prompts eval.py
+The first N held-out problems of the run (`settings.run_defaults`: the problems and prompts eval.py
 uses; a run trained with --interoception gets its rate tag, one trained with --meta-token its
 forced g) are completed by the untrained model (--before, default the repository's tiny/) and by
 the trained checkpoint (--model), both greedily and under NGC's evaluation policy: greedy top-K
@@ -34,7 +34,6 @@ import html
 import os
 import sys
 from collections import Counter
-from types import SimpleNamespace
 
 import torch
 
@@ -43,7 +42,8 @@ from cli import check_output_file, need, parser, pyplot
 from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
-from tasks import TASK_REWARD, held_out, prompt_encoder, run_defaults
+from settings import run_defaults
+from tasks import TASK_REWARD, held_out, prompt_encoder
 
 TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
@@ -282,11 +282,11 @@ def main(argv=None):
             need("matplotlib", "--png")
         for path in (args.before, args.model):
             load_config(path)  # a missing or foreign checkpoint fails here, before anything is loaded
-        d = run_defaults(args.model)
-        ev = Eviction(d["delta"], d["block"], d["window"], args.eviction_rate, greedy=True)  # bad ε: one line
-        c, problems = SimpleNamespace(**d), held_out(d, args.problems)
-        if args.survival and d["task"] != "countdown":
-            raise ValueError("--survival measures a Countdown target; this run's task is " + d["task"])
+        c = run_defaults(args.model)
+        ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
+        problems = held_out(c, args.problems)
+        if args.survival and c.task != "countdown":
+            raise ValueError("--survival measures a Countdown target; this run's task is " + c.task)
         runs, measures = {}, {}  # measures: --survival's, per model
         for name, path in (("untrained", args.before), ("trained", args.model)):
             model, tokenizer = load(path, args.device, c.meta_token)
@@ -308,7 +308,7 @@ def main(argv=None):
         print(f"{'':>9}  {f['wrong']} wrong under eviction, {f['full_cache_wrong_too']} of them also with the full "
               f"cache; the rest first leave its completion at: " + ", ".join(
               f"{kind} {n}" for kind, n in f["full_cache_wrote"].items()))
-    info = {"eviction": ev, "task": d["task"], "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
+    info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
     try:
         if args.survival:

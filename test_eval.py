@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from html.parser import HTMLParser
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ import eval as evaluation
 import make_tiny
 import reproduce
 import rundir
+import settings
 import show
 import tasks
 import train
@@ -25,7 +27,7 @@ import train
 from checkpoint import load_tokenizer
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, visibility
-from conftest import EV, TINY_MODEL, TRAIN_DEFAULTS, prompts_of
+from conftest import EV, STEP_KEYS, TINY_MODEL, TRAIN_DEFAULTS, prompts_of
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,8 +223,7 @@ def test_show_page_lists_every_token_of_every_rollout_and_every_layer(ckpt, trai
     assert "ε = 0.5, δ = 8, b = 2, w = 3" in text
     assert os.path.relpath(train_ckpt) in text and os.path.relpath(ckpt) in text
     tokenizer = load_tokenizer(ckpt)
-    _, test = tasks.load_problems(SimpleNamespace(**{**tasks.run_defaults(train_ckpt), "train_problems": 0,
-                                                     "data": None}))
+    _, test = tasks.load_problems(replace(settings.run_defaults(train_ckpt), train_problems=0, data=None))
     assert [p[0] for p in made] == [[cd.encode(tokenizer, q) for q in test[:2]]] * 2  # eval.py's prompts
     assert all(s.greedy and s.max_new_tokens == 24 and e.greedy and e.score is None and e.rate == 0.5
                for _, s, e, _ in made)  # NGC's greedy top-K on greedy tokens
@@ -359,12 +360,12 @@ def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
         (tmp_path / "runs" / name).mkdir(parents=True)
         with open(tmp_path / "runs" / name / "log.jsonl", "w") as f:
             for step, g in enumerate(norms):
-                f.write(json.dumps({**dict.fromkeys(rundir.STEP_KEYS), "step": step, "reward": 0.5,
+                f.write(json.dumps({**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.5,
                                     "grad_norm_token": g, "grad_norm_mem": g}) + "\n")
     for seed in (1,):  # a second seed of ngc, with other norms: the figure shows means over seeds
         (tmp_path / "runs" / f"ngc-seed{seed}").mkdir(parents=True)
         (tmp_path / "runs" / f"ngc-seed{seed}" / "log.jsonl").write_text("".join(
-            json.dumps({**dict.fromkeys(rundir.STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
+            json.dumps({**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
                         "grad_norm_mem": None}) + "\n" for step in range(3)))
     reproduce.curves(str(tmp_path), ["ngc", "token-only"], 1, str(tmp_path / "ablations.png"))
     assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
@@ -406,7 +407,7 @@ def test_reproduce_limit_study_tabulates_each_run_s_evaluations_during_training(
         (run_dir / "checkpoint" / "ngc.json").write_text(json.dumps({"eval_problems": 100 * (i + 1)}))
         evals = [{"step": s, "eval": {"acc": 0.1 * (i + 1), "acc_full": 0.9 - s / 1000, "kv_reduction": 2.0 + i}}
                  for s in (0, 20 * (i + 1))]
-        steps = [dict.fromkeys(rundir.STEP_KEYS, 0.0) | {"step": s} for s in range(2)]
+        steps = [dict.fromkeys(STEP_KEYS, 0.0) | {"step": s} for s in range(2)]
         (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
     rows = reproduce.limit_rows(str(tmp_path))
     assert [(r["recipe"], r["step"]) for r in rows] == [(n, s) for i, n in enumerate(runs) for s in (0, 20 * (i + 1))]
@@ -426,7 +427,7 @@ def test_reproduce_diagnosis_averages_the_training_log_between_evaluations(tmp_p
     for i, name in enumerate(reproduce.DIAGNOSE):
         run_dir = tmp_path / "runs" / f"diag-{name}"
         run_dir.mkdir(parents=True)
-        steps = [dict.fromkeys(rundir.STEP_KEYS, 0.0) | {"step": s, "reward": s / 10, "zero_adv_groups": 0.5 * (s % 2),
+        steps = [dict.fromkeys(STEP_KEYS, 0.0) | {"step": s, "reward": s / 10, "zero_adv_groups": 0.5 * (s % 2),
                                                           "grad_norm_mem": None if i == 1 else 1.0 + s} for s in range(4)]
         evals = [{"step": s, "eval": {"acc": 0.1 * s, "acc_full": 0.9, "kv_reduction": 2.0, "length": 80.0,
                                       "rounds": 3.0}} for s in (0, 2, 4)]

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import rundir
+import settings
 import tasks
 import train
 
@@ -106,8 +107,8 @@ def test_checkpoint_loads_back_with_identical_logits(train_ckpt, tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoint")) == [
         "config.json", "generation_config.json", "model.safetensors", "ngc.json", "tokenizer.json",
         "tokenizer_config.json", "trainer.pt"]
-    assert tasks.run_defaults(str(tmp_path / "checkpoint"))["delta"] == TRAIN_DEFAULTS["delta"]
-    assert tasks.run_defaults(str(tmp_path / "checkpoint"))["retention"] == TRAIN_DEFAULTS["retention"]
+    assert settings.run_defaults(str(tmp_path / "checkpoint")).delta == TRAIN_DEFAULTS["delta"]
+    assert settings.saved(settings.run_defaults(str(tmp_path / "checkpoint")))["retention"] == TRAIN_DEFAULTS["retention"]
     tok_cfg = json.loads((tmp_path / "checkpoint" / "tokenizer_config.json").read_text())
     assert tok_cfg["eos_token"] == "<eos>" and tok_cfg["pad_token"] == "<pad>"
     assert json.loads((tmp_path / "checkpoint" / "generation_config.json").read_text())["eos_token_id"] == EOS
@@ -123,7 +124,7 @@ def test_checkpoint_carries_the_chat_template_and_generation_config(train_ckpt, 
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "temperature": 0.6, "top_p": 0.95}))
     m, tok = from_pretrained(str(src)), load_tokenizer(str(src))
     c = train.resolve(train.parse_args(["--model", str(src), "--out", str(tmp_path / "run")]))
-    rundir.save_checkpoint(str(tmp_path / "run"), m, train.make_optimizer(m, c), tok, str(src), 0, tasks.as_settings(c))
+    rundir.save_checkpoint(str(tmp_path / "run"), m, train.make_optimizer(m, c), tok, str(src), 0, settings.saved(c))
     out = tmp_path / "run" / "checkpoint"
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_cfg["chat_template"] == "{{ messages }}" and tok_cfg["pad_token"] == "<pad>"

@@ -19,6 +19,7 @@ import torch
 
 import eval as evaluation
 import ngc
+import settings
 import train
 
 from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk, plackett_luce_log_prob
@@ -135,7 +136,7 @@ def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
                           [[-0.5, -1.5], [0.0, 0.0]]])  # rollout 1: 1 round, the second is padding
     ro = types.SimpleNamespace(n_rounds=torch.tensor([2, 1]))
     monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, ev_lp))
-    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=10)
+    c = settings.Settings(mode="ngc", max_new_tokens=10)
     adv = torch.tensor([0.5, -0.5])
     l_token, l_mem, _ = train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)
     # L_token = -(0.5·(-3) + (-0.5)·(-1)) / (4·10) = 1/40
@@ -143,7 +144,7 @@ def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
     # rollout 0: layer means (-1-3)/2 = -2, (-2-4)/2 = -3; rollout 1: -0.5, -1.5 (one round)
     # L_mem = -(0.5·(-2-3) + (-0.5)·(-0.5-1.5)) / 4 = 1.5/4
     assert l_mem.item() == pytest.approx(1.5 / 4, abs=1e-9)
-    c.mode = "token-only"
+    c = replace(c, mode="token-only")
     assert train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)[1] is None
 
 
@@ -151,7 +152,7 @@ def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
 def test_one_step_on_l_mem_moves_log_p_sigma_with_the_advantage(ckpt, sampled, sign):
     """Gradient descent on L_mem alone raises log p(σ) of a rollout with A > 0 and lowers it with
     A < 0, for each rollout on its own (so no other rollout's gradient interferes)."""
-    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=30)
+    c = settings.Settings(mode="ngc", max_new_tokens=30)
     for row in range(len(sampled.n_rounds)):
         if sampled.n_rounds[row] == 0:
             continue
@@ -169,7 +170,7 @@ def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
     """--term-grad-norms: one extra backward gives ‖∇L_token‖, and ‖∇L_mem‖ is the total minus it."""
     model = from_pretrained(ckpt)
     params = list(model.parameters())
-    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=30)
+    c = settings.Settings(mode="ngc", max_new_tokens=30)
     adv = torch.linspace(-1, 1, len(sampled.n_rounds))
     diag = train.TermGradNorms(params)
     for rows in torch.arange(len(adv)).split(2):  # micro-batches, as in train.backward
@@ -192,7 +193,7 @@ def test_a_micro_batch_without_rounds_adds_nothing_to_l_mem(ckpt):
     ro = rollout(model, prompts_of([3, 14]), Sampling(max_new_tokens=5, temperature=1.0, top_k=0), EV,
                  eos_ids=[], generator=torch.Generator().manual_seed(0))
     assert ro.n_rounds.tolist() == [0, 1]  # 3 + 5 tokens never reach δ = 12
-    c = types.SimpleNamespace(mode="ngc", temperature=1.0, max_new_tokens=5, micro_batch=1, term_grad_norms=False)
+    c = settings.Settings(mode="ngc", max_new_tokens=5, micro_batch=1)
     adv = torch.tensor([1.0, -1.0])
     losses = train.backward(model, ro, adv, c)
     _, l_mem, _ = train.policy_losses(model, ro.select(torch.tensor([1])), adv[1:], train.MODES[c.mode], c.max_new_tokens, n_total=2)

@@ -10,6 +10,7 @@ import torch
 
 import countdown as cd
 import eval as evaluation
+import settings
 import tasks
 import make_tiny
 import mathtask as mt
@@ -180,7 +181,7 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
     assert "ε = 0.5 (greedy top-K)" in printed and "peak-KV reduction" in printed
     steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
-    assert tasks.run_defaults(str(tmp_path / "checkpoint"))["prompt"] == "tiny"
+    assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny"
 
 
 def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
@@ -331,7 +332,7 @@ def test_shipped_tiny_math_model_solves_and_eviction_hurts():
     with open(os.path.join(TINY_MATH_DIR, "ngc.json")) as f:
         run = json.load(f)
     assert run == make_tiny.MATH_RUN
-    defaults = tasks.run_defaults(TINY_MATH_DIR)  # every key is one of train.py's settings
+    defaults = settings.saved(settings.run_defaults(TINY_MATH_DIR))  # every key is one of train.py's settings
     assert defaults["task"] == "math" and {k: defaults[k] for k in run} == run
     _, test = mt.demo_splits(0, 1, 200)
     test = test[:16]  # held out: the first problems of the seed's stream never reach pretraining
@@ -353,4 +354,4 @@ def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
                 "--eval-data", str(tmp_path / "data" / "test.jsonl"), "--eval-every", "1"])
     out = capsys.readouterr().out
     assert "NGC on math" in out and "δ=32" in out and "ε = 0.5 (greedy top-K)" in out
-    assert tasks.run_defaults(str(tmp_path / "run" / "checkpoint"))["task"] == "math"
+    assert settings.run_defaults(str(tmp_path / "run" / "checkpoint")).task == "math"

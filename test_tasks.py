@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 import countdown as cd
 import mathtask as mt
+import settings
 from countdown import PAPER, SMALL, Problem
 
 
@@ -91,8 +93,8 @@ def test_splits_are_disjoint_distinct_and_reproducible():
 def test_data_seed_fixes_the_problems_and_seed_alone_the_noise():
     import tasks
     import train
-    c = lambda **kw: SimpleNamespace(**{**tasks.COUNTDOWN, "difficulty": "tiny", "train_problems": 50,
-                                        "eval_problems": 20, **kw})
+    c = lambda **kw: replace(settings.COUNTDOWN, **{"difficulty": "tiny", "train_problems": 50, "eval_problems": 20,
+                                                      **kw})
     assert tasks.load_problems(c(seed=1, data_seed=0)) == tasks.load_problems(c(seed=2, data_seed=0))
     assert tasks.load_problems(c(seed=0)) == tasks.load_problems(c(seed=5, data_seed=0))
     assert tasks.load_problems(c(seed=1))[1] != tasks.load_problems(c(seed=1, data_seed=0))[1]  # control

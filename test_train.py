@@ -7,7 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, fields, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ import torch
 
 import eval as evaluation
 import rundir
+import settings
 import tasks
 import make_tiny
 import mathtask as mt
@@ -22,7 +23,7 @@ import train
 
 from checkpoint import META_TOKEN, add_meta_token, from_pretrained, load_tokenizer
 from ngc import rollout
-from conftest import SIGNAL_RUN, TRAIN_DEFAULTS, parity_reward, run_train, save_small_checkpoint, wait_for_log_lines
+from conftest import SIGNAL_RUN, STEP_KEYS, TRAIN_DEFAULTS, parity_reward, run_train, save_small_checkpoint, wait_for_log_lines
 
 
 # ---------------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def test_one_training_step_in_each_mode(train_ckpt, tmp_path, mode):
     flags = ["--mode", mode, "--steps", "1", "--term-grad-norms"] + (["--eval-every", "1"] if mode == "ngc" else [])
     log = run_train(train_ckpt, tmp_path, *flags)
     step = [r for r in log if "eval" not in r][0]
-    assert list(step) == rundir.STEP_KEYS  # one schema for every step record
+    assert list(step) == STEP_KEYS  # one schema for every step record
     assert math.isfinite(step["L_token"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
     assert (step["grad_norm_token"] > 0) == (mode != "mem-only")  # mem-only logs L_token, follows only L_mem
     assert 0 <= step["zero_adv_groups"] <= 1
@@ -223,7 +224,7 @@ def test_log_is_strict_json_and_plain_lines_without_a_terminal(train_ckpt, tmp_p
         raise ValueError(f"{name} in log")
 
     records = [json.loads(line, parse_constant=no_constants) for line in open(tmp_path / "log.jsonl")]
-    assert [list(r) for r in records if "eval" not in r] == [rundir.STEP_KEYS] * 2
+    assert [list(r) for r in records if "eval" not in r] == [STEP_KEYS] * 2
     assert rundir.json_safe({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.5}) == {"a": None, "b": {"c": None},
                                                                                          "d": 1.5}
 
@@ -305,6 +306,29 @@ def test_help_shows_the_checkpoints_defaults(train_ckpt, capsys):
     assert f"(default {make_tiny.TINY_RUN['steps']})" in capsys.readouterr().out
 
 
+def test_each_setting_is_defined_once(train_ckpt, tmp_path, capsys):
+    """settings.py is the one definition: every setting with a flag shows in --help, the modes it
+    offers are train.MODES, and a run saves exactly the settings marked saved (--threads among
+    them, so a resume runs on as many threads), which read back to the same values."""
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", train_ckpt, "--help"])
+    text = capsys.readouterr().out
+    flags = [f for f in fields(settings.Settings) if f.metadata["cli"]]
+    assert all(f"--{f.name.replace('_', '-')} " in text for f in flags) and "--eval-samples" not in text
+    assert {f.metadata["flag"].get("choices") and tuple(f.metadata["flag"]["choices"]) for f in flags
+            if f.name == "mode"} == {tuple(train.MODES)}
+    c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(tmp_path / "run"), "--threads", "1",
+                                        "--retention", "0.8,0.6"]))
+    saved = settings.saved(c)
+    assert list(saved) == settings.SAVED and saved["threads"] == 1 and saved["retention"] == "0.8,0.6"
+    assert "model" not in saved and "out" not in saved and "resume" not in saved
+    back = settings.from_dict(saved)
+    assert all(getattr(back, k) == getattr(c, k) for k in settings.SAVED) and back.retention == (0.8, 0.6)
+    assert settings.from_dict({**saved, "retention": "0.8,0.5"}).retention != c.retention  # control
+    with pytest.raises(FrozenInstanceError):  # settings are read, never changed in place
+        c.lr = 1.0
+
+
 # ---------------------------------------------------------------------------------------
 # The math task (§5.4) through train.py and eval.py
 
@@ -315,9 +339,9 @@ def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monke
     `eval.py --task math` then gives pass@k for NGC and a baseline."""
     mt.make_demo(tmp_path / "data", n_train=8, n_test=3)
     data, held_out = str(tmp_path / "data" / "train.jsonl"), str(tmp_path / "data" / "test.jsonl")
-    d = tasks.run_defaults(train_ckpt, "math")
-    assert (d["delta"], d["max_new_tokens"], d["prompts"], d["group"], d["steps"]) == (8, 24, 2, 4, 469)  # ngc.json wins
-    assert (tasks.MATH["delta"], tasks.MATH["min_length"], tasks.MATH["top_k"], tasks.MATH["beta2"]) == (350, 350, 0, 0.999)
+    d = settings.run_defaults(train_ckpt, "math")
+    assert (d.delta, d.max_new_tokens, d.prompts, d.group, d.steps) == (8, 24, 2, 4, 469)  # ngc.json wins
+    assert (settings.MATH.delta, settings.MATH.min_length, settings.MATH.top_k, settings.MATH.beta2) == (350, 350, 0, 0.999)
     calls = []
     monkeypatch.setitem(tasks.TASK_REWARD, "math", lambda text, p: calls.append(p) or float(sum(map(ord, text)) % 2))
     log = run_train_task(train_ckpt, tmp_path / "run", "--task", "math", "--data", data, "--eval-data", held_out,
@@ -418,11 +442,11 @@ def test_weights_that_are_not_finite_are_never_saved(train_ckpt, tmp_path):
     m = from_pretrained(train_ckpt)
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(tmp_path / "run")]))
     opt, tok = train.make_optimizer(m, c), load_tokenizer(train_ckpt)
-    rundir.save_checkpoint(str(tmp_path / "run"), m, opt, tok, train_ckpt, 1, tasks.as_settings(c))
+    rundir.save_checkpoint(str(tmp_path / "run"), m, opt, tok, train_ckpt, 1, settings.saved(c))
     with torch.no_grad():
         m.lm_head.weight[0, 0] = float("inf")
     with pytest.raises(rundir.Diverged, match="after step 2 are not finite"):
-        rundir.save_checkpoint(str(tmp_path / "run"), m, opt, tok, train_ckpt, 2, tasks.as_settings(c))
+        rundir.save_checkpoint(str(tmp_path / "run"), m, opt, tok, train_ckpt, 2, settings.saved(c))
     assert rundir.load_trainer_state(str(tmp_path / "run"))["step"] == 1
 
 

@@ -9,7 +9,7 @@
 One step: P prompts x G rollouts through the NGC engine (a round every δ tokens at the
 curriculum's ε), binary reward, advantage A = r - mean(group), then the replay pass in
 micro-batches, L = L_token + L_mem (eqs. 3-5), one backward, grad-norm clipping, AdamW at a
-constant LR. Defaults are the paper's recipe for the task (tasks.py); a checkpoint directory may
+constant LR. Defaults are the paper's recipe for the task (settings.py); a checkpoint directory may
 carry an ngc.json whose values replace them (the tiny model's does), and any flag replaces both.
 
 This file is the method, top to bottom: modes, curriculum, objective, one step, the loop, then the
@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,15 +30,13 @@ from tqdm import tqdm
 import countdown
 import distributed
 import rundir
+import settings
 from checkpoint import META_TOKEN, CheckpointError, load
 from cli import parser
 from eval import before_after, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from tasks import RECIPES, TASK_REWARD, as_settings, check_settings, load_problems, prompt_encoder, run_defaults
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+from tasks import TASK_REWARD, load_problems, prompt_encoder
 
 @dataclass(frozen=True)
 class Mode:
@@ -75,10 +73,15 @@ def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float)
 
 
 def eviction_rate_at(step: int, c) -> float:
-    """ε at a step: the fixed --eviction-rate, or 1 - the curriculum's retention (step None: the last ε)."""
+    """ε at a step: the fixed --eviction-rate, or 1 - the curriculum's retention."""
     if c.eviction_rate is not None:
         return c.eviction_rate
-    return 1 - (c.retention[-1] if step is None else retention_at(step, c.retention, c.stage_steps, c.alpha))
+    return 1 - retention_at(step, c.retention, c.stage_steps, c.alpha)
+
+
+def final_eviction_rate(c) -> float:
+    """The ε the curriculum ends at (the fixed --eviction-rate, if given)."""
+    return c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,7 +182,7 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     ev = Eviction(c.delta, c.block, c.window, eps) if mode.evict else None
     group_eps = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
-        choices = torch.tensor(c.interoception_rates) * eps / eviction_rate_at(None, c)
+        choices = torch.tensor(c.interoception_rates) * eps / final_eviction_rate(c)
         group_eps = choices[torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()].clamp(0.01, 1)
     rates = None if group_eps is None else group_eps.repeat_interleave(G)
     batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
@@ -199,14 +202,17 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.clip).item()
 
     n_new = (ro.lengths - ro.prompt_lens).float()
-    means = distributed.mean_over_processes(dict(
+    m = distributed.mean_over_processes(dict(
         reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(), rounds=ro.n_rounds.float().mean(),
-        peak_kv=ro.peak_kv.float().mean(), tokens_per_s=n_new.sum() / t_rollout,
-        sampled_logprob=ro.logprobs.sum(1).mean(),  # not finite: the model's logits are not (diverged)
-        zero_adv_groups=(adv.view(-1, G) == 0).all(1).float().mean()))  # groups that teach nothing
-    means["tokens_per_s"] *= world  # all processes together
-    return {"step": step, **means, "eps": eps, **losses, "grad_norm": grad_norm,
-            "step_time": time.perf_counter() - t0}
+        peak_kv=ro.peak_kv.float().mean(), tokens_per_s=n_new.sum() * world / t_rollout,  # all processes together
+        zero_adv_groups=(adv.view(-1, G) == 0).all(1).float().mean(),  # groups that teach nothing
+        sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
+    return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,
+            "response_len": m["response_len"], "rounds": m["rounds"], "L_token": losses["L_token"],
+            "L_mem": losses["L_mem"], "grad_norm": grad_norm, "grad_norm_token": losses["grad_norm_token"],
+            "grad_norm_mem": losses["grad_norm_mem"],
+            "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0, "tokens_per_s": m["tokens_per_s"],
+            "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
 
 
 def make_optimizer(model, c):
@@ -244,14 +250,14 @@ def main(argv=None, reward_fn=None):
     log_path = os.path.join(c.out, "log.jsonl")
     say = tqdm.write if master else lambda text: None
     if master:  # the run directory, its log cut back to `step`; a resume says which settings it changes
-        rundir.prepare(c.out, c.overwrite, step, state and state["config"], as_settings(c))
+        rundir.prepare(c.out, c.overwrite, step, state and state["config"], settings.saved(c))
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(f"NGC on {c.task}: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
         f"{c.device} {c.dtype}" + (f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else "")
         + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
-        f"ε -> {eviction_rate_at(None, c):g}, steps {step}..{c.steps}, run dir {c.out}")
+        f"ε -> {final_eviction_rate(c):g}, steps {step}..{c.steps}, run dir {c.out}")
     train, test = load_problems(c)
-    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or eviction_rate_at(None, c), greedy=True)
+    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eviction_rate(c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
     evals = [r["eval"] for r in rundir.read_log(log_path) if "eval" in r] if master else []  # a resume's, too
@@ -269,7 +275,7 @@ def main(argv=None, reward_fn=None):
 
     def save():
         nonlocal saved
-        rundir.save_checkpoint(c.out, model, opt, tokenizer, c.model, step, as_settings(c))
+        rundir.save_checkpoint(c.out, model, opt, tokenizer, c.model, step, settings.saved(c))
         saved = step
 
     t_start = time.time()
@@ -293,7 +299,7 @@ def main(argv=None, reward_fn=None):
                     opt.zero_grad(set_to_none=True)
                     step += 1
                     if master:
-                        rundir.write_log(log_path, {k: m[k] for k in rundir.STEP_KEYS})
+                        rundir.write_log(log_path, m)
                 bar.update(1)
                 say(step_line(m, c.steps))
                 if c.save_every and step % c.save_every == 0 and step < c.steps:
@@ -328,116 +334,44 @@ def main(argv=None, reward_fn=None):
 
 
 def parse_args(argv=None):
-    """Flags; --help shows the defaults a run would use: the paper's, or --model's ngc.json over them."""
+    """Flags, one per setting (settings.py); --help shows the defaults a run would use: the paper's,
+    or --model's ngc.json over them."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", default=os.path.join(HERE, "tiny"))
-    pre.add_argument("--task", choices=list(RECIPES))
+    pre.add_argument("--model", default=settings.COUNTDOWN.model)
+    pre.add_argument("--task", choices=list(settings.RECIPES))
     known = pre.parse_known_args(argv)[0]
     try:
-        defaults = run_defaults(known.model, known.task)
+        defaults = settings.run_defaults(known.model, known.task)
     except CheckpointError:
-        defaults = RECIPES[known.task or "countdown"]  # resolve() reports the broken ngc.json
+        defaults = settings.RECIPES[known.task or "countdown"]  # resolve() reports the broken ngc.json
     p = parser(__doc__)
-    p.add_argument("--task", choices=list(RECIPES), help="countdown (generated problems) or math (DAPO-17k from "
-                   "--data, AIME/AMC from --eval-data); default: the checkpoint's ngc.json, else countdown")
-    p.add_argument("--model", default=os.path.join(HERE, "tiny"),
-                   help="Qwen2 checkpoint directory: config.json, *.safetensors, tokenizer.json (default: tiny/)")
-    p.add_argument("--out", default=None, help="run directory for log.jsonl and checkpoint/ (default: runs/<mode>)")
-    p.add_argument("--overwrite", action="store_true", help="start afresh in an --out that already holds a run")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run saved in RUN_DIR; a flag "
-                   "given with it changes that setting from there on (the change is printed)")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
-                   help="compute dtype; weights and optimizer stay fp32 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--compile", action="store_true", help="capture the decode step with torch.compile (CUDA graphs "
-                   "on CUDA): eager's rollouts up to float rounding, faster")
-    p.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model, gradients and optimizer "
-                   "state across the processes (FSDP2) instead of a whole copy each")
-    g = p.add_argument_group("task and run")
-    g.add_argument("--seed", type=int, help="seed of the rollouts and evictions (and of the problems without --data-seed)")
-    g.add_argument("--data-seed", type=int, help="seed of the training and held-out problems and their order "
-                   "(default: --seed); fix it to compare seeds on one held-out set")
-    g.add_argument("--steps", type=int, help="optimizer steps")
-    g.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="prompt style")
-    g.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES), help="problem generator preset")
-    g.add_argument("--train-problems", type=int, help="training problems (drawn for countdown, the first N of --data)")
-    g.add_argument("--data", help="math: training problems, .jsonl or .parquet (DAPO-Math-17k layout)")
-    g.add_argument("--eval-data", help="math: held-out problems, .jsonl or .parquet (AIME/AMC layout)")
-    g.add_argument("--question-field", help="math: the question's field in --data/--eval-data rows (a.b for nested)")
-    g.add_argument("--answer-field", help="math: the answer's field (a.b for nested)")
-    g = p.add_argument_group("rollouts")
-    g.add_argument("--prompts", type=int, help="P: distinct prompts per step")
-    g.add_argument("--group", type=int, help="G: rollouts per prompt")
-    g.add_argument("--max-new-tokens", type=int, help="completion length cap")
-    g.add_argument("--temperature", type=float, help="sampling temperature (log-probs use it too)")
-    g.add_argument("--top-k", type=int, help="0 disables top-k")
-    g.add_argument("--top-p", type=float, help="nucleus sampling, 1 disables it")
-    g = p.add_argument_group("eviction (paper §4.1-4.3, §4.6)")
-    g.add_argument("--mode", choices=list(MODES), help="ngc | token-only (no L_mem) | mem-only (no L_token) | "
-                   "targeted-dropout | no-evict (full cache)")
-    g.add_argument("--delta", type=int, help="δ: a round every δ tokens of a sequence")
-    g.add_argument("--block", type=int, help="b: block size")
-    g.add_argument("--window", type=int, help="w: scoring queries")
-    g.add_argument("--retention", help="curriculum stages ρ_0,...,ρ_K (retention = 1 - ε)")
-    g.add_argument("--stage-steps", type=int, help="Δ: steps per curriculum stage")
-    g.add_argument("--alpha", type=float, help="fraction of a stage spent blending to the next")
-    g.add_argument("--eviction-rate", type=float, help="a fixed ε instead of the curriculum")
-    g.add_argument("--interoception", action=argparse.BooleanOptionalAction,
-                   help="one ε per group, written into its prompts as <eviction_rate>ε%%</eviction_rate>")
-    g.add_argument("--interoception-rates", help="the rates groups draw from (scaled by curriculum progress)")
-    g.add_argument("--blind-tag", action=argparse.BooleanOptionalAction, help="with --interoception, the control: "
-                   "the same per-group ε, the tag <eviction_rate>-%%</eviction_rate> (same length, same blocks)")
-    g.add_argument("--min-length", type=int, help="reward 0 when prompt+completion is shorter (Appendix A.1)")
-    g.add_argument("--meta-token", action=argparse.BooleanOptionalAction,
-                   help=f"force the meta-token {META_TOKEN} as the last token before each round (Appendix, meta-tokens; "
-                        "added to a checkpoint that lacks it as the mean embedding of 'tl;dr')")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, help="AdamW learning rate, constant")
-    g.add_argument("--beta1", type=float, help="AdamW β1")
-    g.add_argument("--beta2", type=float, help="AdamW β2")
-    g.add_argument("--adam-eps", type=float, help="AdamW ε")
-    g.add_argument("--weight-decay", type=float, help="AdamW weight decay")
-    g.add_argument("--clip", type=float, help="grad-norm clipping")
-    g.add_argument("--micro-batch", type=int, help="rollouts per replay forward/backward")
-    g.add_argument("--term-grad-norms", action=argparse.BooleanOptionalAction,
-                   help="log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward per micro-batch, one more gradient copy)")
-    g = p.add_argument_group("evaluation and checkpoints")
-    g.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (0: never)")
-    g.add_argument("--eval-problems", type=int, help="held-out problems")
-    g.add_argument("--eval-rate", type=float, help="ε for evaluation (default: the final training ε)")
-    g.add_argument("--eval-batch", type=int, help="rollouts per evaluation batch")
-    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
-    for action in p._actions:
-        if defaults.get(action.dest) is not None:
-            action.help += f" (default {defaults[action.dest]})".replace("%", "%%")
+    settings.add_flags(p, defaults)
     return p.parse_args(argv)
 
 
-def resolve(args, state=None):
-    """Fill every unset flag from the resumed run's state, the checkpoint's ngc.json or the paper,
-    then check them all. Raises CheckpointError or ValueError with a one-line message."""
+def resolve(args, state=None) -> settings.Settings:
+    """The run's settings: every unset flag filled from the resumed run's state, the checkpoint's
+    ngc.json or the paper, then all checked. Raises CheckpointError or ValueError with a one-line message."""
     if args.resume:  # the run's own settings, its checkpoint and directory
-        base, args.model, args.out = rundir.resume_from(args.resume, args.out, state)
+        saved, args.model, args.out = rundir.resume_from(args.resume, args.out, state)
+        base = settings.from_dict(saved)
     else:
-        base = run_defaults(args.model, args.task)
-    for k, v in base.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    check_settings(args)
-    for eps in [eviction_rate_at(s, args) for s in (0, args.steps)] + args.interoception_rates + [args.eval_rate or 0.5]:
-        check_eviction(args.delta, args.block, args.window, eps)  # one-line errors for bad δ, b, w, ε
-    args.device = distributed.pick_device(args.device)
+        base = settings.run_defaults(args.model or settings.COUNTDOWN.model, args.task)
+    c = settings.from_dict({k: v for k, v in vars(args).items() if v is not None}, base)
+    settings.check(c)
+    for eps in [eviction_rate_at(s, c) for s in (0, c.steps)] + list(c.interoception_rates) + [c.eval_rate or 0.5]:
+        check_eviction(c.delta, c.block, c.window, eps)  # one-line errors for bad δ, b, w, ε
+    device = distributed.pick_device(c.device)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.fsdp and not distributed.launched():
+    if c.fsdp and not distributed.launched():
         raise ValueError("--fsdp runs under torchrun: torchrun --nproc_per_node N train.py ... --fsdp")
-    args.term_grad_norms = args.term_grad_norms and not args.fsdp  # their extra backward is not sharded
-    if args.prompts % world:
-        raise ValueError(f"--prompts {args.prompts} must be a multiple of the {world} processes (each takes whole groups)")
-    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
-    args.out = args.out or os.path.join("runs", args.mode)
-    rundir.check_run_dir(args.out, args.resume, args.overwrite)
-    return args
+    if c.prompts % world:
+        raise ValueError(f"--prompts {c.prompts} must be a multiple of the {world} processes (each takes whole groups)")
+    c = replace(c, device=device, dtype=c.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
+                out=c.out or os.path.join("runs", c.mode),
+                term_grad_norms=c.term_grad_norms and not c.fsdp)  # their extra backward is not sharded
+    rundir.check_run_dir(c.out, c.resume, c.overwrite)
+    return c
 
 
 def step_line(m, steps) -> str:

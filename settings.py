@@ -1,0 +1,233 @@
+"""A run's settings, defined once: each is one line below with its default, its help and its check.
+
+From this one definition come the per-task recipes (the defaults are the paper's Countdown
+recipe; MATH replaces a few), train.py's flags and their --help, the checks of a run's values,
+and what a run saves (ngc.json and trainer.pt keep the settings marked saved). Adding a setting
+is one line here plus the code that reads it.
+
+A run's values are the task's recipe, replaced by the checkpoint's ngc.json where it has one (the
+tiny models' do), replaced in turn by any command-line flag (train.resolve).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+
+import countdown
+from checkpoint import CheckpointError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+RUN, TASK, ROLLOUT, EVICTION, OPTIM, EVAL = ("run", "task and run", "rollouts", "eviction (paper §4.1-4.3, §4.6)",
+                                           "optimisation", "evaluation and checkpoints")
+
+
+def at_least(n):
+    return lambda v: v >= n or f"must be at least {n}"
+
+
+def positive(v):
+    return v > 0 or "must be positive"
+
+
+def in_unit(low_open: bool):
+    return lambda v: (0 < v if low_open else 0 <= v) and (v <= 1 if low_open else v < 1) or \
+        f"must lie in {'(0, 1]' if low_open else '[0, 1)'}"
+
+
+def setting(default, help: str, group: str = TASK, check=None, saved: bool = True, cli: bool = True, **flag):
+    """One setting: its default (the paper's Countdown recipe), --help text, flag group, a check
+    (value -> True or the reason it is wrong), whether a run saves it (ngc.json, trainer.pt) and
+    whether train.py has a flag for it. flag: extra argparse keywords (choices, metavar, action)."""
+    return field(default=default, metadata=dict(help=help, group=group, check=check, saved=saved, cli=cli, flag=flag))
+
+
+@dataclass(frozen=True)
+class Settings:
+    # What a run is, where it runs and writes; not part of its recipe.
+    model: str = setting(os.path.join(HERE, "tiny"), "Qwen2 checkpoint directory: config.json, *.safetensors, "
+                         "tokenizer.json (default: tiny/)", RUN,
+                         saved=False)
+    out: str | None = setting(None, "run directory for log.jsonl and checkpoint/ (default: runs/<mode>)", RUN,
+                              saved=False)
+    overwrite: bool = setting(False, "start afresh in an --out that already holds a run", RUN, saved=False,
+                              action="store_true")
+    resume: str | None = setting(None, "continue the run saved in RUN_DIR; a flag given with it changes that "
+                                 "setting from there on (the change is printed)", RUN, saved=False, metavar="RUN_DIR")
+    device: str | None = setting(None, "cuda, cuda:N or cpu (default: cuda when present)", RUN, saved=False)
+    dtype: str | None = setting(None, "compute dtype; weights and optimizer stay fp32 (default: bf16 on cuda, fp32 "
+                                "on cpu)", RUN, saved=False, choices=["bf16", "fp32"])
+    threads: int | None = setting(None, "CPU threads for torch (saved: a resume with as many is bit-exact)", RUN,
+                                  at_least(1))
+    compile: bool = setting(False, "capture the decode step with torch.compile (CUDA graphs on CUDA): eager's "
+                            "rollouts up to float rounding, faster", RUN, saved=False, action="store_true")
+    fsdp: bool = setting(False, "under torchrun: shard the model, gradients and optimizer state across the "
+                         "processes (FSDP2) instead of a whole copy each", RUN, saved=False, action="store_true")
+    # The task and its problems
+    task: str = setting("countdown", "countdown (generated problems) or math (DAPO-17k from --data, AIME/AMC from "
+                        "--eval-data)", choices=["countdown", "math"])
+    prompt: str | None = setting("plain", "prompt style", choices=sorted(countdown.PROMPTS))
+    difficulty: str | None = setting("paper", "problem generator preset", choices=sorted(countdown.DIFFICULTIES))
+    train_problems: int | None = setting(327_680, "training problems (drawn for countdown, the first N of --data)",
+                                         check=at_least(1))
+    eval_problems: int | None = setting(1024, "held-out problems", EVAL, at_least(1))
+    data: str | None = setting(None, "math: training problems, .jsonl or .parquet (DAPO-Math-17k layout)")
+    eval_data: str | None = setting(None, "math: held-out problems, .jsonl or .parquet (AIME/AMC layout)")
+    question_field: str | None = setting(None, "math: the question's field in --data/--eval-data rows (a.b for nested)")
+    answer_field: str | None = setting(None, "math: the answer's field (a.b for nested)")
+    seed: int = setting(0, "seed of the rollouts and evictions (and of the problems without --data-seed)")
+    data_seed: int | None = setting(None, "seed of the training and held-out problems and their order (default: "
+                                    "--seed); fix it to compare seeds on one held-out set")
+    steps: int = setting(250, "optimizer steps", check=at_least(1))
+    # Rollouts (§5.2, Table 1)
+    prompts: int = setting(32, "P: distinct prompts per step", ROLLOUT, at_least(1))
+    group: int = setting(16, "G: rollouts per prompt (advantages are within a group)", ROLLOUT, at_least(2))
+    max_new_tokens: int = setting(1024, "completion length cap", ROLLOUT, at_least(1))
+    temperature: float = setting(0.9, "sampling temperature (log-probs use it too)", ROLLOUT, positive)
+    top_k: int = setting(50, "0 disables top-k", ROLLOUT, at_least(0))
+    top_p: float = setting(1.0, "nucleus sampling, 1 disables it", ROLLOUT, in_unit(low_open=True))
+    # Eviction (§4.1-4.3) and its curriculum (§4.6)
+    mode: str = setting("ngc", "ngc | token-only (no L_mem) | mem-only (no L_token) | targeted-dropout | no-evict "
+                        "(full cache)", EVICTION, choices=["ngc", "token-only", "mem-only", "targeted-dropout", "no-evict"])
+    delta: int = setting(256, "δ: a round every δ tokens of a sequence", EVICTION)
+    block: int = setting(32, "b: block size", EVICTION)
+    window: int = setting(5, "w: scoring queries", EVICTION)
+    retention: tuple[float, ...] = setting((0.9, 0.8, 0.7, 0.6, 0.5), "curriculum stages ρ_0,...,ρ_K (retention "
+                                           "= 1 - ε)", EVICTION)
+    stage_steps: int = setting(25, "Δ: steps per curriculum stage", EVICTION, at_least(1))
+    alpha: float = setting(0.6, "fraction of a stage spent blending to the next", EVICTION, in_unit(low_open=True))
+    eviction_rate: float | None = setting(None, "a fixed ε instead of the curriculum", EVICTION)
+    interoception: bool = setting(False, "one ε per group, written into its prompts as "
+                                  "<eviction_rate>ε%</eviction_rate>", EVICTION)
+    interoception_rates: tuple[float, ...] = setting((0.25, 0.5, 0.75), "the rates groups draw from (scaled by "
+                                                     "curriculum progress)", EVICTION)
+    blind_tag: bool = setting(False, "with --interoception, the control: the same per-group ε, the tag "
+                              "<eviction_rate>-%</eviction_rate> (same length, same blocks)", EVICTION)
+    min_length: int = setting(0, "reward 0 when prompt+completion is shorter (Appendix A.1)", EVICTION, at_least(0))
+    meta_token: bool = setting(False, "force the meta-token <|tldr|> as the last token before each round (Appendix, "
+                               "meta-tokens; added to a checkpoint that lacks it as the mean embedding of 'tl;dr')",
+                               EVICTION)
+    # Optimisation
+    lr: float = setting(5e-6, "AdamW learning rate, constant", OPTIM, positive)
+    beta1: float = setting(0.9, "AdamW β1", OPTIM, in_unit(low_open=False))
+    beta2: float = setting(0.95, "AdamW β2", OPTIM, in_unit(low_open=False))
+    adam_eps: float = setting(1e-15, "AdamW ε", OPTIM, positive)
+    weight_decay: float = setting(0.0, "AdamW weight decay", OPTIM, at_least(0))
+    clip: float = setting(1.0, "grad-norm clipping", OPTIM, positive)
+    micro_batch: int = setting(4, "rollouts per replay forward/backward", OPTIM, at_least(1))
+    term_grad_norms: bool = setting(False, "log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward per micro-batch, "
+                                    "one more gradient copy)", OPTIM)
+    # Evaluation and checkpoints
+    eval_every: int = setting(50, "held-out evaluation every N steps (0: never)", EVAL, at_least(0))
+    eval_rate: float | None = setting(None, "ε for evaluation (default: the final training ε)", EVAL)
+    eval_batch: int = setting(64, "rollouts per evaluation batch", EVAL, at_least(1))
+    save_every: int = setting(50, "checkpoint every N steps (0: only at the end)", EVAL, at_least(0))
+    eval_samples: int | None = setting(None, "eval.py: samples per problem (default: greedy)", EVAL, at_least(1),
+                                       cli=False)
+    eval_temperature: float | None = setting(None, "eval.py: sampling temperature", EVAL, positive, cli=False)
+    eval_top_p: float | None = setting(None, "eval.py: nucleus", EVAL, in_unit(low_open=True), cli=False)
+    eval_max_new_tokens: int | None = setting(None, "eval.py: completion length cap", EVAL, at_least(1), cli=False)
+
+
+SAVED = [f.name for f in fields(Settings) if f.metadata["saved"]]
+LISTS = [f.name for f in fields(Settings) if isinstance(f.default, tuple)]
+
+COUNTDOWN = Settings()  # the paper's Countdown settings (§5.2, Table 1), for large models
+MATH = replace(  # DAPO-17k (§5.4, Appendix A.1 "DAPO-17k training hyperparameters")
+    COUNTDOWN, task="math", prompt=None, difficulty=None, train_problems=None, eval_problems=None,
+    steps=469, prompts=256, group=8, max_new_tokens=1050, temperature=1.0, top_k=0, delta=350,
+    min_length=350,  # Appendix A.1: reward 0 for a rollout that ends before the first round (δ)
+    beta2=0.999, adam_eps=1e-8, eval_samples=32, eval_temperature=0.6, eval_top_p=0.95, eval_max_new_tokens=3850,
+    stage_steps=50,  # the paper does not give the math run's curriculum: Countdown's, in stages of 50 steps
+)
+RECIPES = {"countdown": COUNTDOWN, "math": MATH}
+
+
+def floats(text) -> tuple[float, ...]:
+    """A comma list as ngc.json and the command line write it ("0.9,0.7,0.5"), or a tuple already."""
+    if isinstance(text, (list, tuple)):
+        return tuple(float(x) for x in text)
+    return tuple(float(x) for x in str(text).split(","))
+
+
+def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
+    """`base` with the values of d (ngc.json, trainer.pt or flags); comma lists parsed.
+    A ValueError for a comma list that is not numbers."""
+    values = {}
+    for k, v in d.items():
+        if k in LISTS and v is not None:
+            try:
+                v = floats(v)
+            except ValueError:
+                raise ValueError(f"--{k.replace('_', '-')} {v!r} must be comma-separated numbers")
+        values[k] = v
+    return replace(base, **values)
+
+
+def saved(c: Settings) -> dict:
+    """The settings a run saves (ngc.json, trainer.pt), comma lists written back as text."""
+    text = lambda v: ",".join(f"{x:g}" for x in v) if isinstance(v, tuple) else v
+    return {k: text(getattr(c, k)) for k in SAVED}
+
+
+def run_defaults(model_dir: str, task: str | None = None) -> Settings:
+    """The paper's recipe for the task, replaced by the checkpoint's ngc.json where it has one.
+    The task is `task`, else the one ngc.json names, else Countdown."""
+    path = os.path.join(model_dir, "ngc.json")
+    extra = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                extra = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete it")
+        unknown = set(extra) - set(SAVED) if isinstance(extra, dict) else {"<not an object>"}
+        if unknown:
+            raise CheckpointError(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
+    task = task or extra.get("task") or "countdown"
+    try:
+        return from_dict({**extra, "task": task, "model": model_dir}, RECIPES[task])
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}")
+
+
+def check(c: Settings):
+    """A ValueError with a one-line message for the first setting of c that a run cannot use."""
+    for f in fields(Settings):
+        v, rule = getattr(c, f.name), f.metadata["check"]
+        if v is not None and rule is not None and rule(v) is not True:
+            raise ValueError(f"--{f.name.replace('_', '-')} {v} {rule(v)}")
+    if c.task == "math":
+        if not c.data or (c.eval_every and not c.eval_data):
+            raise ValueError("--task math reads its problems from files: --data FILE (training) and --eval-data FILE "
+                             "(held-out; or --eval-every 0), JSONL or Parquet; see mathtask.py for the datasets")
+        if c.interoception or c.blind_tag:
+            raise ValueError("--interoception writes the budget into Countdown's prompts; --task math has no such tag")
+        for path in (c.data, c.eval_data):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"no such file: {path}")
+    if c.blind_tag and not c.interoception:
+        raise ValueError("--blind-tag is the control for --interoception (the same per-group ε, the rate hidden); "
+                         "add --interoception")
+
+
+def add_flags(p, defaults: Settings):
+    """Every setting as a --flag of parser p, in its group, the help of a saved one ending with the
+    default a run would use (`defaults`). Flags default to None: train.resolve fills unset ones."""
+    groups = {}
+    for f in fields(Settings):
+        if not f.metadata["cli"]:
+            continue
+        group = p if f.metadata["group"] == RUN else groups.setdefault(f.metadata["group"],
+                                                                       p.add_argument_group(f.metadata["group"]))
+        kw, default = dict(f.metadata["flag"]), getattr(defaults, f.name)
+        if "action" not in kw:
+            if isinstance(f.default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = int if f.type.startswith("int") else float if f.type.startswith("float") else str
+        shown = ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default
+        help = f.metadata["help"] + (f" (default {shown})" if f.metadata["saved"] and default is not None else "")
+        group.add_argument(f"--{f.name.replace('_', '-')}", default=None, help=help.replace("%", "%%"), **kw)
