@@ -19,7 +19,7 @@ ordered kept blocks σ of every (round, layer), and the settings it was made wit
 row's ε, temperature, g).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Callable
 
@@ -114,10 +114,10 @@ class Rollout:
     def select(self, rows) -> "Rollout":
         """The rollouts of batch rows `rows`, trimmed to their own longest length and round count."""
         T, R = int(self.lengths[rows].max()), int(self.n_rounds[rows].max())
-        return Rollout(self.tokens[rows, :T], self.prompt_lens[rows], self.lengths[rows], self.logprobs[rows, :T],
-                       self.forced[rows, :T], self.kept[rows, :R], self.n_rounds[rows], self.evict_logprobs[rows, :R],
-                       self.kv_before_round[rows, :R], self.peak_kv[rows], self.kv_slots, self.eos[rows],
-                       self.sampling, self.eviction, None if self.rates is None else self.rates[rows])
+        trim = {"tokens": T, "logprobs": T, "forced": T, "kept": R, "evict_logprobs": R, "kv_before_round": R}
+        whole = {f.name: getattr(self, f.name) for f in fields(self)}  # non-tensors (settings, rates None): as is
+        return Rollout(**{k: (v[rows, : trim[k]] if k in trim else v[rows]) if torch.is_tensor(v) else v
+                          for k, v in whole.items()})
 
     def completions(self) -> list[list[int]]:
         return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
@@ -409,7 +409,7 @@ class Recorder:
     def tensors(self):
         B, L, dev = self.B, self.L, self.device
         R = int(self.n_rounds.max()) if self.rounds else 0
-        Kmax = max([s.shape[1] for r in self.rounds for s in r[2]], default=1)
+        Kmax = max([s.shape[1] for _, _, sigmas, _, _ in self.rounds for s in sigmas], default=1)
         kept = torch.full((B, R, L, Kmax), -1, dtype=torch.long, device=dev)
         logps = torch.zeros(B, R, L, device=dev)
         before = torch.zeros(B, R, L, dtype=torch.long, device=dev)
