@@ -33,22 +33,22 @@ def compiled_step(step, cuda: bool, sdpa_math: bool):
     return torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})  # kernels launched from C++
 
 
-CAPTURED = weakref.WeakKeyDictionary()  # model -> (shape, buffers) its compiled step last ran on
+CAPTURED = weakref.WeakKeyDictionary()  # model -> (state_args, (cache, window)) its compiled step last ran on
 
 
-def captured_decode(model, step, new_state, shape: tuple):
-    """(cache, window, compiled step) for a rollout of `shape` = (batch, capacity, w, dtype, device):
-    new_state(*shape, tight=False) makes the cache and window (the window None if w = 0); the
-    model's last ones are handed back instead, zeroed, when the shape matches, so that CUDA graphs
+def captured_decode(model, step, new_state, state_args: tuple):
+    """(cache, window, compiled step) for a rollout whose state_args = (batch, capacity, w, dtype, device):
+    new_state(*state_args, tight=False) makes the cache and window (the window None if w = 0); the
+    model's last ones are handed back instead, zeroed, when the arguments match, so that CUDA graphs
     captured on their addresses replay instead of being captured again."""
-    batch, capacity, w, dtype, device = shape
+    batch, capacity, w, dtype, device = state_args
     key = (batch, capacity, w, dtype, str(device))
     if model in CAPTURED and CAPTURED[model][0] == key:
         cache, window = CAPTURED[model][1]
         for t in buffers(cache, window):
             t.zero_()
     else:
-        cache, window = new_state(*shape, tight=False)  # a captured step reads all S slots
+        cache, window = new_state(*state_args, tight=False)  # a captured step reads all S slots
         for t in buffers(cache, window):
             torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
         CAPTURED[model] = key, (cache, window)

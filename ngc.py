@@ -19,7 +19,7 @@ ordered kept blocks σ of every (round, layer), and the settings it was made wit
 row's ε, temperature, g).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Callable
 
@@ -114,10 +114,10 @@ class Rollout:
     def select(self, rows) -> "Rollout":
         """The rollouts of batch rows `rows`, trimmed to their own longest length and round count."""
         T, R = int(self.lengths[rows].max()), int(self.n_rounds[rows].max())
-        return Rollout(self.tokens[rows, :T], self.prompt_lens[rows], self.lengths[rows], self.logprobs[rows, :T],
-                       self.forced[rows, :T], self.kept[rows, :R], self.n_rounds[rows], self.evict_logprobs[rows, :R],
-                       self.kv_before_round[rows, :R], self.peak_kv[rows], self.kv_slots, self.eos[rows],
-                       self.sampling, self.eviction, None if self.rates is None else self.rates[rows])
+        trim = {"tokens": T, "logprobs": T, "forced": T, "kept": R, "evict_logprobs": R, "kv_before_round": R}
+        whole = {f.name: getattr(self, f.name) for f in fields(self)}  # non-tensors (settings, rates None): as is
+        return Rollout(**{k: (v[rows, : trim[k]] if k in trim else v[rows]) if torch.is_tensor(v) else v
+                          for k, v in whole.items()})
 
     def completions(self) -> list[list[int]]:
         return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
@@ -252,101 +252,123 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction
     rates: optional per-sequence eviction rates (B,) overriding eviction.rate (interoception).
     generator: a torch.Generator for the token and Gumbel noise (on the model's device).
     compile: run the decode step through torch.compile (CUDA graphs on CUDA); same results."""
-    if not prompts or min(map(len, prompts)) == 0:
-        raise ValueError("rollout needs at least one prompt and every prompt needs at least one token")
-    cfg = model.config
-    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-    if torch.is_autocast_enabled(device.type):  # fp32 weights, bf16 compute: keep the cache in bf16
-        dtype = torch.get_autocast_dtype(device.type)
-    B, L, M = len(prompts), cfg.num_hidden_layers, sampling.max_new_tokens
-    lens = [len(p) for p in prompts]
-    P = torch.tensor(lens, device=device)
-    tokens = torch.zeros(B, max(lens) + M, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
-    logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
-    meta = sampling.meta_token if eviction else None  # without eviction there are no rounds to precede
-    if meta is not None and not 0 <= meta < cfg.vocab_size:
-        raise ValueError(f"meta_token={meta} is not a token id of this model (vocabulary {cfg.vocab_size})")
-    most_fed = max(lens) + M - 1  # the last token sampled is never fed
-    capacity = most_fed
-    if eviction is not None:
-        rates = torch.full((B,), eviction.rate, device=device) if rates is None else torch.as_tensor(rates, device=device)
-        check_eviction(eviction.delta, eviction.block, eviction.window, rates)
-        capacity = max(cache_bound(eviction.delta, eviction.block, r, most_fed) for r in set(rates.tolist()))
-    shape = (B, capacity, eviction.window if eviction else 0, dtype, device)
-    if compile:  # compiled.py: the same step, captured, on buffers kept for the next rollout
-        cache, window, decode = captured_decode(model, decode_one_token, partial(decode_state, model), shape)
-    else:  # eager: attention reads only the slots some row has filled (a tight cache)
-        cache, window, decode = *decode_state(model, *shape, tight=True), decode_one_token
-    rows = torch.arange(B, device=device)
-    fed = torch.zeros(B, dtype=torch.long, device=device)  # tokens each row's cache has taken
-    record = Recorder(B, L, device)
+    s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile)
+    logits = prefill(s)
+    new, new_logprobs, n_new, hit_eos = decode_n_tokens(s, logits, eos_ids, progress)
+    return finish(s, new, new_logprobs, n_new, hit_eos)
 
-    def feed(n):  # prefill n[i] tokens of row i (a chunk), return the logits after its last token
-        T = int(n.max())
-        offs = torch.arange(T, device=device)
-        pos = fed[:, None] + offs
+
+class RolloutState:
+    """A rollout under way: what prefill, decode_n_tokens and finish share."""
+
+    def __init__(self, model: Qwen2, prompts, sampling: Sampling, eviction: Eviction | None, rates, generator, compile):
+        if not prompts or min(map(len, prompts)) == 0:
+            raise ValueError("rollout needs at least one prompt and every prompt needs at least one token")
+        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+        if torch.is_autocast_enabled(device.type):  # fp32 weights, bf16 compute: keep the cache in bf16
+            dtype = torch.get_autocast_dtype(device.type)
+        meta = sampling.meta_token if eviction else None  # without eviction there are no rounds to precede
+        if meta is not None and not 0 <= meta < model.config.vocab_size:
+            raise ValueError(f"meta_token={meta} is not a token id of this model (vocabulary {model.config.vocab_size})")
+        B, M, lens = len(prompts), sampling.max_new_tokens, [len(p) for p in prompts]
+        self.tokens = torch.zeros(B, max(lens) + M, dtype=torch.long, device=device)  # prompts, right-padded with 0
+        for i, p in enumerate(prompts):
+            self.tokens[i, : len(p)] = torch.tensor(p)
+        capacity = most_fed = max(lens) + M - 1  # the last token sampled is never fed
+        if eviction is not None:
+            rates = (torch.full((B,), eviction.rate, device=device) if rates is None
+                     else torch.as_tensor(rates, device=device))
+            check_eviction(eviction.delta, eviction.block, eviction.window, rates)
+            capacity = max(cache_bound(eviction.delta, eviction.block, r, most_fed) for r in set(rates.tolist()))
+        state_args = (B, capacity, eviction.window if eviction else 0, dtype, device)
+        if compile:  # compiled.py: the same step, captured, on buffers kept for the next rollout
+            cache, window, step = captured_decode(model, decode_one_token, partial(decode_state, model), state_args)
+        else:  # eager: attention reads only the slots some row has filled (a tight cache)
+            cache, window, step = *decode_state(model, *state_args, tight=True), decode_one_token
+        self.model, self.sampling, self.eviction, self.generator = model, sampling, eviction, generator
+        self.rates, self.meta = (rates if eviction else None), meta  # (B,) each row's ε and g: None without eviction
+        self.lens, self.prompt_lens = lens, torch.tensor(lens, device=device)  # on the host and (B,) on the device
+        self.fed = torch.zeros(B, dtype=torch.long, device=device)  # (B,) tokens each row's cache has taken
+        self.dtype, self.cache, self.window, self.step = dtype, cache, window, step  # dtype: the cache's and logits'
+        self.record = Recorder(B, model.config.num_hidden_layers, device)
+
+
+def prefill(s: RolloutState):
+    """Feed the prompts and return the logits (B, V) after each one's last token: in chunks that end
+    on eviction boundaries, with a round between chunks (§4.1); without eviction, in one chunk."""
+    def feed(n):  # the next n[i] (B,) prompt tokens of row i; the logits (B, V) after each row's last
+        offs = torch.arange(int(n.max()), device=n.device)
+        pos = s.fed[:, None] + offs  # (B, T)
         valid = offs < n[:, None]
-        idx = tokens.gather(1, pos.clamp(max=tokens.shape[1] - 1)).masked_fill(~valid, 0)
-        if window:
-            window.advance(pos, valid)
-        h = model(idx, pos, cache=cache, valid=valid, qk_hook=window)
-        fed.add_(n)
-        return model.logits(h[rows, (n - 1).clamp(min=0)])
+        idx = s.tokens.gather(1, pos.clamp(max=s.tokens.shape[1] - 1)).masked_fill(~valid, 0)
+        if s.window:
+            s.window.advance(pos, valid)
+        h = s.model(idx, pos, cache=s.cache, valid=valid, qk_hook=s.window)
+        s.fed.add_(n)
+        return s.model.logits(h[torch.arange(len(n), device=n.device), (n - 1).clamp(min=0)])
 
-    # Prefill in chunks that end on eviction boundaries, with a round between chunks.
-    chunk = eviction.delta if eviction else max(lens)
-    last_logits = torch.zeros(B, cfg.vocab_size, device=device, dtype=dtype)
-    while (fed < P).any():
-        n = torch.minimum(P, (fed // chunk + 1) * chunk) - fed
-        logits = feed(n)
-        last_logits[n > 0] = logits[n > 0]
-        if eviction:
-            eviction_round(cache, window, (n > 0) & is_round_end(fed - 1, chunk), eviction, rates, generator, record)
+    ev, P = s.eviction, s.prompt_lens
+    chunk = ev.delta if ev else max(s.lens)  # δ; without eviction the whole prompt is one chunk
+    logits = torch.zeros(len(s.lens), s.model.config.vocab_size, device=P.device, dtype=s.dtype)
+    while (s.fed < P).any():
+        n = torch.minimum(P, (s.fed // chunk + 1) * chunk) - s.fed  # (B,) each row's tokens in this chunk
+        logits[n > 0] = feed(n)[n > 0]
+        if ev:
+            fired = (n > 0) & is_round_end(s.fed - 1, ev.delta)
+            eviction_round(s.cache, s.window, fired, ev, s.rates, s.generator, s.record)
+    return logits
 
-    # Decode: the one loop over time. A row still going after step t has been fed its token
-    # lens[i] + t, so the steps after which it fires a round are known in advance: due[t % δ] (B,).
-    due = is_round_end(torch.tensor(lens) + torch.arange(chunk)[:, None], chunk)  # (δ, B), on the host
-    phases = set(due.any(1).nonzero().flatten().tolist()) if eviction else set()  # no sync in the loop
-    due = due.to(device)
+
+def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
+    """The one loop over time: sample up to M tokens per row from the logits (B, V) after each prompt,
+    stopping a row at EOS. Returns them and their log-probs (B, M), each row's count (B,), its EOS (B,)."""
+    ev, B, M, device = s.eviction, len(s.lens), s.sampling.max_new_tokens, s.fed.device
+    phases = set()
+    if ev:  # a row still going after step t has been fed its token lens[i] + t: it fires a round if due[t % δ]
+        due = is_round_end(torch.tensor(s.lens) + torch.arange(ev.delta)[:, None], ev.delta)  # (δ, B), on the host
+        phases, due = set(due.any(1).nonzero().flatten().tolist()), due.to(device)  # no sync in the loop
     new = torch.zeros(B, M, dtype=torch.long, device=device)  # token t of each completion
     new_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
-    active = torch.ones(B, dtype=torch.bool, device=device)
+    active, hit_eos = torch.ones(B, dtype=torch.bool, device=device), torch.zeros(B, dtype=torch.bool, device=device)
     n_new = torch.zeros(B, dtype=torch.long, device=device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    hit_eos = torch.zeros(B, dtype=torch.bool, device=device)
     for t in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
-        tok, lp = sample_tokens(last_logits, sampling, generator)
-        if meta is not None:  # the token at index kδ-1, the last before a round, is g (constrained decoding)
-            force = is_round_end(P + n_new, eviction.delta)
-            tok, lp = tok.masked_fill(force, meta), lp.masked_fill(force, 0.0)
+        tok, lp = sample_tokens(logits, s.sampling, s.generator)
+        if s.meta is not None:  # the token at index kδ-1, the last before a round, is g (constrained decoding)
+            force = is_round_end(s.prompt_lens + n_new, ev.delta)
+            tok, lp = tok.masked_fill(force, s.meta), lp.masked_fill(force, 0.0)
         new[:, t], new_logprobs[:, t] = tok, lp
         n_new += active
         hit_eos |= active & torch.isin(tok, eos)
         active &= ~hit_eos & (n_new < M)
         if t == M - 1 or (eos.numel() and not active.any()):  # a host sync, needless without EOS ids
             break
-        last_logits = decode(model, cache, window, tok[:, None], fed[:, None], active[:, None])
-        fed += active
-        if t % chunk in phases:
-            eviction_round(cache, window, due[t % chunk] & active, eviction, rates, generator, record)
+        logits = s.step(s.model, s.cache, s.window, tok[:, None], s.fed[:, None], active[:, None])
+        s.fed += active
+        if ev and t % ev.delta in phases:
+            eviction_round(s.cache, s.window, due[t % ev.delta] & active, ev, s.rates, s.generator, s.record)
+    return new, new_logprobs, n_new, hit_eos
 
-    cache.check()  # an overflow after the last round is an error too
+
+def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
+    """The Rollout: each prompt followed by its first n_new (B,) tokens of new (B, M), and the record."""
+    s.cache.check()  # an overflow after the last round is an error too
+    P, M, device = s.prompt_lens, new.shape[1], new.device
     lengths = P + n_new
     done = torch.arange(M, device=device) < n_new[:, None]  # (B, M)
     at = P[:, None] + torch.arange(M, device=device)
-    tokens.scatter_(1, at, torch.where(done, new, 0))
-    logprobs.scatter_(1, at, torch.where(done, new_logprobs, 0.0))
-    kept, n_rounds, evict_logprobs, before = record.tensors()
+    tokens = s.tokens.scatter_(1, at, torch.where(done, new, 0))
+    logprobs = torch.zeros_like(tokens, dtype=torch.float32).scatter_(1, at, torch.where(done, new_logprobs, 0.0))
+    kept, n_rounds, evict_logprobs, before = s.record.tensors()
     # Alive entries only grow between rounds, so a row holds the most just before a round or at the end.
-    held = torch.cat([before.sum(2), cache.alive_counts().sum(1, keepdim=True)], 1)  # (B, R + 1)
+    held = torch.cat([before.sum(2), s.cache.alive_counts().sum(1, keepdim=True)], 1)  # (B, R + 1)
     T = int(lengths.max())
     t = torch.arange(T, device=device)
-    forced = (t >= P[:, None]) & (t < lengths[:, None]) & is_round_end(t, chunk) & (meta is not None)  # (B, T)
+    forced = (t >= P[:, None]) & (t < lengths[:, None])  # (B, T): the completions
+    forced = forced & is_round_end(t, s.eviction.delta) if s.meta is not None else torch.zeros_like(forced)
     return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, kept, n_rounds, evict_logprobs, before,
-                   peak_kv=held.amax(1), kv_slots=cache.slots(), eos=hit_eos, sampling=sampling,
-                   eviction=eviction, rates=rates if eviction else None)
+                   peak_kv=held.amax(1), kv_slots=s.cache.slots(), eos=hit_eos, sampling=s.sampling,
+                   eviction=s.eviction, rates=s.rates)
 
 
 def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record):
@@ -387,7 +409,7 @@ class Recorder:
     def tensors(self):
         B, L, dev = self.B, self.L, self.device
         R = int(self.n_rounds.max()) if self.rounds else 0
-        Kmax = max([s.shape[1] for r in self.rounds for s in r[2]], default=1)
+        Kmax = max([s.shape[1] for _, _, sigmas, _, _ in self.rounds for s in sigmas], default=1)
         kept = torch.full((B, R, L, Kmax), -1, dtype=torch.long, device=dev)
         logps = torch.zeros(B, R, L, device=dev)
         before = torch.zeros(B, R, L, dtype=torch.long, device=dev)
