@@ -42,44 +42,15 @@ def _key(p):
     return (tuple(sorted(p.nums)), p.target)
 
 # -----------------------------------------------------------------------------
-# exact solver: DFS over pairs, every intermediate a non-negative integer
+# generator
 
 def _ops(a, b):
-    """Values of a + b, a * b, a - b and a / b (in that order, as in OPS), given
-    a >= b: subtraction never goes negative, division only when exact."""
+    """Values of a + b, a * b, a - b and a / b, given a >= b: subtraction never goes
+    negative, division only when exact."""
     out = [a + b, a * b, a - b]
     if b != 0 and a % b == 0:
         out.append(a // b)
     return out
-
-OPS = "+*-/"
-
-def _dfs(items, target, dead):
-    if len(items) == 1:
-        return items[0][1] if items[0][0] == target else None
-    state = tuple(sorted(v for v, _ in items))
-    if state in dead:
-        return None
-    for i in range(len(items)):
-        for j in range(i + 1, len(items)):
-            (a, ea), (b, eb) = sorted((items[i], items[j]), key=lambda x: -x[0])
-            rest = [x for k, x in enumerate(items) if k != i and k != j]
-            for v, op in zip(_ops(a, b), OPS):
-                found = _dfs(rest + [(v, f"({ea} {op} {eb})")], target, dead)
-                if found is not None:
-                    return found
-    dead.add(state)
-    return None
-
-def find_solution(nums, target):
-    """An expression using each number exactly once that equals target, or None."""
-    expr = _dfs([(n, str(n)) for n in nums], target, set())
-    if expr is not None and expr.startswith("("):
-        expr = expr[1:-1]  # the outermost pair always wraps the whole expression
-    return expr
-
-# -----------------------------------------------------------------------------
-# generator
 
 def _target(nums, rng, lo, hi):
     """Fold the numbers with random pairs and random valid ops; the last op is drawn

@@ -1,6 +1,6 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
-    python reproduce.py                 # everything, one seed, into results/ (about 1.2 hours on a 2-core CPU)
+    python reproduce.py                 # everything, one seed, into results/restate/ (about 1.2 hours on a 2-core CPU)
     python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --limit         # and the limit study: three changes to the default recipe
@@ -9,8 +9,9 @@
 It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
 its own training and held-out problems, rollouts and evictions; with --data-seed fixed, only its
 own rollouts and evictions, so the spread across seeds is training's alone), each only if
-results/runs/<name>[-seed<k>] has not finished yet, then evaluates them with eval.py on the
-held-out problems:
+OUT/runs/<name>[-seed<k>] has not finished yet, then evaluates them with eval.py on the
+held-out problems (OUT is --out: results/restate, the shipped tiny/'s folder, unless given;
+results/README.md says which folder holds which model):
 
     ngc                  the method                          train.py
     no-evict             the full-cache model                train.py --mode no-evict
@@ -20,9 +21,9 @@ held-out problems:
     interoception-blind  its control: the same per-group ε,  train.py --interoception --blind-tag
                          the tag without the rate
 
-and writes results/evals/<study>-seed<k>.jsonl (eval.py's rows), results/<study>.jsonl and .png
+and writes OUT/evals/<study>-seed<k>.jsonl (eval.py's rows), OUT/<study>.jsonl and .png
 (over seeds: mean accuracy, its standard deviation across seeds, and the binomial standard
-error of one evaluation, sqrt(p(1 - p) / n)), results/ngc-vs-heuristics.png, and results/summary.md:
+error of one evaluation, sqrt(p(1 - p) / n)), OUT/ngc-vs-heuristics.png, and OUT/summary.md:
 
     1. baselines      NGC (greedy top-K) vs SnapKV, KeyDiff, KNorm, StreamingLLM on the no-evict
                       model, and its full cache, at ε = 0.5 (Figure 3)
@@ -32,8 +33,8 @@ error of one evaluation, sqrt(p(1 - p) / n)), results/ngc-vs-heuristics.png, and
     4. interoception  budget-aware NGC against its blind-tag control, at the rates the groups
                       trained on (0.25, 0.5, 0.75) and stricter ones, plain NGC beside (Figure 6)
 
-With --limit it also trains the limit study's recipes (seed 0, results/limit/<name>) and writes
-their evaluations during training, beside the default run's, as section 5 and results/limit.jsonl:
+With --limit it also trains the limit study's recipes (seed 0, OUT/limit/<name>) and writes
+their evaluations during training, beside the default run's, as section 5 and OUT/limit.jsonl:
 
     steps120             twice as long                       train.py --steps 120
     lr1e-4               a learning rate 3.3x larger         train.py --lr 1e-4
@@ -44,8 +45,8 @@ writes headline.jsonl and headline.md: per seed, the full cache and NGC at ε = 
 training (train.py's step-0 evaluation) and after (eval.py on the final checkpoint), NGC's
 accuracy as a fraction of the full cache's, and the mean and standard deviation over seeds.
 
-With --diagnose it trains only the diagnosis runs (seed 0, results/runs/diag-<name>, and the default
-run if absent) and writes results/diag/: each run's log.jsonl as <name>.log.jsonl; diagnosis.jsonl,
+With --diagnose it trains only the diagnosis runs (seed 0, OUT/runs/diag-<name>, and the default
+run if absent) and writes OUT/diag/: each run's log.jsonl as <name>.log.jsonl; diagnosis.jsonl,
 one row per run and evaluation during training with the training log's means since the previous
 one (reward, fraction of groups whose advantages are all zero, gradient norm of each loss);
 sampling-untrained.jsonl and sampling-ngc.jsonl, eval.py's greedy against Gumbel-sampled evictions
@@ -236,7 +237,7 @@ def diagnosis_markdown(rows, sampling) -> str:
 
 
 def diagnose(out, model, jobs, extra):
-    """--diagnose: train the diagnosis runs and write results/diag/ (see the docstring)."""
+    """--diagnose: train the diagnosis runs and write OUT/diag/ (see the docstring)."""
     t0, diag = time.time(), os.path.join(out, "diag")
     runs = {os.path.join("runs", f"diag-{name}"): flags for name, flags in DIAGNOSE.items()}
     train_all(out, model, jobs, {os.path.join("runs", "ngc"): [], **runs}, extra)
@@ -362,7 +363,8 @@ def markdown(rows) -> str:
 
 def main(argv=None):
     p = parser(__doc__)
-    p.add_argument("--out", default="results", help="directory for runs/, *.jsonl, *.png and summary.md")
+    p.add_argument("--out", default=os.path.join("results", "restate"),
+                   help="directory for runs/, *.jsonl, *.png and summary.md (default: results/restate)")
     p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
@@ -373,7 +375,7 @@ def main(argv=None):
     p.add_argument("--headline", action="store_true", help="train only the default run and token-only, "
                                                             "--seeds of each, and write headline.md")
     p.add_argument("--diagnose", action="store_true", help="train only the diagnosis runs (seed 0) and write "
-                                                            "results/diag/")
+                                                            "diag/ under --out")
     args = p.parse_args(argv)
     if min(args.jobs, args.seeds, args.problems or 1) < 1:
         sys.exit("error: --jobs, --seeds and --problems must be at least 1")

@@ -86,12 +86,23 @@ def test_bad_rollout_arguments(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_bf16_replay_agrees_by_argmax(ckpt):
+def test_cuda_bf16_replay_agrees_by_argmax(ckpt, monkeypatch):
+    """In bf16 on CUDA, replay's argmax is the greedy rollout's token: at every completion position
+    the token taken is replay's top token or within bf16 noise of it (0.2 nats below), and the top
+    token at most positions; the taken tokens' log-probs agree to 0.2."""
     model = from_pretrained(ckpt, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     ro = rollout(model, prompts_of([5, 17, 9, 3]), Sampling(max_new_tokens=40, greedy=True), EV,
                  eos_ids=[EOS], generator=g)
+    seen = []  # replay's logits at the completion positions, in the order of its target mask
+    monkeypatch.setattr(model, "logits", lambda h, logits=model.logits: seen.append(logits(h).float()) or seen[-1])
     tok_lp, ev_lp = replay(model, ro)
+    t = torch.arange(1, ro.tokens.shape[1], device=ro.tokens.device)
+    taken = ro.tokens[:, 1:][(t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None]) & ~ro.forced[:, 1:]]
+    assert len(seen) == 1 and seen[0].shape[0] == len(taken) > 0
+    lp = seen[0].log_softmax(-1)
+    gap = lp.max(-1).values - lp.gather(1, taken[:, None]).squeeze(1)  # 0 where the taken token is the top one
+    assert gap.max() < 0.2 and (gap == 0).float().mean() > 0.5
     completion = ro.logprobs != 0
     assert torch.isfinite(tok_lp).all() and torch.isfinite(ev_lp).all()
     assert (tok_lp - ro.logprobs)[completion].abs().max() < 0.2

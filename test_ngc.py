@@ -262,20 +262,37 @@ def test_plackett_luce_sums_to_one_over_all_sequences():
         assert abs(total - 1) < 1e-5
 
 
-def test_peaked_logits_stay_finite():
+def test_peaked_logits_give_the_exact_log_prob():
+    """On peaked logits (spread in the hundreds) the reverse-logcumsumexp form gives eq. (2)'s
+    log-probability, for sampled and greedy orders, as a float64 evaluation does, with finite
+    gradients; the subtractive form log(1 - cumsum p) of the same fp32 probabilities does not."""
+    def reference_of(logits, sigma):  # eq. (2) term by term in float64, nothing subtracted
+        x, out = logits.double(), []
+        for row, order in zip(x, sigma.tolist()):
+            left, total = torch.ones_like(row, dtype=torch.bool), row.new_zeros(())
+            for j in (j for j in order if j >= 0):
+                total = total + row[j] - row[left].logsumexp(0)  # over the blocks not yet kept
+                left[j] = False
+            out.append(total)
+        return torch.stack(out)
+
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(64, 40, generator=g) * 50).requires_grad_()
     k = torch.full((64,), 39)
     sigma = gumbel_topk(logits.detach(), k, g)
     lp = plackett_luce_log_prob(logits, sigma)
     lp.sum().backward()
-    assert torch.isfinite(lp).all() and torch.isfinite(logits.grad).all()
-    greedy = plackett_luce_log_prob(logits.detach(), ordered_topk(logits.detach(), k))
-    assert torch.isfinite(greedy).all() and (greedy <= 0).all()
-    # Negative control: the subtractive form log(1 - cumsum p) breaks on the same input.
-    p = logits.detach().gather(1, sigma).softmax(1)  # any peaked distribution will do
-    naive = torch.log(1 - torch.cumsum(logits.detach().softmax(1).gather(1, sigma), 1))
-    assert not torch.isfinite(naive).all() and torch.isfinite(p).all()
+    reference = reference_of(logits.detach(), sigma)
+    assert torch.isfinite(reference).all() and torch.isfinite(logits.grad).all()
+    assert torch.allclose(lp.double(), reference, rtol=1e-5, atol=1e-4)
+    greedy_sigma = ordered_topk(logits.detach(), k)
+    greedy = plackett_luce_log_prob(logits.detach(), greedy_sigma)
+    assert torch.allclose(greedy.double(), reference_of(logits.detach(), greedy_sigma), rtol=1e-5, atol=1e-4)
+    # Negative control: the subtractive form on the same input, in fp32 as the policy runs.
+    p = logits.detach().softmax(1).gather(1, sigma)  # (64, 39): each kept block's probability
+    removed = torch.cat([torch.zeros(64, 1), torch.cumsum(p, 1)[:, :-1]], 1)  # mass kept before it
+    naive = (p.log() - torch.log(1 - removed)).sum(1)
+    assert not torch.isclose(naive.double(), reference, rtol=1e-5, atol=1e-4).any()  # -inf in every row here
 
 
 def test_block_pooling_and_keep_count():
