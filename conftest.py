@@ -152,25 +152,28 @@ def hand_built_cache(S=12, D=4, H=4, Hkv=2, w=3, seed=0, holes=(2, 7)):
     return q, keys, kpos, alive, qpos
 
 
-def one_round(c, block, rate, policy):
-    """The engine's eviction round on the hand-built cache c under a --policy name: σ and log p(σ)."""
+def one_round(c, block, rate, policy, prompt=None):
+    """The engine's eviction round on the hand-built cache c under a --policy name (or Eviction
+    keywords): σ and log p(σ). prompt: (tokens (1, P), length (1,)); default: the first two keys."""
     q, keys, kpos, alive, qpos = c
     layer = LayerCache(1, keys.shape[1], keys.shape[3], keys.shape[2], torch.float32, "cpu")
     layer.append(keys, keys, kpos, alive)
     window = ngc.QueryWindow(1, 1, q.shape[2], q.shape[1], q.shape[3], torch.float32, "cpu")
     window.q[0], window.pos, window.valid = q, qpos, torch.ones(qpos.shape, dtype=torch.bool)
     record = ngc.Recorder(1, 1, "cpu")
-    e = Eviction(delta=64, block=block, window=q.shape[2], rate=rate, **evaluation.CLI_POLICIES[policy])
+    how = evaluation.CLI_POLICIES[policy] if isinstance(policy, str) else policy
+    e = Eviction(delta=64, block=block, window=q.shape[2], rate=rate, **how)
+    prompt = prompt or (kpos[:, :2], torch.tensor([2]))
     ngc.eviction_round(SimpleNamespace(layers=[layer]), window, torch.tensor([True]), e, torch.tensor([rate]), None,
-                       record)
+                       record, prompt)
     kept, _, logps, _ = record.tensors()
     survivors = kept_keys(alive, kept[:, 0, 0], block)  # the rest are gone, the survivors moved to the front
     assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and int(layer.fill) == survivors.sum()
     return kept[0, 0, 0][kept[0, 0, 0] >= 0].tolist(), logps[0, 0, 0].item()
 
 
-def keep(policy, c, block, rate):
-    return one_round(c, block, rate, policy)[0]
+def keep(policy, c, block, rate, prompt=None):
+    return one_round(c, block, rate, policy, prompt)[0]
 
 
 def psi_by_hand(c):

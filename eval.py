@@ -10,6 +10,10 @@ Policies:
     ngc                    greedy top-K blocks on NGC's scores: the paper's evaluation
     ngc-sample             Gumbel-top-k blocks, as in training
     snapkv, keydiff, knorm, streamingllm   the heuristics of baselines.py (deterministic)
+    random                 K blocks uniformly at random
+    random-prompt          the prompt's blocks, then random completion blocks (Random Attention, 2026)
+    task-rule              Countdown's hand-written rule: the block holding the target, then the newest
+    oracle                 the blocks the full-cache rollout's next δ tokens attend to most (an upper bar)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
 The problems are the held-out split of the run's settings (`settings.run_defaults`: the paper's recipe
@@ -43,7 +47,26 @@ from tasks import TASK_REWARD, held_out, prompt_encoder
 CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
     "ngc": dict(greedy=True), "ngc-sample": dict(greedy=False), "snapkv": dict(greedy=True, score=baselines.snapkv),
     "keydiff": dict(greedy=True, score=baselines.keydiff), "knorm": dict(greedy=True, score=baselines.knorm),
-    "streamingllm": dict(greedy=True, score=baselines.streamingllm), "none": None}
+    "streamingllm": dict(greedy=True, score=baselines.streamingllm),
+    "random": dict(score=baselines.uniform), "random-prompt": dict(score=baselines.random_prompt),
+    "task-rule": dict(greedy=True, score=baselines.task_rule),  # bound to the tokenizer's 'reach' (make_eviction)
+    "oracle": dict(greedy=True, score=baselines.lookahead),  # bound per batch to a full-cache reference
+    "none": None}
+TASK_RULE_MARKER = "reach"  # the tiny prompt's word before the target
+
+
+def make_eviction(name, c, rate, tokenizer) -> Eviction | None:
+    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError."""
+    how = CLI_POLICIES[name]
+    if how is None:
+        return None
+    if how.get("score") is baselines.task_rule:
+        marker = tokenizer.token_to_id(TASK_RULE_MARKER)
+        if marker is None:
+            raise ValueError(f"--policy task-rule keeps the token after '{TASK_RULE_MARKER}' (the tiny prompt's "
+                             f"target); this tokenizer has no such token")
+        how = {**how, "score": baselines.task_rule(marker)}
+    return Eviction(c.delta, c.block, c.window, rate, **how)
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,8 +87,14 @@ def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, enco
     results = []  # (reward, length, rounds, peak KV, text) per job of this process
     for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
         chunk = mine[start:start + batch_size]
-        ro = rollout(model, [encode(tokenizer, p) for p in chunk], sampling, eviction, eos_ids=model.config.eos_ids,
-                     generator=generator, progress=desc is not None, compile=compile)
+        prompts = [encode(tokenizer, p) for p in chunk]
+        ev = eviction
+        if eviction is not None and eviction.score is baselines.lookahead:  # the oracle reads a full-cache rollout
+            noise = None if generator is None else torch.Generator(generator.device).set_state(generator.get_state())
+            ref = rollout(model, prompts, sampling, None, eos_ids=model.config.eos_ids, generator=noise)
+            ev = replace(eviction, score=baselines.lookahead(baselines.future_attention(model, ref), eviction.delta))
+        ro = rollout(model, prompts, sampling, ev, eos_ids=model.config.eos_ids, generator=generator,
+                     progress=desc is not None, compile=compile)
         texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
         results += zip([reward_fn(t, p) for t, p in zip(texts, chunk)], (ro.lengths - ro.prompt_lens).tolist(),
                        ro.n_rounds.tolist(), ro.peak_kv.tolist(), texts)
@@ -124,8 +153,7 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
     device = model.lm_head.weight.device
 
     def run(name, rate):
-        ev = None if CLI_POLICIES[name] is None else Eviction(c.delta, c.block, c.window, rate,
-                                                               **CLI_POLICIES[name])
+        ev = make_eviction(name, c, rate, tokenizer)
         encode = prompt_encoder(c.task, c.prompt, rate if c.interoception and ev else None, c.blind_tag)
         gen = torch.Generator(device=device).manual_seed(c.seed)
         return roll_out_and_score(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
@@ -139,6 +167,7 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
             correct = out["reward"].sum(1)
             row = {"policy": name, "eviction_rate": rate,
                    "problems": len(problems), "samples": n, "accuracy": out["reward"].mean().item(),
+                   "se": standard_error(out["reward"]),
                    "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
                    "peak_kv": out["peak_kv"].mean().item(),
                    "kv_reduction": kv_reduction(ref["peak_kv"], out["peak_kv"])}
@@ -161,17 +190,26 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def standard_error(reward) -> float:
+    """1 SE of pass@1 over problems (the paper's error bars): the standard deviation of the problems'
+    mean rewards (reward: (problems, samples)) over sqrt(problems)."""
+    per_problem = reward.mean(1)
+    return (per_problem.std(correction=1) / len(per_problem) ** 0.5).item() if len(per_problem) > 1 else 0.0
+
+
 def error_bar(r) -> float:
-    """A row's error bar: the spread across seeds for reproduce.py's rows over several seeds,
-    else the binomial standard error of one evaluation, sqrt(p(1 - p) / n), n = problems x samples."""
+    """A row's error bar: the spread across seeds for reproduce.py's rows over several seeds, else
+    1 SE over problems (rows written before it was kept: the binomial sqrt(p(1 - p) / (problems x samples)))."""
     if r.get("seeds", 1) > 1:
         return r["accuracy_sd"]
+    if "se" in r:
+        return r["se"]
     return (r["accuracy"] * (1 - r["accuracy"]) / (r["problems"] * r["samples"])) ** 0.5
 
 
 def error_bar_note(rows) -> str:
     return (f"error bars: sd across {rows[0]['seeds']} seeds" if rows[0].get("seeds", 1) > 1
-            else "error bars: binomial standard error")
+            else "error bars: 1 SE over problems")
 
 
 def plot(rows, path):

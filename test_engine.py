@@ -1,6 +1,7 @@
 """The rollout engine's details (ngc.py, compiled.py, baselines.py): the compiled decode step, bad
 arguments, bf16 on CUDA, sampling and top-p, and each baseline's per-key scores."""
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_compiled_step_with_either_attention_form_gives_the_eager_rollout(model,
 @pytest.mark.parametrize("kwargs, message", [
     (dict(rate=0.0), "must lie in"), (dict(rate=1.5), "must lie in"), (dict(block=0), "block size"),
     (dict(window=0), "window"), (dict(delta=4, window=4), "larger than the window"),
-    (dict(delta=8, block=16, window=2), "at least the block size"), (dict(score=baselines.knorm), "pass greedy=True"),
+    (dict(delta=8, block=16, window=2), "at least the block size"),
 ])
 def test_bad_eviction_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
@@ -303,6 +304,72 @@ def test_streamingllm_keeps_the_sink_block_and_the_newest(block, rate, sinks):
     means, _ = block_means(rank, c[3], block)
     if k < n:
         assert 0 not in ordered_topk(means, torch.tensor([k]))[0].tolist()
+
+
+def kept_frequencies(policy, c, block, rate, n, prompt=None):
+    torch.manual_seed(0)  # the round draws its Gumbel noise from the global generator here
+    counts = Counter(j for _ in range(n) for j in keep(policy, c, block, rate, prompt))
+    return {j: counts[j] / n for j in sorted(counts)}
+
+
+def test_random_keeps_k_blocks_uniformly():
+    """random: K of the N blocks, each kept with probability K/N (within 4 SE over 1000 rounds)."""
+    c = hand_built_cache(S=12, holes=())  # 6 blocks of 2, K = 3
+    n = 1000
+    freq = kept_frequencies("random", c, 2, 0.5, n)
+    assert set(freq) == set(range(6)) and all(abs(f - 0.5) < 4 * (0.25 / n) ** 0.5 for f in freq.values()), freq
+    assert all(len(keep("random", c, 2, 0.5)) == 3 for _ in range(5))
+    # Negative control: NGC's own sampled policy on ψ is far from uniform here.
+    ngc_freq = kept_frequencies("ngc-sample", c, 2, 0.5, n)
+    assert max(abs(ngc_freq.get(j, 0.0) - 0.5) for j in range(6)) > 0.1, ngc_freq
+
+
+def test_random_prompt_keeps_the_prompt_then_random_completion_blocks():
+    """random-prompt: the blocks holding the prompt's 4 keys always, the rest of K uniformly from the
+    completion's blocks; when K is below the prompt's blocks, prompt blocks only."""
+    c = hand_built_cache(S=12, holes=())  # 6 blocks of 2; the prompt fills blocks 0 and 1
+    prompt = (torch.zeros(1, 4, dtype=torch.long), torch.tensor([4]))
+    n = 800
+    freq = kept_frequencies("random-prompt", c, 2, 0.34, n, prompt)  # K = 4: 2 prompt + 2 of the 4 others
+    assert freq[0] == freq[1] == 1.0
+    assert all(abs(freq[j] - 0.5) < 4 * (0.25 / n) ** 0.5 for j in range(2, 6)), freq
+    assert all(sorted(keep("random-prompt", c, 2, 0.9, prompt)) in ([0], [1]) for _ in range(20))  # K = 1
+    # Negative control: plain random drops a prompt block.
+    assert kept_frequencies("random", c, 2, 0.34, 200)[0] < 1.0
+
+
+def test_task_rule_keeps_the_target_block_then_the_newest():
+    """task-rule: the block holding the key after the marker token (the target), then the newest."""
+    c = hand_built_cache(S=12, holes=())  # 6 blocks of 2
+    marker = 7
+    prompt = (torch.tensor([[3, 3, 3, 3, marker, 9]]), torch.tensor([6]))  # the target is key 5: block 2
+    rule = dict(greedy=True, score=baselines.task_rule(marker))
+    assert keep(rule, c, 2, 0.5, prompt) == [2, 5, 4]
+    assert keep(rule, c, 2, 0.8, prompt) == [2]
+    # Negative control: a prompt without the marker leaves recency alone.
+    assert keep(rule, c, 2, 0.5, (torch.tensor([[3, 3, 3, 3, 8, 9]]), torch.tensor([6]))) == [5, 4, 3]
+
+
+def test_oracle_scores_each_key_by_the_attention_of_the_next_delta_queries(model):
+    """oracle: after token t, key s scores the attention that the reference's queries t+1..t+δ paid
+    it (mean over heads), summed; computed here query by query from the model's own q and k."""
+    ref = rollout(model, prompts_of([5, 9]), Sampling(max_new_tokens=16, greedy=True), None, eos_ids=[])
+    T = ref.tokens.shape[1]
+    att = []
+    causal = torch.ones(T, T, dtype=torch.bool).tril().expand(2, T, T)
+    model(ref.tokens, torch.arange(T).expand(2, T), qk_hook=lambda layer, q, k, mask: att.append(
+        ngc.attention_scores(q, k, causal)))
+    delta, t, layer = 4, 9, 1
+    score = baselines.lookahead(baselines.future_attention(model, ref), delta)
+    key_pos = torch.arange(T).expand(2, T)
+    alive = key_pos <= t
+    at = ngc.Round(torch.tensor([0, 1]), layer, key_pos, torch.full((2, 3), t), ref.tokens, ref.prompt_lens)
+    got = score(None, None, alive, at)
+    by_hand = sum(att[layer][:, q] for q in range(t + 1, t + 1 + delta))  # (2, T)
+    assert (got - by_hand).abs().max() < 1e-5
+    # Negative control: the δ queries up to t (shifted by one) score otherwise.
+    shifted = sum(att[layer][:, q] for q in range(t, t + delta))
+    assert (got - shifted).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])

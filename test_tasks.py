@@ -101,8 +101,7 @@ def test_difficulty_names_draw_their_presets_problems_to_both_ends_of_each_range
     expected = {"paper": ({3, 4}, (1, 99), (10, 100)), "tiny": ({3}, (1, 15), (10, 100))}
     assert set(cd.DIFFICULTIES) == set(expected)
     for name, (sizes, nums, targets) in expected.items():
-        c = SimpleNamespace(**{**tasks.COUNTDOWN, "difficulty": name, "seed": 0, "train_problems": 5000,
-                               "eval_problems": 0})
+        c = replace(settings.COUNTDOWN, difficulty=name, seed=0, train_problems=5000, eval_problems=0)
         train, _ = tasks.load_problems(c)
         assert {len(p.nums) for p in train} == sizes, name
         assert (min(n for p in train for n in p.nums), max(n for p in train for n in p.nums)) == nums, name
