@@ -135,10 +135,8 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     l_token_sum, l_mem_sum = 0.0, 0.0 if mode.eviction_loss else None
     learn = torch.nonzero(adv).flatten()
     chunks = [(rows, adv[rows]) for rows in learn.split(c.micro_batch)] if len(learn) else []
-    if distributed.is_sharded(model):  # each backward is a collective: every process runs as many,
-        padding = (learn[:1] if len(learn) else torch.zeros(1, dtype=torch.long, device=adv.device))
-        chunks += [(padding, torch.zeros(1, device=adv.device))] * (distributed.max_over_processes(len(chunks)) - len(chunks))
-    for rows, a in chunks:  # (padding has advantage 0: a zero gradient)
+    chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many on every process
+    for rows, a in chunks:
         with amp:
             l_token, l_mem, _ = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, n_total=len(adv))
         if diag and mode.token_loss:
