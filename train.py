@@ -102,7 +102,7 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int)
     if mode.eviction_loss and ev_lp is not None:
         per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
         l_mem = -(adv[:, None] * per_layer).sum() / n_total  # eq. (4), summed over layers
-    return l_token, l_mem, tok_lp
+    return l_token, l_mem
 
 
 class TermGradNorms:
@@ -138,7 +138,7 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many on every process
     for rows, a in chunks:
         with amp:
-            l_token, l_mem, _ = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, n_total=len(adv))
+            l_token, l_mem = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, n_total=len(adv))
         if diag and mode.token_loss:
             diag.add(l_token)
         loss = l_token if mode.token_loss else 0 * l_token  # (a graph still: with FSDP every backward runs)
