@@ -6,6 +6,7 @@ surgery on a checkpoint (paper, Appendix "Compression via Meta-Tokens").
 """
 import json
 import os
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -83,12 +84,11 @@ def load_config(path: str) -> Qwen2Config:
 
 
 def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
-    """Load config.json and (sharded) safetensors weights, checking every name and shape."""
+    """Load config.json and (sharded) safetensors weights, strictly: a missing, unexpected or
+    mis-shaped tensor is a one-line CheckpointError."""
     cfg = load_config(path)
     with torch.device("meta"):
         model = Qwen2(cfg)
-    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
-    skippable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     state = {}
     for file in _weight_files(path):
         if not os.path.exists(file):
@@ -99,23 +99,36 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
             raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it")
         with f:
             for name in f.keys():
-                if name in skippable or name.endswith("rotary_emb.inv_freq"):
-                    continue
-                if name not in expected:
-                    raise CheckpointError(f"unexpected tensor {name!r} in {file}: not a Qwen2 weight")
-                t = f.get_tensor(name)
-                if t.shape != expected[name]:
-                    raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
-                                          f"config.json implies {tuple(expected[name])}")
-                state[name] = t.to(dtype)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]!r}"
-                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    model.load_state_dict(state, assign=True, strict=False)  # names and shapes checked above
+                if not name.endswith("rotary_emb.inv_freq"):  # RoPE's table: computed here, not loaded
+                    state[name] = f.get_tensor(name).to(dtype)
+    if cfg.tie_word_embeddings:  # one matrix, embed_tokens's; a copy saved as lm_head.weight is ignored
+        state.pop("lm_head.weight", None)
+        if "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"the weights of {path} do not fit its config.json: {load_errors(e)}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device)
+
+
+def load_errors(e: RuntimeError, shown: int = 3) -> str:
+    """torch's load_state_dict error in one line: the first `shown` missing, unexpected and
+    mis-shaped tensors."""
+    text, parts = str(e), []
+
+    def listed(items, sep=", "):
+        return sep.join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+    for kind, names in re.findall(r"(Missing|Unexpected) key\(s\) in state_dict: (.*)", text):
+        parts.append(f"{kind.lower()} " + listed(re.findall(r'"([^"]+)"', names)))
+    shapes = re.findall(r"size mismatch for (\S+): copying a param with shape torch.Size\(\[(.*?)\]\) from checkpoint, "
+                        r"the shape in current model is torch.Size\(\[(.*?)\]\)", text)
+    if shapes:
+        parts.append(listed([f"{name} has shape ({got}), config.json implies ({want})" for name, got, want in shapes], "; "))
+    return "; ".join(parts) or " ".join(text.split())[:300]
 
 
 def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32):

@@ -1,5 +1,10 @@
-"""What every script's command line shares: errors in one line, optional extras, output paths."""
+"""What every script's command line shares: errors in one line, the exit, optional extras, output paths.
+
+Library code never ends the process: it raises, and a script's main turns the failure into its
+exit here (one_line_errors, or Exit through the exits decorator)."""
 import argparse
+import contextlib
+import functools
 import importlib
 import importlib.util
 import os
@@ -11,6 +16,36 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: sys.exit(f"error: {message}")
     return p
+
+
+class Exit(Exception):
+    """A script's end, raised by library code (which never calls sys.exit). `status` is what the
+    process exits with, as for sys.exit: an exit code, or a one-line error (printed; exit code 1)."""
+
+    def __init__(self, status: int | str):
+        super().__init__(status)
+        self.status = status
+
+
+def exits(main):
+    """Decorate a script's main: an Exit raised inside it ends the process with its status."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except Exit as e:
+            sys.exit(e.status)
+    return wrapped
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """A ValueError (a CheckpointError is one) raised inside ends the script with 'error: <its
+    message>' (exit code 1): the one-line errors of bad flags and files."""
+    try:
+        yield
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
 
 def have(module: str) -> bool:

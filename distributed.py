@@ -3,15 +3,16 @@
 Each process rolls out its share of a step's prompts (whole groups) and replays them; the
 gradients are then averaged across processes, so one step equals the single-process step over
 all the rollouts. Held-out evaluation splits the problems across processes the same way. With
-one process every function here is a no-op.
+one process every function here is a no-op. Only shard() imports FSDP (fully_shard is public
+from torch 2.6), so a run without --fsdp does not need it.
 """
 import atexit
 import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -117,20 +118,34 @@ def gather_in_order(mine: list, n: int) -> list:
 def shard(model):
     """Every decoder layer, and the rest of the model, sharded across the processes. Gradients
     are then averaged by FSDP's reduce-scatter."""
+    from torch.distributed.fsdp import fully_shard
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
 
 
-def is_sharded(model) -> bool:
-    return isinstance(model, FSDPModule)
+def is_sharded(module) -> bool:
+    """Whether fully_shard sharded `module`, without importing FSDP: until it is loaded nothing
+    can be, and before torch 2.6 torch.distributed.fsdp has no FSDPModule."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
+
+
+def pad_micro_batches(model, chunks: list, device) -> list:
+    """Under FSDP each backward is a collective, so every process must run as many: the micro-batches
+    (rows, advantages) padded to the most that any process has with one row of advantage 0 (a zero
+    gradient). Without FSDP, chunks as they are."""
+    if not is_sharded(model):
+        return chunks
+    row = chunks[0][0][:1] if chunks else torch.zeros(1, dtype=torch.long, device=device)
+    return chunks + [(row, torch.zeros(1, device=device))] * (max_over_processes(len(chunks)) - len(chunks))
 
 
 @contextlib.contextmanager
 def whole_model(model):
     """Rollouts under FSDP: gather every layer once and keep it through the decode loop (whose
     number of forwards differs from process to process), then shard again."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if is_sharded(m)]
     for u in units:
         u.unshard()
         u.set_reshard_after_forward(False, recurse=False)

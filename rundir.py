@@ -6,6 +6,9 @@ complete checkpoint at every instant. log.jsonl holds one JSON object per line: 
 optimizer step and one per held-out evaluation. SIGINT and SIGTERM stop the run between an
 update and the next, never between an update and its record, so a resume continues with
 exactly the steps an uninterrupted run would have taken.
+
+The training loop runs inside guard(): a signal, a diverging run or a failed save ends it in
+RunStopped, carrying the one line and the exit code the script ends with (cli.exits).
 """
 import contextlib
 import json
@@ -13,13 +16,13 @@ import math
 import os
 import shutil
 import signal
-import sys
 
 import torch
 from tqdm import tqdm
 
 import distributed
 from checkpoint import CheckpointError, save_pretrained, save_tokenizer
+from cli import Exit
 from files import recover_swap, swap_in, write_json, write_jsonl
 
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
@@ -40,22 +43,20 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
         raise ValueError(f"cannot create or write the run directory {out}: {parent} is not a writable directory")
 
 
-def prepare(out: str, overwrite: bool, step: int, saved_settings: dict | None, settings: dict):
+def prepare(out: str, overwrite: bool, step: int, saved_settings: dict | None, settings: dict) -> list[dict]:
     """Create the run directory (with --overwrite, remove the earlier run's files first) and keep
-    the log records of the steps before `step`. A resume (saved_settings: the run's own) prints
-    the settings it changes."""
+    the log records of the steps before `step`; they are returned. A resume (saved_settings: the
+    run's own) prints the settings it changes. A log line that is not JSON raises CheckpointError."""
     if overwrite:
         for name in RUN_FILES:
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
     os.makedirs(out, exist_ok=True)
-    try:
-        keep_log_before(os.path.join(out, "log.jsonl"), step)
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
+    kept = keep_log_before(os.path.join(out, "log.jsonl"), step)
     changed = changed_settings(saved_settings or {}, settings)
     if changed:
         tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
+    return kept
 
 
 def resume_from(run_dir: str, out: str | None, state: dict | None = None):
@@ -91,14 +92,6 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
     write_json(os.path.join(tmp, "ngc.json"), settings)
     torch.save({"step": step, "optimizer": opt_state, "config": settings}, os.path.join(tmp, "trainer.pt"))
     swap_in(final)
-
-
-def try_save(save, step):
-    """A periodic save that fails (disk full, ...) keeps the previous checkpoint and training goes on."""
-    try:
-        save()
-    except OSError as e:
-        tqdm.write(f"warning: could not save step {step} ({e}); the previous checkpoint is kept")
 
 
 def load_trainer_state(run_dir) -> dict:
@@ -155,9 +148,12 @@ def read_log(path) -> list[dict]:
     return records
 
 
-def keep_log_before(path, step):
-    """On resume, keep the log records of the steps before `step` (later ones will run again)."""
-    write_jsonl(path, [r for r in read_log(path) if r["step"] < step])
+def keep_log_before(path, step) -> list[dict]:
+    """On resume, keep the log records of the steps before `step` (later ones will run again);
+    they are returned."""
+    kept = [r for r in read_log(path) if r["step"] < step]
+    write_jsonl(path, kept)
+    return kept
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,3 +192,63 @@ def stop_on_signals():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+# ---------------------------------------------------------------------------------------
+# The run guard: a run that cannot go on ends with one line and an exit code, its checkpoint kept
+
+
+class RunStopped(Exit):
+    """The run stopped before its last step; `status` is the script's exit (cli.Exit)."""
+
+
+class Run:
+    """A run's progress as its guard sees it: `step`, the optimizer steps taken; `saved`, the step
+    of the newest checkpoint on disk (None: none yet); write(step) saves the state after `step`."""
+
+    def __init__(self, out: str, write, saved: int | None = None):
+        self.out, self.write, self.saved = out, write, saved
+        self.step = 0 if saved is None else saved
+
+    def save(self):
+        self.write(self.step)
+        self.saved = self.step
+
+    def try_save(self):
+        """A periodic save that fails (disk full, ...) keeps the previous checkpoint and training goes on."""
+        try:
+            self.save()
+        except OSError as e:
+            tqdm.write(f"warning: could not save step {self.step} ({e}); the previous checkpoint is kept")
+
+
+def check_finite(values: dict):
+    """Diverged unless every value (None: not measured) is finite."""
+    checked = {k: v for k, v in values.items() if v is not None}
+    if not all(map(math.isfinite, checked.values())):
+        raise Diverged(", ".join(f"{k} {v:.4g}" for k, v in checked.items()))
+
+
+@contextlib.contextmanager
+def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
+    """The training loop of `run` runs inside; what stops it ends in RunStopped. SIGINT/SIGTERM
+    (Interrupted): the state after run.step steps is saved (not under --fsdp) and the exit code is
+    128 + signum. Diverged, and an OSError of a save: a one-line error (exit code 1) that says
+    which checkpoint is kept. say prints (the first process's tqdm.write)."""
+    with stop_on_signals():
+        try:
+            yield run
+        except Interrupted as e:
+            if fsdp:  # saving is a collective, and the processes may be inside different ones now
+                say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
+                raise RunStopped(128 + e.signum)
+            with signals_held():
+                run.try_save()
+            say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}")
+            raise RunStopped(128 + e.signum)
+        except Diverged as e:
+            kept = f"the checkpoint of step {run.saved} is kept" if run.saved is not None else "no checkpoint was written"
+            raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {kept} in {run.out}; "
+                             f"lower --lr (now {lr:g})")
+        except OSError as e:
+            raise RunStopped(f"error: could not save the checkpoint in {run.out} ({e}); the previous one, if any, is kept")

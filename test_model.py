@@ -77,6 +77,9 @@ def test_bad_checkpoints_name_the_tensor(ckpt, tmp_path):
     save_file(missing, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
         from_pretrained(str(tmp_path))
+    save_file({**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected model\.layers\.0\.mlp\.extra\.weight"):
+        from_pretrained(str(tmp_path))
     with pytest.raises(CheckpointError, match="no config.json"):
         from_pretrained(str(tmp_path / "nowhere"))
 

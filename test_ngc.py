@@ -139,7 +139,7 @@ def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
     monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, ev_lp))
     c = settings.Settings(mode="ngc", max_new_tokens=10)
     adv = torch.tensor([0.5, -0.5])
-    l_token, l_mem, _ = train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)
+    l_token, l_mem = train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)
     # L_token = -(0.5·(-3) + (-0.5)·(-1)) / (4·10) = 1/40
     assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)
     # rollout 0: layer means (-1-3)/2 = -2, (-2-4)/2 = -3; rollout 1: -0.5, -1.5 (one round)
@@ -160,7 +160,7 @@ def test_one_step_on_l_mem_moves_log_p_sigma_with_the_advantage(ckpt, sampled, s
         model = from_pretrained(ckpt)
         ro = sampled.select(torch.tensor([row]))
         before = replay(model, ro)[1].sum().item()
-        _, l_mem, _ = train.policy_losses(model, ro, torch.tensor([sign]), train.MODES[c.mode], c.max_new_tokens, n_total=1)
+        _, l_mem = train.policy_losses(model, ro, torch.tensor([sign]), train.MODES[c.mode], c.max_new_tokens, n_total=1)
         l_mem.backward()
         torch.optim.SGD(model.parameters(), lr=1e-3).step()
         after = replay(model, ro)[1].sum().item()
@@ -175,11 +175,11 @@ def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
     adv = torch.linspace(-1, 1, len(sampled.n_rounds))
     diag = train.TermGradNorms(params)
     for rows in torch.arange(len(adv)).split(2):  # micro-batches, as in train.backward
-        l_token, l_mem, _ = train.policy_losses(model, sampled.select(rows), adv[rows], train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
+        l_token, l_mem = train.policy_losses(model, sampled.select(rows), adv[rows], train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
         diag.add(l_token)
         (l_token + l_mem).backward()
     norms = diag.norms(has_mem=True)
-    l_token, l_mem, _ = train.policy_losses(model, sampled, adv, train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
+    l_token, l_mem = train.policy_losses(model, sampled, adv, train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
     for loss, key in ((l_token, "grad_norm_token"), (l_mem, "grad_norm_mem")):
         grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         direct = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None])).item()
@@ -197,7 +197,7 @@ def test_a_micro_batch_without_rounds_adds_nothing_to_l_mem(ckpt):
     c = settings.Settings(mode="ngc", max_new_tokens=5, micro_batch=1)
     adv = torch.tensor([1.0, -1.0])
     losses = train.backward(model, ro, adv, c)
-    _, l_mem, _ = train.policy_losses(model, ro.select(torch.tensor([1])), adv[1:], train.MODES[c.mode], c.max_new_tokens, n_total=2)
+    _, l_mem = train.policy_losses(model, ro.select(torch.tensor([1])), adv[1:], train.MODES[c.mode], c.max_new_tokens, n_total=2)
     assert losses["L_mem"] == pytest.approx(l_mem.item(), rel=1e-6) and l_mem.item() != 0
 
 
@@ -513,13 +513,16 @@ def test_curriculum_matches_the_paper_formula():
     assert abs(train.retention_at(10, stages, D, a) - (0.9 + (1 - 0.4) / 0.6 * -0.2)) < 1e-12
 
 
-def test_targeted_dropout_scores_tokens_under_the_causal_mask(train_ckpt, model):
+def test_targeted_dropout_scores_tokens_under_the_causal_mask(train_ckpt, model, monkeypatch):
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--mode", "targeted-dropout"]))
     ro = rollout(model, prompts_of([5, 9, 3]), Sampling(max_new_tokens=30, temperature=1.0, top_k=0), EV,
                  eos_ids=[EOS], generator=torch.Generator().manual_seed(0))
     adv = torch.tensor([1.0, -1.0, 0.5])
-    _, l_mem, tok_lp = train.policy_losses(model, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=3)
+    replayed = []  # the token log-probs that policy_losses scored
+    monkeypatch.setattr(train, "replay", lambda *args, **kwargs: replayed.append(replay(*args, **kwargs)) or replayed[-1])
+    _, l_mem = train.policy_losses(model, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=3)
     assert l_mem is None
+    tok_lp = replayed[0][0]
     causal, _ = replay(model, ro, causal=True)
     masked, _ = replay(model, ro)
     assert torch.equal(tok_lp, causal) and (tok_lp - masked).abs().max() > 1e-2

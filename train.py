@@ -13,11 +13,12 @@ constant LR. Defaults are the paper's recipe for the task (settings.py); a check
 carry an ngc.json whose values replace them (the tiny model's does), and any flag replaces both.
 
 This file is the method, top to bottom: modes, curriculum, objective, one step, the loop, then the
-command line. Run directory, processes, checkpoints and evaluation are called, not written, here.
+command line. Run directory and its guard (signals, divergence, failed saves), processes, checkpoints
+and evaluation are called, not written, here.
 """
 import argparse
 import contextlib
-import math
+import functools
 import os
 import sys
 import time
@@ -27,12 +28,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import countdown
 import distributed
 import rundir
 import settings
 from checkpoint import META_TOKEN, CheckpointError, load
-from cli import parser
+from cli import exits, one_line_errors, parser
 from eval import before_after, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
@@ -105,7 +105,7 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int)
     if mode.eviction_loss and ev_lp is not None:
         per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
         l_mem = -(adv[:, None] * per_layer).sum() / n_total  # eq. (4), summed over layers
-    return l_token, l_mem, tok_lp
+    return l_token, l_mem
 
 
 class TermGradNorms:
@@ -138,12 +138,10 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     l_token_sum, l_mem_sum = 0.0, 0.0 if mode.eviction_loss else None
     learn = torch.nonzero(adv).flatten()
     chunks = [(rows, adv[rows]) for rows in learn.split(c.micro_batch)] if len(learn) else []
-    if distributed.is_sharded(model):  # each backward is a collective: every process runs as many,
-        padding = (learn[:1] if len(learn) else torch.zeros(1, dtype=torch.long, device=adv.device))
-        chunks += [(padding, torch.zeros(1, device=adv.device))] * (distributed.max_over_processes(len(chunks)) - len(chunks))
-    for rows, a in chunks:  # (padding has advantage 0: a zero gradient)
+    chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many on every process
+    for rows, a in chunks:
         with amp:
-            l_token, l_mem, _ = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, n_total=len(adv))
+            l_token, l_mem = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, n_total=len(adv))
         if diag and mode.token_loss:
             diag.add(l_token)
         loss = l_token if mode.token_loss else 0 * l_token  # (a graph still: with FSDP every backward runs)
@@ -215,52 +213,43 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
             "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
 
 
-def make_optimizer(model, c):
-    return torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.adam_eps,
-                             weight_decay=c.weight_decay)
+def make_optimizer(model, c, state=None):
+    """AdamW over the model's parameters (under FSDP, its shards), with a resumed run's state."""
+    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.adam_eps,
+                            weight_decay=c.weight_decay)
+    if state is not None:
+        distributed.load_optimizer_state(model, opt, state)
+    return opt
 
 
 # ---------------------------------------------------------------------------------------
 # The loop
 
 
+@exits  # a RunStopped (a signal, divergence, a failed save) ends the process with its status
 def main(argv=None, reward_fn=None):
-    args = parse_args(argv)
-    try:
-        state = rundir.load_trainer_state(args.resume) if args.resume else None
-        c = resolve(args, state)
-        if c.threads:
-            torch.set_num_threads(c.threads)
-        model, tokenizer = load(c.model, c.device, c.meta_token)  # before the optimizer: g may add a row
-        if not model.config.eos_ids:
-            raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
-    except (CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    c, state, model, tokenizer = setup(argv)
     device = torch.device(c.device)
     distributed.start(device)  # under torchrun; every process has checked its arguments, none has written
     master = distributed.rank_and_world()[0] == 0  # the one process that prints, logs and saves
     if c.fsdp:
         distributed.shard(model)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16" else contextlib.nullcontext()
-    opt = make_optimizer(model, c)
-    step, saved = 0, None  # saved: the step of the newest checkpoint on disk
-    if state:
-        distributed.load_optimizer_state(model, opt, state["optimizer"])
-        step = saved = state["step"]
+    opt = make_optimizer(model, c, state and state["optimizer"])
+    save = lambda step: rundir.save_checkpoint(c.out, model, opt, tokenizer, c.model, step, settings.saved(c))
+    run = rundir.Run(c.out, save, saved=state and state["step"])  # a resume starts at its checkpoint's step
     log_path = os.path.join(c.out, "log.jsonl")
     say = tqdm.write if master else lambda text: None
-    if master:  # the run directory, its log cut back to `step`; a resume says which settings it changes
-        rundir.prepare(c.out, c.overwrite, step, state and state["config"], settings.saved(c))
+    log = functools.partial(rundir.write_log, log_path) if master else lambda record: None
+    with one_line_errors():  # the run directory, its log cut back to run.step; a resume says what it changes
+        kept = rundir.prepare(c.out, c.overwrite, run.step, state and state["config"], settings.saved(c)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
-    say(f"NGC on {c.task}: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
-        f"{c.device} {c.dtype}" + (f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else "")
-        + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
-        f"ε -> {final_eviction_rate(c):g}, steps {step}..{c.steps}, run dir {c.out}")
+    say(banner(c, model, run.step))
     train, test = load_problems(c)
     eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eviction_rate(c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
-    evals = [r["eval"] for r in rundir.read_log(log_path) if "eval" in r] if master else []  # a resume's, too
+    evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
 
     def run_eval():
         with amp, distributed.whole_model(model):
@@ -268,65 +257,36 @@ def main(argv=None, reward_fn=None):
                          progress=interactive, meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None,
                          compile=c.compile)
         evals.append(r)
-        if master:
-            rundir.write_log(log_path, {"step": step, "eval": r})
-        say(f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={eval_ev.rate:g} "
+        log({"step": run.step, "eval": r})
+        say(f"eval @ step {run.step}: accuracy full cache {r['acc_full']:.1%}, at ε={eval_ev.rate:g} "
             f"{r['acc']:.1%}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
-    def save():
-        nonlocal saved
-        rundir.save_checkpoint(c.out, model, opt, tokenizer, c.model, step, settings.saved(c))
-        saved = step
-
     t_start = time.time()
-    with rundir.stop_on_signals():
-        try:
-            bar = tqdm(total=c.steps, initial=step, desc="train", unit="step", disable=not interactive)
-            while step < c.steps:
-                if c.eval_every and step % c.eval_every == 0:
-                    run_eval()
-                try:
-                    m = step_gradients(model, tokenizer, train, step, c, amp, reward_fn, progress=interactive)
-                except rundir.Interrupted:
-                    opt.zero_grad(set_to_none=True)  # the step did not happen
-                    raise
-                checked = {k: m[k] for k in ("sampled_logprob", "L_token", "L_mem", "grad_norm") if m[k] is not None}
-                if not all(map(math.isfinite, checked.values())):
-                    opt.zero_grad(set_to_none=True)  # no update is taken
-                    raise rundir.Diverged(", ".join(f"{k} {v:.4g}" for k, v in checked.items()))
-                with rundir.signals_held():  # an update and its log record land together, or neither does
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    step += 1
-                    if master:
-                        rundir.write_log(log_path, m)
-                bar.update(1)
-                say(step_line(m, c.steps))
-                if c.save_every and step % c.save_every == 0 and step < c.steps:
-                    rundir.try_save(save, step)
-            bar.close()
-            if c.eval_every:
+    with rundir.guard(run, c.lr, c.fsdp, say):
+        bar = tqdm(total=c.steps, initial=run.step, desc="train", unit="step", disable=not interactive)
+        while run.step < c.steps:
+            if c.eval_every and run.step % c.eval_every == 0:
                 run_eval()
-            with rundir.signals_held():
-                save()
-        except rundir.Interrupted as e:
-            if c.fsdp:  # saving is a collective, and the processes may be inside different ones now
-                say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
-                sys.exit(128 + e.signum)
-            with rundir.signals_held():
-                rundir.try_save(save, step)
-            say(f"\n{e}: saved step {step} to {c.out}/checkpoint; continue with --resume {c.out}")
-            sys.exit(128 + e.signum)
-        except rundir.Diverged as e:
-            kept = f"the checkpoint of step {saved} is kept" if saved is not None else "no checkpoint was written"
-            sys.exit(f"error: training diverged at step {step + 1} ({e}); {kept} in {c.out}; lower --lr (now {c.lr:g})")
-        except OSError as e:
-            sys.exit(f"error: could not save the checkpoint in {c.out} ({e}); the previous one, if any, is kept")
+            m = step_gradients(model, tokenizer, train, run.step, c, amp, reward_fn, progress=interactive)
+            rundir.check_finite({k: m[k] for k in ("sampled_logprob", "L_token", "L_mem", "grad_norm")})
+            with rundir.signals_held():  # an update and its log record land together, or neither does
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                run.step += 1
+                log(m)
+            bar.update(1)
+            say(step_line(m, c.steps))
+            if c.save_every and run.step % c.save_every == 0 and run.step < c.steps:
+                run.try_save()
+        bar.close()
+        if c.eval_every:
+            run_eval()
+        with rundir.signals_held():
+            run.save()
     distributed.stop()
-    if master:
-        print(f"\ndone in {(time.time() - t_start) / 60:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
-        if evals:
-            print(before_after(evals, eval_ev.rate, time.time() - t_start))
+    say(f"\ndone in {(time.time() - t_start) / 60:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
+    if evals:
+        say(before_after(evals, eval_ev.rate, time.time() - t_start))
 
 
 # ---------------------------------------------------------------------------------------
@@ -372,6 +332,29 @@ def resolve(args, state=None) -> settings.Settings:
                 term_grad_norms=c.term_grad_norms and not c.fsdp)  # their extra backward is not sharded
     rundir.check_run_dir(c.out, c.resume, c.overwrite)
     return c
+
+
+def setup(argv):
+    """The run's settings, its saved state (a resume's, else None), model and tokenizer. Bad flags
+    or files end the script with one line, before anything is written."""
+    args = parse_args(argv)
+    with one_line_errors():
+        state = rundir.load_trainer_state(args.resume) if args.resume else None
+        c = resolve(args, state)
+        if c.threads:
+            torch.set_num_threads(c.threads)
+        model, tokenizer = load(c.model, c.device, c.meta_token)  # before the optimizer: g may add a row
+        if not model.config.eos_ids:
+            raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
+    return c, state, model, tokenizer
+
+
+def banner(c, model, step) -> str:
+    """The run in one line: model, device, mode, batch, eviction, steps, run directory."""
+    return (f"NGC on {c.task}: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
+            f"{c.device} {c.dtype}" + (f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else "")
+            + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
+            f"ε -> {final_eviction_rate(c):g}, steps {step}..{c.steps}, run dir {c.out}")
 
 
 def step_line(m, steps) -> str:
