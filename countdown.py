@@ -33,9 +33,12 @@ class Difficulty:
     n_nums: tuple[int, ...] = (3, 4)          # how many input numbers (chosen uniformly)
     num_range: tuple[int, int] = (1, 99)      # inclusive range of each input number
     target_range: tuple[int, int] = (10, 100) # inclusive range of the target
+    held_out: int = 1024                      # the held-out set's size (the paper's)
 
 PAPER = Difficulty()  # Countdown-Tasks-3to4-like: 3-4 numbers in 1..99, targets 10..100
-SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100))  # the tiny models' problems
+SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100),
+                   held_out=500)  # the tiny models' problems; tiny/ was pretrained on none of its 500 held out
+HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
 
 def _key(p):
     """A problem's identity: sorted numbers and target."""
@@ -99,14 +102,22 @@ def generate(n, seed, difficulty=PAPER):
     """n problems, reproducible from seed, every one solvable (repeats possible)."""
     return list(itertools.islice(_stream(random.Random(seed), difficulty), n))
 
+def held_out(difficulty=PAPER):
+    """The held-out set: the first difficulty.held_out distinct problems of the HELD_OUT_SEED stream,
+    one set for every seed."""
+    return _take(_stream(random.Random(HELD_OUT_SEED), difficulty), difficulty.held_out, unique=True)
+
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
-    """(train, test) at the paper's sizes. Test problems are distinct and never
-    appear in train. Train is distinct too when unique (SMALL has only a few
-    thousand distinct problems: use unique=False there)."""
-    stream = _stream(random.Random(seed), difficulty)
-    test = _take(stream, n_test, unique=True)
-    train = _take(stream, n_train, skip={_key(p) for p in test}, unique=unique)
-    return train, test
+    """(train, test) at the paper's sizes. Test is the first n_test problems of the held-out set,
+    whatever the seed; train is drawn from the seed's own stream and never holds a problem of the
+    whole held-out set. Train is distinct too when unique (SMALL has only a few thousand distinct
+    problems: use unique=False there). With seed = HELD_OUT_SEED, train is the stream after the
+    held-out set, as make_tiny.py pretrained tiny/."""
+    if n_test > difficulty.held_out:
+        raise ValueError(f"--eval-problems {n_test}: the held-out set has {difficulty.held_out} problems")
+    test = held_out(difficulty)
+    train = _take(_stream(random.Random(seed), difficulty), n_train, skip={_key(p) for p in test}, unique=unique)
+    return train, test[:n_test]
 
 # -----------------------------------------------------------------------------
 # prompt

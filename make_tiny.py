@@ -232,9 +232,9 @@ def build_tokenizer(words=WORDS) -> Tokenizer:
 
 
 def split_problems(seed: int, n_test: int, n_train: int = 300_000):
-    """countdown.splits at the SMALL difficulty (the tiny model's): the held-out problems come first in the seed's
-    stream, so train.py and eval.py (same seed, at most n_test problems) evaluate on problems
-    pretraining never saw."""
+    """countdown.splits at the SMALL difficulty (the tiny model's): pretraining never sees a problem of the
+    held-out set (countdown.held_out, whatever n_test), on which train.py and eval.py evaluate
+    every seed."""
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 

@@ -129,10 +129,21 @@ def test_tokenizer_round_trips_a_trace():
         assert cd.reward(completion, p) == 1.0
 
 
-def test_held_out_problems_are_disjoint():
-    train, test = split_problems(0, 200, n_train=20_000)
-    assert len({cd._key(p) for p in test}) == len(test) == 200
-    assert not {cd._key(p) for p in train} & {cd._key(p) for p in test}
+def test_held_out_set_is_disjoint_from_pretraining_and_from_every_runs_training():
+    """One held-out set for every seed: none of its problems is among the 300,000 tiny/ was
+    pretrained on (make_tiny.py's split at its defaults) nor among any seed's training problems
+    (train.py's, tasks.load_problems), as a set intersection over canonical problem keys."""
+    pretrain, test = split_problems(0, 500)  # make_tiny.py's defaults: --seed 0 --n-test 500
+    held, pretrained = {cd._key(p) for p in test}, {cd._key(p) for p in pretrain}
+    assert len(held) == len(test) == 500 and not held & pretrained
+    shipped = settings.run_defaults(TINY_DIR)
+    for seed in (0, 1, 2):
+        train, seed_test = tasks.load_problems(replace(shipped, seed=seed))
+        assert seed_test == test[:shipped.eval_problems] and not held & {cd._key(p) for p in train}
+    # Negative control: the earlier held-out problems of seed 1 (the first 200 of its own stream)
+    # are mostly problems tiny/ was pretrained on, and the check sees it.
+    earlier = cd._take(cd._stream(random.Random(1), cd.SMALL), 200, unique=True)
+    assert len({cd._key(p) for p in earlier} & pretrained) > 100
 
 
 def test_shipped_tiny_model_loads_and_solves():

@@ -116,7 +116,9 @@ def test_splits_are_disjoint_distinct_and_reproducible():
     assert len(test_keys) == len(test) and len(train_keys) == len(train)
     assert not train_keys & test_keys
     assert cd.splits(seed=0, n_train=20_000) == (train, test)
-    assert cd.splits(seed=1, n_train=20_000)[1] != test
+    other_train, other_test = cd.splits(seed=1, n_train=20_000)
+    assert other_test == test and other_train != train  # one held-out set; the seed draws the training problems
+    assert not {key(p) for p in other_train} & test_keys
 
 
 def test_data_seed_fixes_the_problems_and_seed_alone_the_noise():
@@ -132,10 +134,12 @@ def test_data_seed_fixes_the_problems_and_seed_alone_the_noise():
 
 
 def test_tiny_splits_disjoint_even_with_repeats():
-    train, test = cd.splits(seed=0, n_train=20_000, n_test=512, difficulty=SMALL, unique=False)
+    train, test = cd.splits(seed=0, n_train=20_000, n_test=500, difficulty=SMALL, unique=False)
     key = lambda p: (tuple(sorted(p.nums)), p.target)
     assert len(train) == 20_000
-    assert len({key(p) for p in test}) == 512
+    assert len({key(p) for p in test}) == 500
+    with pytest.raises(ValueError, match="held-out set has 500"):
+        cd.splits(seed=0, n_train=10, n_test=501, difficulty=SMALL, unique=False)
     assert not {key(p) for p in train} & {key(p) for p in test}
     # SMALL has only a few thousand distinct problems: asking for more distinct ones fails loudly
     with pytest.raises(RuntimeError):
