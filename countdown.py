@@ -154,7 +154,15 @@ def tiny_prompt(problem, eviction_rate=None, blind=False):
         text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)} % </eviction_rate>"
     return text
 
-PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt}  # prompt style -> (problem, eviction_rate, blind) -> text
+def tiny_shifted_prompt(problem, eviction_rate=None, blind=False):
+    """The tiny prompt in layouts never used in training: 1 to 6 filler dots after BOS (which many
+    is a function of the problem) move the target from position 4 to 5..10, from the second block
+    of 4 into the second or third. The full cache solves them as well as the training layout."""
+    dots = " ." * (1 + (problem.target + sum(problem.nums)) % 6)
+    return tiny_prompt(problem, eviction_rate, blind).replace("<bos>", "<bos>" + dots, 1)
+
+PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
+           "tiny-shifted": tiny_shifted_prompt}
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL}  # --difficulty name -> preset
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):

@@ -19,11 +19,11 @@ Policies:
 The problems are the held-out split of the run's settings (`settings.run_defaults`: the paper's recipe
 for the task, or the checkpoint's ngc.json): Countdown's generated test split, or the math
 --eval-data file. A run trained with --meta-token is evaluated with it: g is forced before every
-round of every policy. Tokens are greedy, one completion per problem (the Countdown default); with
---samples k (the math default: 32), k completions per problem at the recipe's evaluation
-temperature, top-k and top-p, pass@1 = mean fraction correct and
+round of every policy. Tokens are sampled as the paper evaluates (§5.1): with --samples k (the
+run's eval_samples: 4 for Countdown, 32 for math) k completions per problem at the recipe's
+evaluation temperature, top-k and top-p, pass@1 = mean fraction correct (± 1 SE over problems) and
 pass@j = 1 - C(n-c, j)/C(n, j) (n = k samples, c correct) for j = 1, 2, 4, ..., k. Every run
-draws its noise from the same seed. The peak-KV reduction (§5.1) divides, per problem, the peak KV
+draws its noise from the same seed. --samples 0: one greedy completion per problem. The peak-KV reduction (§5.1) divides, per problem, the peak KV
 entries of one shared no-eviction run by the peak under the policy (each a mean over the k
 samples), averaged over problems. One JSONL line per policy x rate.
 """
@@ -113,29 +113,46 @@ def kv_reduction(ref_peak, peak) -> float:
 
 
 def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
-             batch_size=64, progress=False, meta_token=None, compile=False):
-    """Greedy accuracy with the full cache and under `eviction` (NGC with greedy top-K), and the
-    peak-KV reduction: the held-out numbers train.py logs every --eval-every steps. meta_token:
-    g's id, forced before each round under `eviction` (the full cache has no rounds)."""
-    s = Sampling(max_new_tokens=max_new_tokens, greedy=True, meta_token=meta_token)
+             batch_size=64, progress=False, meta_token=None, compile=False, sampling=None, samples=0, seed=0):
+    """The held-out numbers train.py logs every --eval-every steps, with the full cache and under
+    `eviction` (NGC with greedy top-K): greedy accuracy and the peak-KV reduction; with `samples`,
+    also pass@1 over that many completions per problem drawn at `sampling` (the paper's metric,
+    §5.1), with 1 SE over problems. meta_token: g's id, forced before each round under `eviction`."""
     greedy = replace(eviction, greedy=True)
-    full = roll_out_and_score(model, tokenizer, problems, s, None, encode, reward_fn, batch_size=batch_size,
-                              desc="eval full cache" if progress else None, compile=compile)
-    pruned = roll_out_and_score(model, tokenizer, problems, s, greedy, encode, reward_fn, batch_size=batch_size,
-                                desc=f"eval ε={eviction.rate:g}" if progress else None, compile=compile)
-    return {"acc_full": full["reward"].mean().item(), "acc": pruned["reward"].mean().item(),
-            "kv_reduction": kv_reduction(full["peak_kv"], pruned["peak_kv"]),
-            "length": pruned["length"].mean().item(), "rounds": pruned["rounds"].mean().item()}
+
+    def score(s, ev, k, what):
+        gen = None if s.greedy else torch.Generator(model.lm_head.weight.device).manual_seed(seed)
+        return roll_out_and_score(model, tokenizer, problems, replace(s, meta_token=meta_token), ev, encode, reward_fn,
+                                  gen, k, batch_size, desc=f"eval {what}" if progress else None, compile=compile)
+
+    plain = Sampling(max_new_tokens=max_new_tokens, greedy=True)
+    full, pruned = score(plain, None, 1, "full cache"), score(plain, greedy, 1, f"ε={eviction.rate:g}")
+    r = {"acc_full": full["reward"].mean().item(), "acc": pruned["reward"].mean().item(),
+         "kv_reduction": kv_reduction(full["peak_kv"], pruned["peak_kv"]),
+         "length": pruned["length"].mean().item(), "rounds": pruned["rounds"].mean().item()}
+    if samples:
+        s = replace(sampling, max_new_tokens=max_new_tokens, greedy=False)
+        full, pruned = score(s, None, samples, "full cache, sampled"), score(s, greedy, samples, "ε, sampled")
+        r |= {"samples": samples, "pass1_full": full["reward"].mean().item(), "pass1_full_se": standard_error(
+              full["reward"]), "pass1": pruned["reward"].mean().item(), "pass1_se": standard_error(pruned["reward"])}
+    return r
 
 
-def before_after(evals, rate, seconds) -> str:
-    """The table train.py ends with: its first and last evaluation."""
+def before_after(evals, rate, seconds, problems=None) -> str:
+    """The table train.py ends with: its first and last evaluation. pass@1 over sampled tokens
+    (± 1 SE over problems) where the evaluations have it, greedy tokens beside; evictions greedy top-K."""
     first, last = evals[0], evals[-1]
-    return "\n".join([f"{'held-out accuracy':32s} {'before':>8s} {'after':>8s}",
-                      f"{'full cache':32s} {first['acc_full']:8.1%} {last['acc_full']:8.1%}",
-                      f"{f'ε = {rate:g} (greedy top-K)':32s} {first['acc']:8.1%} {last['acc']:8.1%}",
-                      f"{'peak-KV reduction':32s} {first['kv_reduction']:7.2f}x {last['kv_reduction']:7.2f}x",
-                      f"{'wall time':32s} {'':>8s} {seconds / 60:5.1f} min"])
+    pm = lambda r, k: f"{r[k]:6.1%} ± {100 * r[k + '_se']:.1f}" if k in r else f"{'':>12s}"
+    lines = [f"{f'held-out ({problems} problems)' if problems else 'held-out':32s} {'before':>12s} {'after':>12s}"]
+    if "pass1" in last:
+        sampled = f"full cache, pass@1 ({last['samples']} samples)"
+        lines += [f"{sampled:32s} {pm(first, 'pass1_full')} {pm(last, 'pass1_full')}",
+                  f"{f'ε = {rate:g}, pass@1 (greedy top-K)':32s} {pm(first, 'pass1')} {pm(last, 'pass1')}"]
+    lines += [f"{'full cache, greedy tokens':32s} {first['acc_full']:12.1%} {last['acc_full']:12.1%}",
+              f"{f'ε = {rate:g}, greedy tokens':32s} {first['acc']:12.1%} {last['acc']:12.1%}",
+              f"{'peak-KV reduction':32s} {first['kv_reduction']:11.2f}x {last['kv_reduction']:11.2f}x",
+              f"{'wall time':32s} {'':>12s} {seconds / 60:9.1f} min"]
+    return "\n".join(lines)
 
 
 def pass_at_k(n: int, c, k: int) -> float:
@@ -245,8 +262,11 @@ def main(argv=None):
     p.add_argument("--delta", type=int, help="δ: evaluate another layout than the run's (default: the run's)")
     p.add_argument("--block", type=int, help="b: block size (default: the run's)")
     p.add_argument("--window", type=int, help="w: scoring queries (default: the run's)")
-    p.add_argument("--samples", type=int, default=None, help="k sampled completions per problem: pass@1 and pass@k "
-                   "(default: greedy for countdown, 32 for math at T=0.6, top-p 0.95)")
+    p.add_argument("--samples", type=int, default=None, help="k sampled completions per problem: pass@1 ± 1 SE and "
+                   "pass@k; 0: greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' "
+                   "sampling, 32 for math at T=0.6, top-p 0.95)")
+    p.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="countdown: another prompt layout than the "
+                   "run's (tiny-shifted: layouts never used in training)")
     p.add_argument("--problems", type=int, default=None, help="held-out problems to use (default: all)")
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
@@ -259,7 +279,9 @@ def main(argv=None):
         bad = [x for x in args.policy if x not in CLI_POLICIES]
         if bad:
             raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(CLI_POLICIES)}")
-        for flag in ("samples", "problems", "batch_size"):
+        if args.samples is not None and args.samples < 0:
+            raise ValueError(f"--samples {args.samples} must be at least 0 (0: greedy tokens)")
+        for flag in ("problems", "batch_size"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
         if args.plot:
@@ -267,9 +289,9 @@ def main(argv=None):
         for path in filter(None, [args.out, args.plot]):
             check_output_file(path)
         c = run_defaults(args.model, args.task)
-        c = replace(c, eval_data=args.eval_data or c.eval_data,
+        c = replace(c, eval_data=args.eval_data or c.eval_data, prompt=args.prompt or c.prompt,
                     **{k: getattr(args, k) for k in ("delta", "block", "window") if getattr(args, k) is not None})
-        args.samples = args.samples or c.eval_samples
+        args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
         for rate in args.eviction_rate:
             Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
         problems = held_out(c, args.problems)

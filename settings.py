@@ -124,8 +124,9 @@ class Settings:
     eval_rate: float | None = setting(None, "ε for evaluation (default: the final training ε)", EVAL)
     eval_batch: int = setting(64, "rollouts per evaluation batch", EVAL, at_least(1))
     save_every: int = setting(50, "checkpoint every N steps (0: only at the end)", EVAL, at_least(0))
-    eval_samples: int | None = setting(None, "eval.py: samples per problem (default: greedy)", EVAL, at_least(1),
-                                       cli=False)
+    eval_samples: int = setting(4, "pass@1 over this many sampled completions per held-out problem, tokens at the "
+                                "rollouts' sampling, evictions greedy top-K (§5.1); 0: greedy tokens only", EVAL,
+                                at_least(0))
     eval_temperature: float | None = setting(None, "eval.py: sampling temperature", EVAL, positive, cli=False)
     eval_top_p: float | None = setting(None, "eval.py: nucleus", EVAL, in_unit(low_open=True), cli=False)
     eval_max_new_tokens: int | None = setting(None, "eval.py: completion length cap", EVAL, at_least(1), cli=False)

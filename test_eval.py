@@ -82,7 +82,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
     monkeypatch.setattr(evaluation, "rollout", counting)
     out = tmp_path / "results.jsonl"
     evaluation.main(["--model", train_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
-             "0.75", "--problems", "3", "--out", str(out)])
+             "0.75", "--problems", "3", "--samples", "0", "--out", str(out)])  # 0: greedy tokens
     printed = capsys.readouterr().out
     print(printed)
     assert [c for c in calls if c[1] is None] == [(3, None)]  # one reference run, shared
@@ -112,7 +112,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
 
 @pytest.mark.parametrize("flags, message", [
     (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
-    (["--samples", "0"], "--samples 0 must be at least 1"), (["--problems", "99"], "test split has 4"),
+    (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "99"], "test split has 4"),
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory")])
 def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
@@ -264,7 +264,7 @@ def test_show_prompts_are_evals_with_the_interoception_tag(train_ckpt, tmp_path,
     monkeypatch.setattr(evaluation, "rollout", recording("eval"))
     show.main(["--model", str(run), "--before", str(run), "--problems", "2", "--eviction-rate", "0.25",
                "--out", str(tmp_path / "f.html")])
-    evaluation.main(["--model", str(run), "--policy", "ngc", "--eviction-rate", "0.25", "--problems", "2"])
+    evaluation.main(["--model", str(run), "--policy", "ngc", "--eviction-rate", "0.25", "--problems", "2", "--samples", "0"])
     assert seen["show"] == [seen["eval"][1]] * 2  # eval's ngc run (its first is the full-cache reference)
     plain = seen["eval"][0]  # no eviction: no tag
     assert all(len(a) > len(b) for a, b in zip(seen["show"][0], plain))  # Negative control

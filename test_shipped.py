@@ -189,7 +189,7 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
                 "--group", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-every", "1"])
     printed = capsys.readouterr().out
     assert "model " + TINY_DIR in printed and f"δ={TINY_RUN['delta']}" in printed
-    assert "ε = 0.5 (greedy top-K)" in printed and "peak-KV reduction" in printed
+    assert "ε = 0.5, pass@1 (greedy top-K)" in printed and "peak-KV reduction" in printed
     steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
     assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny"
@@ -364,5 +364,5 @@ def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
                 "--group", "2", "--data", str(tmp_path / "data" / "train.jsonl"),
                 "--eval-data", str(tmp_path / "data" / "test.jsonl"), "--eval-every", "1"])
     out = capsys.readouterr().out
-    assert "NGC on math" in out and "δ=32" in out and "ε = 0.5 (greedy top-K)" in out
+    assert "NGC on math" in out and "δ=32" in out and "ε = 0.5, greedy tokens" in out
     assert settings.run_defaults(str(tmp_path / "run" / "checkpoint")).task == "math"

@@ -82,7 +82,7 @@ def test_a_resumed_run_s_final_table_starts_from_the_run_s_first_evaluation(trai
     """The before/after table compares the run's step-0 evaluation with its last, also when the
     last process resumed the run (it logged only the later ones)."""
     tables = []
-    monkeypatch.setattr(train, "before_after", lambda evals, rate, seconds: tables.append(list(evals)) or "")
+    monkeypatch.setattr(train, "before_after", lambda evals, rate, seconds, problems=None: tables.append(list(evals)) or "")
     flags = ["--eval-every", "1", "--eval-problems", "2"]
     run_train(train_ckpt, tmp_path, "--steps", "1", *flags)
     log = run_train(train_ckpt, tmp_path, "--steps", "2", *flags, "--resume", str(tmp_path))
@@ -314,7 +314,7 @@ def test_each_setting_is_defined_once(train_ckpt, tmp_path, capsys):
         train.parse_args(["--model", train_ckpt, "--help"])
     text = capsys.readouterr().out
     flags = [f for f in fields(settings.Settings) if f.metadata["cli"]]
-    assert all(f"--{f.name.replace('_', '-')} " in text for f in flags) and "--eval-samples" not in text
+    assert all(f"--{f.name.replace('_', '-')} " in text for f in flags) and "--eval-top-p" not in text
     assert {f.metadata["flag"].get("choices") and tuple(f.metadata["flag"]["choices"]) for f in flags
             if f.name == "mode"} == {tuple(train.MODES)}
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(tmp_path / "run"), "--threads", "1",
@@ -404,7 +404,7 @@ def test_train_meta_token_saves_g_and_eval_forces_it(train_ckpt, tmp_path, monke
     back, tok = from_pretrained(out), load_tokenizer(out)
     g = tok.token_to_id(META_TOKEN)
     assert g == 96 and back.config.vocab_size == 97 and json.loads(Path(out, "ngc.json").read_text())["meta_token"]
-    assert all(meta == g for meta, _, _ in seen) and len(seen) == 5  # eval (full, ε), step, eval (full, ε)
+    assert all(meta == g for meta, _, _ in seen) and len(seen) == 9  # 2 evals (greedy and sampled, full and ε) and a step
     assert all(forced == evicting for _, evicting, forced in seen)
     row = back.model.embed_tokens.weight[g].clone()
     assert add_meta_token(back, tok) == g and torch.equal(back.model.embed_tokens.weight[g], row)

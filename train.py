@@ -255,11 +255,13 @@ def main(argv=None, reward_fn=None):
         with amp, distributed.whole_model(model):
             r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn, c.eval_batch,
                          progress=interactive, meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None,
-                         compile=c.compile)
+                         compile=c.compile, sampling=Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p),
+                         samples=c.eval_samples, seed=c.seed)
         evals.append(r)
         log({"step": run.step, "eval": r})
+        sampled = f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}" if "pass1" in r else ""
         say(f"eval @ step {run.step}: accuracy full cache {r['acc_full']:.1%}, at ε={eval_ev.rate:g} "
-            f"{r['acc']:.1%}, peak-KV reduction {r['kv_reduction']:.2f}x")
+            f"{r['acc']:.1%} (greedy tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
     t_start = time.time()
     with rundir.guard(run, c.lr, c.fsdp, say):
@@ -286,7 +288,7 @@ def main(argv=None, reward_fn=None):
     distributed.stop()
     say(f"\ndone in {(time.time() - t_start) / 60:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
     if evals:
-        say(before_after(evals, eval_ev.rate, time.time() - t_start))
+        say(before_after(evals, eval_ev.rate, time.time() - t_start, len(test)))
 
 
 # ---------------------------------------------------------------------------------------
