@@ -30,9 +30,15 @@ def load_problems(c):
 
 
 def held_out(c, n: int | None = None) -> list:
-    """The first n (default all) held-out problems of a run with settings c, or a one-line ValueError."""
+    """The first n held-out problems of a run with settings c (default: the run's eval_problems;
+    Countdown's held-out set has more), or a one-line ValueError."""
     if c.task == "math" and not (c.eval_data and os.path.isfile(c.eval_data)):
         raise ValueError(f"--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet); got {c.eval_data}")
+    if c.task == "countdown" and n is not None:
+        size = countdown.DIFFICULTIES[c.difficulty].held_out
+        if n > size:
+            raise ValueError(f"--problems {n}: the held-out set has {size} problems")
+        c = replace(c, eval_problems=n)
     _, test = load_problems(replace(c, train_problems=0, data=None))
     if n is not None and n > len(test):
         raise ValueError(f"--problems {n}: the run's test split has {len(test)} problems")

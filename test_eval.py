@@ -112,7 +112,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
 
 @pytest.mark.parametrize("flags, message", [
     (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
-    (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "99"], "test split has 4"),
+    (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "501"], "held-out set has 500 problems"),
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory")])
 def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
@@ -327,7 +327,7 @@ def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags, message", [
     (["--eviction-rate", "1.5"], "must lie in (0, 1]"), (["--problems", "0"], "--problems 0 must be at least 1"),
-    (["--problems", "5"], "test split has 4"), (["--out", "/no/such/dir/f.html"], "does not exist"),
+    (["--problems", "501"], "held-out set has 500 problems"), (["--out", "/no/such/dir/f.html"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory"), (["--model", "/no/such/run"], "no config.json in '/no/such/run'"),
     (["--before", "/no/such/model"], "no config.json in '/no/such/model'"),
     (["--png", "/no/such/dir/f.png"], "does not exist")])
