@@ -22,16 +22,24 @@ results/README.md says which folder holds which model):
                          the tag without the rate
 
 and writes OUT/evals/<study>-seed<k>.jsonl (eval.py's rows), OUT/<study>.jsonl and .png
-(over seeds: mean accuracy, its standard deviation across seeds, and the binomial standard
-error of one evaluation, sqrt(p(1 - p) / n)), OUT/ngc-vs-heuristics.png, and OUT/summary.md:
+(over seeds: mean pass@1, its standard deviation across seeds, and one evaluation's standard
+error over problems), OUT/ngc-vs-heuristics.png, OUT/claims.md and OUT/summary.md. Every
+evaluation is the paper's (§5.1): pass@1 over the run's eval_samples (4) sampled completions per
+problem, evictions greedy top-K, on the one held-out set (500 problems for tiny/, none of them
+trained or pretrained on):
 
-    1. baselines      NGC (greedy top-K) vs SnapKV, KeyDiff, KNorm, StreamingLLM on the no-evict
-                      model, and its full cache, at ε = 0.5 (Figure 3)
-    2. sweep          the same at stricter ε than training saw (0.5 -> 0.8)
+    0. claims         the paper's Countdown claims beside this run's numbers (claims.md)
+    1. baselines      on the no-evict model at ε = 0.5 (Figure 3): SnapKV, KeyDiff, KNorm,
+                      StreamingLLM, random blocks, random-prompt, the task rule, and the oracle
+                      (the blocks the full cache's next δ tokens read most); NGC (greedy top-K)
+                      and the oracle on NGC's model; NGC with greedy tokens (the second column)
+    2. sweep          NGC and the baselines at stricter ε than training saw (0.5 -> 0.8)
     3. ablations      ngc vs token-only vs targeted-dropout at ε = 0.5, with their reward and
                       grad-norm curves (Figure 5)
     4. interoception  budget-aware NGC against its blind-tag control, at the rates the groups
                       trained on (0.25, 0.5, 0.75) and stricter ones, plain NGC beside (Figure 6)
+    6. layout shift   NGC and the baselines on prompt layouts never used in training
+                      (eval.py --prompt tiny-shifted): does NGC keep what matters or where it sits?
 
 With --limit it also trains the limit study's recipes (seed 0, OUT/limit/<name>) and writes
 their evaluations during training, beside the default run's, as section 5 and OUT/limit.jsonl:
@@ -76,7 +84,10 @@ RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", 
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
         "interoception-blind": ["--interoception", "--blind-tag"]}
 HEURISTICS = ["snapkv", "keydiff", "knorm", "streamingllm"]
+BARS = ["random", "random-prompt", "task-rule"]  # simple policies that could beat a learned one
+BASELINES = HEURISTICS + BARS
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
+SHIFTED = ["--prompt", "tiny-shifted"]  # prompt layouts never used in training
 INTERO_SWEEP = [0.25, 0.5, 0.75, 0.8]  # the tags the groups trained on at the end, and a stricter one
 LIMIT = {"steps120": ["--steps", "120", "--eval-every", "30"], "lr1e-4": ["--lr", "1e-4", "--eval-every", "20"],
          "p8g16": ["--prompts", "8", "--group", "16", "--eval-every", "30"]}
@@ -144,13 +155,14 @@ def train_all(out, model, jobs, runs, extra):
                 sys.exit(f"error: training run {name} failed; see {log.name}")
 
 
-def eval_study(out, study, run, policies, rates, seed, problems=None):
-    """eval.py on the final checkpoint of one run and seed; returns its rows, marked with both."""
+def eval_study(out, study, run, policies, rates, seed, problems=None, extra=()):
+    """eval.py on the final checkpoint of one run and seed (pass@1 at the run's eval_samples unless
+    extra says otherwise); returns its rows, marked with both."""
     path = os.path.join(out, "evals", f"{study}-seed{seed}.jsonl")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     name = run_name(run, seed)
-    argv = ["--model", os.path.join(out, "runs", name, "checkpoint"), "--policy", *policies,
-            "--eviction-rate", *map(str, rates), "--out", path] + (["--problems", str(problems)] if problems else [])
+    argv = ["--model", os.path.join(out, "runs", name, "checkpoint"), "--policy", *policies, "--batch-size", "250",
+            "--eviction-rate", *map(str, rates), "--out", path, *extra] + (["--problems", str(problems)] if problems else [])
     print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {name} {' '.join(policies)} at ε {rates}", flush=True)
     evaluation.main(argv)
     with open(path) as f:
@@ -350,15 +362,61 @@ def smooth(xs, n=5):
 
 
 def markdown(rows) -> str:
-    """Accuracy as mean ± standard deviation across seeds (one seed: no ±), then the binomial
-    standard error of one evaluation."""
-    lines = ["| run | policy | ε | accuracy | SE | length | rounds | peak-KV reduction |",
+    """pass@1 as mean ± standard deviation across seeds (one seed: no ±), then one evaluation's
+    1 SE over problems (the mean over seeds)."""
+    lines = ["| run | policy | ε | pass@1 | SE | length | rounds | peak-KV reduction |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spread = f" ± {100 * r['accuracy_sd']:.1f}" if r["seeds"] > 1 else ""
         lines.append(f"| {r['run']} | {r['policy']} | {r['eviction_rate']:g} | {r['accuracy']:.1%}{spread} | "
                      f"{100 * r['accuracy_se']:.1f} | {r['length']:.0f} | {r['rounds']:.2f} | {r['kv_reduction']:.2f}x |")
     return "\n".join(lines)
+
+
+def claims_markdown(studies) -> str:
+    """The paper's Countdown claims (§5.2-5.3, the numbers its text states) beside this run's: pass@1
+    means over seeds, ± their standard deviation across seeds where there are several."""
+    def at(study, policy, rate=0.5):
+        return next(r for r in studies[study] if r["policy"] == policy and r["eviction_rate"] == rate)
+
+    def cell(r):
+        return f"{r['accuracy']:.1%}" + (f" ± {100 * r['accuracy_sd']:.1f}" if r["seeds"] > 1 else "")
+
+    ngc, full, full_ne, oracle = at("ngc", "ngc"), at("ngc", "none", 0.0), at("baselines", "none", 0.0), \
+        at("baselines", "oracle")
+    best = max((r for r in studies["baselines"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
+    gap = (ngc["accuracy"] - best["accuracy"]) / max(oracle["accuracy"] - best["accuracy"], 1e-9)
+    token, dropout, greedy = at("token-only", "ngc"), at("targeted-dropout", "ngc"), at("greedy", "ngc")
+    stricter = [e for e in INTERO_SWEEP if e > 0.5]
+    intero = ", ".join(f"ε = {e:g}: {cell(at('interoception', 'ngc', e))} vs {cell(at('interoception-blind', 'ngc', e))}"
+                       for e in stricter)
+    beaten = [e for e in SWEEP[1:] if at("sweep", "ngc", e)["accuracy"] > max(
+        r["accuracy"] for r in studies["sweep-baselines"] if r["eviction_rate"] == e)]
+    s_ngc, s_full = at("shifted-ngc", "ngc"), at("shifted-ngc", "none", 0.0)
+    s_best = max((r for r in studies["shifted-baselines"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
+    rows = [("NGC keeps the reasoning under a smaller peak cache", "49.6% at 2.4×",
+             f"{cell(ngc)} at {ngc['kv_reduction']:.2f}× ({ngc['accuracy'] / full_ne['accuracy']:.0%} of the no-evict "
+             f"model's full cache, {cell(full_ne)}; its own full cache {cell(full)}); greedy tokens {cell(greedy)}"),
+            ("NGC beats every baseline", "2.3× the next best (49.6% vs 21.2%)",
+             f"best baseline {best['policy']} {cell(best)}: NGC is {ngc['accuracy'] / max(best['accuracy'], 1e-9):.1f}× "
+             f"it, {100 * (ngc['accuracy'] - best['accuracy']):+.1f} points"),
+            ("how much of the possible gain NGC reaches", "not stated",
+             f"the oracle on the no-evict model {cell(oracle)}; NGC closes {gap:.0%} of the gap from the best baseline "
+             f"to it (NGC's own model under the oracle: {cell(at('ngc', 'oracle'))})"),
+            ("the token policy learns to write for eviction", "token-only 35.7% (72% of NGC)",
+             f"token-only {cell(token)} ({token['accuracy'] / max(ngc['accuracy'], 1e-9):.0%} of NGC)"),
+            ("off-policy training fails", "targeted dropout 2.5%", f"targeted dropout {cell(dropout)}"),
+            ("interoception helps at budgets stricter than training", "an 8-13% boost",
+             f"interoception vs its blind control, {intero}"),
+            ("NGC generalises to unseen rates", "pareto-dominates the baselines",
+             f"NGC above every baseline at ε = {', '.join(f'{e:g}' for e in beaten) or 'none'} of "
+             f"{', '.join(f'{e:g}' for e in SWEEP[1:])}"),
+            ("what NGC keeps, not where it sits", "not tested (R1's prompts vary)",
+             f"prompt layouts never trained on: NGC {cell(s_ngc)} of a full cache's {cell(s_full)} "
+             f"({s_ngc['accuracy'] / max(s_full['accuracy'], 1e-9):.0%}; training layout "
+             f"{ngc['accuracy'] / max(full['accuracy'], 1e-9):.0%}); best baseline {s_best['policy']} {cell(s_best)}")]
+    return "\n".join(["| claim | paper (§5.2-5.3) | here, pass@1 |", "|---|---|---|"]
+                     + [f"| {a} | {b} | {c} |" for a, b, c in rows])
 
 
 def main(argv=None):
@@ -369,7 +427,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
-    p.add_argument("--problems", type=int, default=None, help="held-out problems per evaluation (default: the run's)")
+    p.add_argument("--problems", type=int, default=500, help="held-out problems per evaluation (default 500: tiny/'s "
+                   "whole held-out set)")
     p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
                                                          "their evaluations during training")
     p.add_argument("--headline", action="store_true", help="train only the default run and token-only, "
@@ -394,9 +453,9 @@ def main(argv=None):
     train_all(args.out, args.model, args.jobs, runs, args.train_args.split())
     sections = []
 
-    def study(name, title, run, policies, rates):
+    def study(name, title, run, policies, rates, extra=()):
         rows = over_seeds([r for k in range(args.seeds)
-                           for r in eval_study(args.out, name, run, policies, rates, k, args.problems)])
+                           for r in eval_study(args.out, name, run, policies, rates, k, args.problems, extra)])
         sections.append(f"## {title}\n\n{markdown(rows)}\n")
         path = os.path.join(args.out, name)
         write_jsonl(path + ".jsonl", rows)
@@ -404,25 +463,40 @@ def main(argv=None):
             evaluation.plot(rows, path + ".png")
         return rows
 
-    full = study("baselines", "1. NGC vs the heuristics at ε = 0.5 (heuristics on the no-evict model)", "no-evict",
-                 ["none", *HEURISTICS, "ngc"], [0.5])[:1]
-    study("baselines-ngc", "1. (NGC on its own model)", "ngc", ["none", "ngc"], [0.5])
+    studies = {}
+    studies["baselines"] = study("baselines", "1. The baselines at ε = 0.5 on the no-evict model (the paper's "
+                                 "heuristics, random, random-prompt, the task rule) and the oracle", "no-evict",
+                                 ["none", *BASELINES, "oracle"], [0.5])
+    studies["ngc"] = study("baselines-ngc", "1. NGC on its own model, and the oracle there", "ngc",
+                           ["none", "ngc", "oracle"], [0.5])
+    studies["greedy"] = study("greedy", "1. Greedy tokens (the second column): NGC on its model", "ngc",
+                              ["none", "ngc"], [0.5], ["--samples", "0"])
     sweep = study("sweep", "2. Stricter ε than training saw: NGC", "ngc", ["ngc"], SWEEP)
-    heuristics = study("sweep-heuristics", "2. Stricter ε: the heuristics on the no-evict model", "no-evict",
-                       HEURISTICS, SWEEP)
-    if have("matplotlib"):  # Figure 3 (right): trained NGC against the heuristics, full cache as the line
-        evaluation.plot(full + sweep + heuristics, os.path.join(args.out, "ngc-vs-heuristics.png"))
+    heuristics = study("sweep-heuristics", "2. Stricter ε: the baselines on the no-evict model", "no-evict",
+                       BASELINES, SWEEP[1:])
+    if have("matplotlib"):  # Figure 3 (right): trained NGC against the baselines, full cache as the line
+        evaluation.plot(studies["baselines"][:1] + sweep + heuristics, os.path.join(args.out, "ngc-vs-heuristics.png"))
+    studies["sweep"], studies["sweep-baselines"] = sweep, heuristics
     for run in ["token-only", "targeted-dropout"]:
-        study(f"ablation-{run}", f"3. Ablation: {run}", run, ["none", "ngc"], [0.5])
+        studies[run] = study(f"ablation-{run}", f"3. Ablation: {run}", run, ["none", "ngc"], [0.5])
     if have("matplotlib"):
         curves(args.out, ["ngc", "token-only", "targeted-dropout"], args.seeds, os.path.join(args.out, "ablations.png"))
     plain = study("interoception-ngc", "4. Plain NGC at the interoception rates", "ngc", ["ngc"], INTERO_SWEEP)
     intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"], INTERO_SWEEP)
     blind = study("interoception-blind", "4. Its control: the same per-group ε, the tag without the rate",
                   "interoception-blind", ["ngc"], INTERO_SWEEP)
+    studies["interoception"], studies["interoception-blind"] = intero, blind
     if have("matplotlib"):
         accuracy_vs_rate({"NGC": plain, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
                          os.path.join(args.out, "interoception-vs-ngc.png"))
+    studies["shifted-ngc"] = study("shifted-ngc", "6. Prompt layouts never used in training (tiny-shifted): NGC",
+                                   "ngc", ["none", "ngc"], [0.5], SHIFTED)
+    studies["shifted-baselines"] = study("shifted-baselines", "6. The same layouts: the baselines on the no-evict "
+                                         "model", "no-evict", ["none", *BASELINES, "oracle"], [0.5], SHIFTED)
+    claims = claims_markdown(studies)
+    write_text(os.path.join(args.out, "claims.md"), f"# The paper's Countdown claims on {os.path.relpath(args.model)}"
+               f" ({args.seeds} seeds)\n\n{claims}\n")
+    sections.insert(0, f"## 0. The paper's claims\n\n{claims}\n")
     if args.limit:
         rows = limit_rows(args.out)
         sections.append(f"## 5. How far can NGC go? The limit study (seed 0, evaluations during training)\n\n"
@@ -434,8 +508,11 @@ def main(argv=None):
                "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have("matplotlib") else []))
     summary = os.path.join(args.out, "summary.md")
     seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
-    write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}SE: the binomial standard "
-               f"error of one evaluation, in points)\n\n" + "\n".join(sections)
+    samples = studies["ngc"][0]["samples"]
+    write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over {samples} sampled "
+               f"completions per problem unless a section says greedy, evictions greedy top-K, "
+               f"{studies['ngc'][0]['problems']} held-out problems; SE: one evaluation's standard error over "
+               f"problems, in points)\n\n" + "\n".join(sections)
                + f"\n![what ngc forgets](forgets.png)\n\n{wall_time(t0)}\n")
     print(f"wrote {summary}")
 
