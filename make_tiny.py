@@ -359,11 +359,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         check_flags(args)
+        if args.task == "countdown" and args.n_test > cd.SMALL.held_out:
+            raise ValueError(f"--n-test {args.n_test}: the tiny difficulty's held-out set (countdown.held_out) has "
+                             f"{cd.SMALL.held_out} problems; ask for at most that many")
         try:
             train, test = task.splits(args.seed, args.n_test, args.train_problems)
-        except RuntimeError:  # countdown.splits: the held-out problems are distinct, and there are only so many
-            raise ValueError(f"--n-test {args.n_test}: the tiny difficulty has too few distinct Countdown problems "
-                             f"for that many held-out ones; ask for fewer")
         except ValueError as e:  # mathtask.demo_splits: train and held-out problems distinct
             raise ValueError(f"--train-problems {args.train_problems} --n-test {args.n_test}: {e}")
         if args.eval_only:

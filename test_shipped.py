@@ -98,7 +98,7 @@ def test_make_tiny_refuses_a_restate_it_cannot_write(tmp_path, flags):
     (["--lr", "0"], "--lr 0.0 must be positive"), (["--lr", "nan"], "--lr nan must be positive"),
     (["--minutes", "-1"], "--minutes -1.0 must be 0"), (["--heads", "3"], "--d 192 --heads 3: the heads must be"),
     (["--d", "100"], "--d 100 --heads 4: the heads must be"), (["--task", "maths"], "argument --task: invalid choice"),
-    (["--n-test", "100000"], "--n-test 100000: the tiny difficulty has too few distinct Countdown problems"),
+    (["--n-test", "501"], "--n-test 501: the tiny difficulty's held-out set (countdown.held_out) has 500 problems"),
     (["--eval-only", "--out", "/no/such/tiny"], "no config.json in '/no/such/tiny'")])
 def test_make_tiny_checks_every_flag_before_it_builds_anything(tmp_path, monkeypatch, flags, message):
     monkeypatch.setattr(make_tiny, "init_weights", None)  # nothing may be built
