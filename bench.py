@@ -11,14 +11,16 @@ the fraction of the memory-bandwidth bound (weights + alive KV read per step / p
 bandwidth). Replay: forward+backward of the replay pass (per-layer masks plus the recomputed
 eviction log-probs) against a plain causal forward+backward over the same tokens.
 """
+import sys
 import time
 
 import torch
 
-from checkpoint import from_pretrained
+import distributed
+from checkpoint import CheckpointError, from_pretrained, load_config
 from cli import parser
 from model import Qwen2, Qwen2Config, init_weights, num_params
-from ngc import Eviction, Sampling, rollout
+from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -110,12 +112,31 @@ def memory(device) -> str:
     return f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
 
 
-def main():
+def check(args) -> list[str]:
+    """The devices to run on, after every flag is checked: a one-line ValueError or CheckpointError."""
+    for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least 1")
+    if not args.peak_bandwidth > 0:
+        raise ValueError(f"--peak-bandwidth {args.peak_bandwidth} must be positive (TB/s)")
+    try:
+        check_eviction(args.delta, args.block, args.window, args.rate)
+    except ValueError as e:
+        raise ValueError(f"--delta {args.delta} --block {args.block} --window {args.window} --rate {args.rate}: {e}")
+    if args.model:
+        load_config(args.model)  # a missing or foreign checkpoint: one line, before any device work
+    if args.device:
+        return [distributed.pick_device(args.device)]
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cpu, then cuda too if present)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cpu, then cuda too if present)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default fp32 on cpu, bf16 on cuda")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -130,15 +151,21 @@ def main():
     p.add_argument("--compile", action="store_true", help="also time rollout(compile=True) (CUDA graphs on CUDA)")
     p.add_argument("--peak-bandwidth", type=float, default=3.35,
                    help="the device's peak memory bandwidth in TB/s, for the bandwidth bound (default: H100 SXM)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    try:
+        devices = check(args)
+    except (CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    devices = [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for name in devices:
         device = torch.device(name)
         dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
         if args.model:
-            model = from_pretrained(args.model, dtype=dtype, device=device)
+            try:
+                model = from_pretrained(args.model, dtype=dtype, device=device)
+            except CheckpointError as e:
+                sys.exit(f"error: {e}")
         elif args.shape == "r1":  # Qwen2Config's defaults are DeepSeek-R1-Distill-Qwen-1.5B's shape
             with torch.device(device):
                 model = Qwen2(Qwen2Config()).to(dtype)

@@ -41,7 +41,7 @@ from checkpoint import META_TOKEN, CheckpointError, load
 from cli import check_output_file, need, parser, pyplot
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
-from settings import run_defaults
+from settings import run_defaults, trained_task
 from tasks import TASK_REWARD, held_out, prompt_encoder
 
 CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
@@ -256,6 +256,10 @@ def main(argv=None):
     p.add_argument("--model", required=True, help="Qwen2 checkpoint directory")
     p.add_argument("--task", choices=["countdown", "math"], help="default: the checkpoint's ngc.json, else countdown")
     p.add_argument("--eval-data", help="math: held-out problems, .jsonl or .parquet (default: the run's --eval-data)")
+    p.add_argument("--question-field", help="math: the question's field in --eval-data rows, a.b for nested "
+                   "(default: the run's, else prompt, problem or question)")
+    p.add_argument("--answer-field", help="math: the answer's field, a.b for nested (default: the run's, else "
+                   "reward_model.ground_truth or answer)")
     p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(CLI_POLICIES))
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
@@ -270,7 +274,7 @@ def main(argv=None):
     p.add_argument("--problems", type=int, default=None, help="held-out problems to use (default: all)")
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--compile", action="store_true", help="capture the decode step with torch.compile (CUDA graphs on CUDA)")
@@ -288,14 +292,24 @@ def main(argv=None):
             need("matplotlib", "--plot")
         for path in filter(None, [args.out, args.plot]):
             check_output_file(path)
+        args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
+        trained = trained_task(args.model)
+        if args.task and trained and args.task != trained:  # its recipe has no prompts for the other task
+            raise ValueError(f"{args.model} was trained on {trained} (its ngc.json); evaluate it with --task {trained}")
         c = run_defaults(args.model, args.task)
+        given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
+        if given and c.task != "math":
+            raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")
+        if args.prompt and c.task != "countdown":
+            raise ValueError(f"--prompt is for --task countdown; this evaluation's task is {c.task}")
         c = replace(c, eval_data=args.eval_data or c.eval_data, prompt=args.prompt or c.prompt,
+                    question_field=args.question_field or c.question_field,
+                    answer_field=args.answer_field or c.answer_field,
                     **{k: getattr(args, k) for k in ("delta", "block", "window") if getattr(args, k) is not None})
         args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
         for rate in args.eviction_rate:
             Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
         problems = held_out(c, args.problems)
-        args.device = distributed.local_device(args.device)  # torchrun: one GPU per process
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
@@ -305,7 +319,7 @@ def main(argv=None):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
-                       progress=distributed.rank_and_world()[0] == 0, compile=args.compile)
+                       progress=distributed.rank_and_world()[0] == 0 and sys.stderr.isatty(), compile=args.compile)
     rank = distributed.rank_and_world()[0]
     distributed.stop()
     if rank:  # every process holds every row; the first one reports them

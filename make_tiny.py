@@ -60,14 +60,14 @@ from countdown import tiny_prompt
 from checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from cli import make_output_dir, parser
 from eval import roll_out_and_score
-from files import swap_in, write_text
+from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights, num_params
 from ngc import Eviction, Sampling
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompt ~12 tokens, full-cache completions ~75, capped at 256).
 TINY_RUN = dict(
-    prompt="tiny", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
+    task="countdown", prompt="tiny", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
     delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
     lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
@@ -327,7 +327,8 @@ def lr_at(step, steps, lr, warmup):
 
 def main(argv=None):
     ap = parser(__doc__)
-    ap.add_argument("--out", default="tiny", help="output directory (written via a temporary dir, then renamed)")
+    ap.add_argument("--out", default="tiny", help="output directory, replaced whole (written via a temporary dir, "
+                    "then renamed); one holding other files than a build's is refused")
     ap.add_argument("--seed", type=int, default=0, help="seed for the problems, the weights and the batches")
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps; the lr schedule spans them")
     ap.add_argument("--minutes", type=float, default=0, help="stop early after this many minutes (0 = never); "
@@ -351,25 +352,33 @@ def main(argv=None):
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
     pre = argparse.ArgumentParser(add_help=False)
+    pre.error = ap.error  # one line
     pre.add_argument("--task", choices=list(TASKS), default="countdown")
     task = TASKS[pre.parse_known_args(argv)[0].task]
     ap.set_defaults(**task.flags)
     args = ap.parse_args(argv)
-    if not 0 <= args.restate <= 1 or (args.restate and args.task != "countdown"):
-        sys.exit(f"error: --restate {args.restate} must lie in [0, 1], and be 0 for --task {args.task}")
+    try:
+        check_flags(args)
+        if args.task == "countdown" and args.n_test > cd.SMALL.held_out:
+            raise ValueError(f"--n-test {args.n_test}: the tiny difficulty's held-out set (countdown.held_out) has "
+                             f"{cd.SMALL.held_out} problems; ask for at most that many")
+        try:
+            train, test = task.splits(args.seed, args.n_test, args.train_problems)
+        except ValueError as e:  # mathtask.demo_splits: train and held-out problems distinct
+            raise ValueError(f"--train-problems {args.train_problems} --n-test {args.n_test}: {e}")
+        if args.eval_only:
+            model, tok = from_pretrained(args.out), load_tokenizer(args.out)
+        else:
+            check_out(args.out)
+            make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
+    except ValueError as e:  # CheckpointError too
+        sys.exit(f"error: {e}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    train, test = task.splits(args.seed, args.n_test, args.train_problems)
-
     if args.eval_only:
-        model, tok = from_pretrained(args.out), load_tokenizer(args.out)
         report(model, tok, test, task, args.max_new_tokens)
         return
 
-    try:
-        make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
-    except ValueError as e:
-        sys.exit(f"error: {e}")
     tok = build_tokenizer(task.words)
     model = init_weights(Qwen2(tiny_config(tok, args.d, args.layers, args.heads, ffn=args.ffn)), seed=args.seed)
     print(f"{num_params(model) / 1e6:.2f}M parameters, {len(train)} training / {len(test)} held-out problems")
@@ -404,11 +413,47 @@ def main(argv=None):
 
     tmp = args.out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model.to(torch.bfloat16), tmp)  # bf16 on disk keeps the files small
-    tok.save(os.path.join(tmp, "tokenizer.json"))  # inside <out>.tmp/: the swap below makes the whole directory appear at once
-    write_run_defaults(tmp, task.run)
-    swap_in(args.out.rstrip("/"))  # the new directory replaces the old one
+    try:
+        save_pretrained(model.to(torch.bfloat16), tmp)  # bf16 on disk keeps the files small
+        tok.save(os.path.join(tmp, "tokenizer.json"))  # inside <out>.tmp/: the swap below makes the whole directory appear at once
+        write_run_defaults(tmp, task.run)
+        swap_in(args.out.rstrip("/"))  # the new directory replaces the old one
+    except OSError as e:  # a full disk: --out is left whole (the previous build, if any)
+        recover_swap(args.out.rstrip("/"))
+        sys.exit(f"error: could not write {args.out} ({e.strerror or e}); nothing half-written is left")
     report(from_pretrained(args.out), load_tokenizer(args.out), test, task, args.max_new_tokens)  # as shipped
+
+
+AT_LEAST = {"steps": 1, "threads": 1, "batch": 1, "micro": 1, "warmup": 0, "d": 1, "layers": 1, "heads": 1, "ffn": 1,
+            "n_test": 1, "train_problems": 1, "max_new_tokens": 1}
+OUT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "ngc.json"}  # what a build writes into --out
+
+
+def check_flags(args):
+    """A one-line ValueError for the first flag a build cannot use."""
+    for name, low in AT_LEAST.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr {args.lr} must be positive")
+    if not args.minutes >= 0:
+        raise ValueError(f"--minutes {args.minutes} must be 0 (never stop early) or more")
+    if args.heads % 2 or args.d % args.heads or (args.d // args.heads) % 2:
+        raise ValueError(f"--d {args.d} --heads {args.heads}: the heads must be a multiple of the 2 key/value heads, "
+                         f"and --d a multiple of 2 x --heads (an even head size for RoPE)")
+    if not 0 <= args.restate <= 1 or (args.restate and args.task != "countdown"):
+        raise ValueError(f"--restate {args.restate} must lie in [0, 1], and be 0 for --task {args.task}")
+
+
+def check_out(out: str):
+    """A build replaces --out whole: refuse a path whose contents a build did not write (they would be lost)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file; give a directory (a build replaces it whole)")
+    if os.path.isdir(out):
+        other = sorted(set(os.listdir(out)) - OUT_FILES)
+        if other:
+            raise ValueError(f"--out {out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which a "
+                             f"build would delete (it replaces the directory whole); choose another --out")
 
 
 def write_run_defaults(model_dir, run):

@@ -98,17 +98,27 @@ def _rows(path):
     """(line or row number, record) pairs of a .jsonl or .parquet file."""
     if path.endswith(".parquet"):
         pq = need("pyarrow.parquet", "reading .parquet")
-        return list(enumerate(pq.read_table(path).to_pylist(), 1))
+        try:
+            return list(enumerate(pq.read_table(path).to_pylist(), 1))
+        except Exception as e:  # pyarrow's own errors: truncated, not Parquet at all
+            raise ValueError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
     if not path.endswith(".jsonl"):
         raise ValueError(f"{path}: expected a .jsonl or .parquet file")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append((i, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append((i, json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected one JSON object per "
+                                         "line") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} cannot be decoded); save it as "
+                         "UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror})") from None
     return rows
 
 def load(path, question_field=None, answer_field=None):
@@ -127,10 +137,10 @@ def load(path, question_field=None, answer_field=None):
         fields = ", ".join(map(str, row))
         if question is None:
             raise ValueError(f"{path}:{i}: no question text in {question_field or 'prompt, problem or question'} "
-                             f"(fields: {fields}); name the field with question_field")
+                             f"(its fields: {fields}); name the question's field with --question-field")
         if answer is None:
             raise ValueError(f"{path}:{i}: no answer in {answer_field or 'reward_model.ground_truth or answer'} "
-                             f"(fields: {fields}); name the field with answer_field")
+                             f"(its fields: {fields}); name the answer's field with --answer-field")
         problems.append(Problem(question, answer))
     return problems
 
@@ -247,14 +257,22 @@ def demo_problem(rng):
     c = draw_c(rng, a * b)
     return Problem(text.format(n=rng.choice(NAMES), a=a, b=b, c=c), str(answer(a, b, c)))
 
-def demo_splits(seed=0, n_train=2000, n_test=200):
-    """(train, test): distinct problems, test disjoint from train, reproducible from seed."""
-    rng, seen, out = random.Random(seed), set(), []
+def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
+    """(train, test): distinct problems, test disjoint from train, reproducible from seed. A
+    ValueError when `patience` draws in a row bring no new problem (the templates allow about
+    148,000 distinct ones)."""
+    rng, seen, out, misses = random.Random(seed), set(), [], 0
     while len(out) < n_train + n_test:
         p = demo_problem(rng)
-        if p.question not in seen:
-            seen.add(p.question)
-            out.append(p)
+        if p.question in seen:
+            misses += 1
+            if misses > patience:
+                raise ValueError(f"the demo set has too few distinct problems for {n_train} train and {n_test} "
+                                 f"held-out ones (its templates allow about 148,000); ask for fewer")
+            continue
+        misses = 0
+        seen.add(p.question)
+        out.append(p)
     return out[n_test:], out[:n_test]
 
 def dapo_row(problem):
@@ -262,25 +280,39 @@ def dapo_row(problem):
     return {"data_source": "ngc-demo", "prompt": [{"role": "user", "content": prompt_text(problem)}],
             "ability": "MATH", "reward_model": {"style": "rule", "ground_truth": problem.answer}}
 
-def make_demo(out_dir, seed=0, n_train=2000, n_test=200):
-    """Write out_dir/train.jsonl and out_dir/test.jsonl in DAPO's layout."""
+def make_demo(out_dir, seed=0, n_train=2000, n_test=200, splits=None):
+    """Write out_dir/train.jsonl and out_dir/test.jsonl in DAPO's layout (splits: demo_splits' result
+    for these arguments, if already drawn)."""
     if n_train < 1 or n_test < 1:
         raise ValueError(f"the demo set needs at least one train and one test problem, got {n_train} and {n_test}")
+    train, test = splits or demo_splits(seed, n_train, n_test)
     make_output_dir(out_dir)
-    train, test = demo_splits(seed, n_train, n_test)
     for name, problems in (("train", train), ("test", test)):
         write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [dapo_row(p) for p in problems])
     return train, test
 
-if __name__ == "__main__":
+def main(argv=None):
     ap = parser("Write the demonstration set of arithmetic word problems.")
     ap.add_argument("--make-demo", metavar="DIR", required=True, help="output folder for train.jsonl and test.jsonl")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=2000, help="training problems")
     ap.add_argument("--test", type=int, default=200, help="held-out problems")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for flag in ("train", "test"):
+        if getattr(args, flag) < 1:
+            sys.exit(f"error: --{flag} {getattr(args, flag)} must be at least 1")
     try:
-        train, test = make_demo(args.make_demo, args.seed, args.train, args.test)
-    except (ValueError, OSError) as e:
+        splits = demo_splits(args.seed, args.train, args.test)
+    except ValueError as e:
+        sys.exit(f"error: --train {args.train} --test {args.test}: {e}")
+    try:
+        train, test = make_demo(args.make_demo, args.seed, args.train, args.test, splits)
+    except ValueError as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: could not write {e.filename or args.make_demo} ({e.strerror})")
     print(f"wrote {len(train)} train and {len(test)} test problems to {args.make_demo}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,9 +9,10 @@
 It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
 its own training and held-out problems, rollouts and evictions; with --data-seed fixed, only its
 own rollouts and evictions, so the spread across seeds is training's alone), each only if
-OUT/runs/<name>[-seed<k>] has not finished yet, then evaluates them with eval.py on the
-held-out problems (OUT is --out: results/restate, the shipped tiny/'s folder, unless given;
-results/README.md says which folder holds which model):
+OUT/runs/<name>[-seed<k>] has not finished yet (a run directory saved with other settings than this
+command's, say other --train-args, is refused before anything trains), then evaluates them with
+eval.py on the held-out problems (OUT is --out: results/restate, the shipped tiny/'s folder, unless
+given; results/README.md says which folder holds which model):
 
     ngc                  the method                          train.py
     no-evict             the full-cache model                train.py --mode no-evict
@@ -75,9 +76,12 @@ import time
 
 import eval as evaluation
 import rundir
+import settings
 import show
+import train
+from checkpoint import load_config
 from cli import have, make_output_dir, parser, pyplot
-from files import save_figure, write_jsonl, write_text
+from files import recover_swap, save_figure, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
@@ -117,20 +121,67 @@ def wall_time(t0) -> str:
 
 
 def finished(run_dir) -> bool:
-    state = os.path.join(run_dir, "checkpoint", "ngc.json")
-    if not os.path.exists(state):
+    checkpoint = os.path.join(run_dir, "checkpoint")
+    if not os.path.exists(os.path.join(checkpoint, "ngc.json")):
         return False
-    with open(os.path.join(run_dir, "log.jsonl")) as f:
-        last = [json.loads(line) for line in f if '"reward"' in line][-1:]
-    with open(state) as f:
-        return bool(last) and last[0]["step"] + 1 >= json.load(f)["steps"]
+    last = [r for r in rundir.read_log(os.path.join(run_dir, "log.jsonl")) if "reward" in r][-1:]
+    return bool(last) and last[0]["step"] + 1 >= settings.read_ngc_json(checkpoint)["steps"]
+
+
+def threads_per_run(jobs: int) -> int:
+    return max(1, (os.cpu_count() or 1) // jobs)
+
+
+NOT_IN_TRAIN_ARGS = ("model", "out", "resume", "overwrite", "seed")  # reproduce.py sets these per run
+
+
+def check_runs(out, model, runs, jobs, extra):
+    """Before anything is created: the starting model, --train-args, and every run directory that
+    holds a checkpoint already (finished or not), whose saved settings (its ngc.json) must be the
+    ones train.py would run now; reusing or resuming a run made with other settings would report
+    them as this command's. A one-line ValueError (or CheckpointError) says what differs and what to do."""
+    load_config(model)  # a missing or foreign checkpoint
+    task = settings.trained_task(model)
+    if task not in (None, "countdown"):
+        raise ValueError(f"--model {model} was trained on {task} (its ngc.json); reproduce.py's studies are "
+                         f"Countdown's: start from a Countdown model such as tiny/")
+    given = parse_train_args(extra)
+    fixed = [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]
+    if fixed:
+        raise ValueError(f"--train-args cannot set --{fixed[0]}: reproduce.py chooses it for every run (give its own "
+                         f"--model, --out or --seeds; to train every seed on the same problems, --data-seed)")
+    if given.task not in (None, "countdown"):
+        raise ValueError(f"--train-args sets --task {given.task}; reproduce.py's studies are Countdown's")
+    for name, flags in runs.items():
+        run_dir = os.path.join(out, name)
+        argv = ["--model", model, "--out", run_dir, "--threads", str(threads_per_run(jobs)), *flags, *extra,
+                "--overwrite"]  # a fresh run's settings; --overwrite only lets train.py's check pass here
+        now = settings.saved(train.resolve(parse_train_args(argv)))  # bad values: train.py's one-line errors
+        checkpoint = os.path.join(run_dir, "checkpoint")
+        recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back in place, as a resume would
+        if not os.path.isdir(checkpoint):
+            continue
+        changed = [c for c in rundir.changed_settings(settings.read_ngc_json(checkpoint), now)
+                   if not c.startswith("threads ")]  # threads change the bits, not the run
+        if changed:
+            raise ValueError(f"{run_dir} holds a run with other settings than this command asks for "
+                             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); to keep it, give this "
+                             f"command another --out; to train it again, delete {run_dir}")
+
+
+def parse_train_args(argv):
+    """train.py's flags parsed, its one-line argparse errors as a ValueError naming --train-args."""
+    try:
+        return train.parse_args(argv)
+    except SystemExit as e:
+        raise ValueError(f"--train-args: {str(e.code).removeprefix('error: ')}") from None
 
 
 def train_all(out, model, jobs, runs, extra):
     """Train the runs {dir under out: train.py flags} that have not finished, `jobs` at a time,
-    logging each to <out>/<dir>.log."""
+    logging each to <out>/<dir>.log (check_runs first)."""
     todo = [(name, flags) for name, flags in runs.items() if not finished(os.path.join(out, name))]
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = threads_per_run(jobs)
     running = []
     while todo or running:
         while todo and len(running) < jobs:
@@ -248,11 +299,15 @@ def diagnosis_markdown(rows, sampling) -> str:
     return "\n".join(lines)
 
 
+def diagnose_runs() -> dict:
+    return {os.path.join("runs", "ngc"): [], **{os.path.join("runs", f"diag-{name}"): flags
+                                                for name, flags in DIAGNOSE.items()}}
+
+
 def diagnose(out, model, jobs, extra):
     """--diagnose: train the diagnosis runs and write OUT/diag/ (see the docstring)."""
     t0, diag = time.time(), os.path.join(out, "diag")
-    runs = {os.path.join("runs", f"diag-{name}"): flags for name, flags in DIAGNOSE.items()}
-    train_all(out, model, jobs, {os.path.join("runs", "ngc"): [], **runs}, extra)
+    train_all(out, model, jobs, diagnose_runs(), extra)
     os.makedirs(diag, exist_ok=True)
     for name in DIAGNOSE:
         with open(os.path.join(out, "runs", f"diag-{name}", "log.jsonl")) as f:
@@ -436,21 +491,29 @@ def main(argv=None):
     p.add_argument("--diagnose", action="store_true", help="train only the diagnosis runs (seed 0) and write "
                                                             "diag/ under --out")
     args = p.parse_args(argv)
-    if min(args.jobs, args.seeds, args.problems or 1) < 1:
-        sys.exit("error: --jobs, --seeds and --problems must be at least 1")
+    for flag in ("jobs", "seeds", "problems"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            sys.exit(f"error: --{flag} {getattr(args, flag)} must be at least 1")
+    extra = args.train_args.split()
+    if args.diagnose:
+        runs = diagnose_runs()
+    elif args.headline:
+        runs = seeded_runs(HEADLINE, args.seeds)
+    else:
+        runs = seeded_runs(RUNS, args.seeds)
+        if args.limit:
+            runs.update({limit_dir(name): flags for name, flags in LIMIT.items()})
     try:
+        check_runs(args.out, args.model, runs, args.jobs, extra)
         make_output_dir(args.out)
-    except ValueError as e:
+    except ValueError as e:  # CheckpointError too
         sys.exit(f"error: {e}")
     if args.diagnose:
-        return diagnose(args.out, args.model, args.jobs, args.train_args.split())
+        return diagnose(args.out, args.model, args.jobs, extra)
     if args.headline:
-        return headline(args.out, args.model, args.seeds, args.jobs, args.train_args.split(), args.problems)
+        return headline(args.out, args.model, args.seeds, args.jobs, extra, args.problems)
     t0 = time.time()
-    runs = seeded_runs(RUNS, args.seeds)
-    if args.limit:
-        runs.update({limit_dir(name): flags for name, flags in LIMIT.items()})
-    train_all(args.out, args.model, args.jobs, runs, args.train_args.split())
+    train_all(args.out, args.model, args.jobs, runs, extra)
     sections = []
 
     def study(name, title, run, policies, rates, extra=()):

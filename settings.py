@@ -173,20 +173,34 @@ def saved(c: Settings) -> dict:
     return {k: text(getattr(c, k)) for k in SAVED}
 
 
+def read_ngc_json(model_dir: str) -> dict:
+    """A checkpoint's ngc.json ({} without one), or a CheckpointError with a one-line message."""
+    path = os.path.join(model_dir, "ngc.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            extra = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete it")
+    unknown = set(extra) - set(SAVED) if isinstance(extra, dict) else {"<not an object>"}
+    if unknown:
+        raise CheckpointError(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
+    if extra.get("task") is not None and extra["task"] not in RECIPES:
+        raise CheckpointError(f"{path} names the task {extra['task']!r}; the tasks are {' and '.join(RECIPES)}")
+    return extra
+
+
+def trained_task(model_dir: str) -> str | None:
+    """The task a checkpoint's ngc.json names (a run's checkpoint always names it), or None."""
+    return read_ngc_json(model_dir).get("task")
+
+
 def run_defaults(model_dir: str, task: str | None = None) -> Settings:
     """The paper's recipe for the task, replaced by the checkpoint's ngc.json where it has one.
     The task is `task`, else the one ngc.json names, else Countdown."""
     path = os.path.join(model_dir, "ngc.json")
-    extra = {}
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                extra = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete it")
-        unknown = set(extra) - set(SAVED) if isinstance(extra, dict) else {"<not an object>"}
-        if unknown:
-            raise CheckpointError(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
+    extra = read_ngc_json(model_dir)
     task = task or extra.get("task") or "countdown"
     try:
         return from_dict({**extra, "task": task, "model": model_dir}, RECIPES[task])

@@ -6,9 +6,10 @@
 
 The first N held-out problems of the run (`settings.run_defaults`: the problems and prompts eval.py
 uses; a run trained with --interoception gets its rate tag, one trained with --meta-token its
-forced g) are completed by the untrained model (--before, default the repository's tiny/) and by
-the trained checkpoint (--model), both greedily and under NGC's evaluation policy: greedy top-K
-blocks on ψ at ε (eval.py's `ngc`), with the run's δ, b and w.
+forced g) are completed by the untrained model (--before, default the repository's tiny/, or tiny-math/
+for a math run; a model whose ngc.json names another task is refused) and by the trained checkpoint
+(--model), both greedily and under NGC's evaluation policy: greedy top-K blocks on ψ at ε (eval.py's
+`ngc`), with the run's δ, b and w.
 
 The HTML page (self-contained: inline CSS, nothing fetched) shows each problem's two rollouts side
 by side, each with its verdict from the task's reward, as a grid: one row per layer, one cell per
@@ -37,15 +38,18 @@ from collections import Counter
 
 import torch
 
+import distributed
 from checkpoint import META_TOKEN, CheckpointError, load, load_config
 from cli import check_output_file, need, parser, pyplot
 from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
-from settings import run_defaults
+from settings import run_defaults, trained_task
 from tasks import TASK_REWARD, held_out, prompt_encoder
 
-TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_DIR = os.path.join(HERE, "tiny")
+BEFORE = {"countdown": TINY_DIR, "math": os.path.join(HERE, "tiny-math")}  # --before's default, per task
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
 ALIVE_COLOUR = "#d9d9d9"
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)
@@ -172,6 +176,20 @@ def failures(full_runs, evicted_runs, delta: int) -> dict:
                 full_cache_wrote=count(kind for _, _, kind in diverged))
 
 
+def failure_line(f) -> str:
+    """failures() in words: how many rollouts fail under eviction, and where the ones the full cache
+    solves first leave its completion (only the parts there is something to say about)."""
+    if not f["wrong"]:
+        return "none wrong under eviction"
+    parts = [f"{f['wrong']} wrong under eviction, {f['full_cache_wrong_too']} of them also with the full cache"]
+    if f["full_cache_wrote"]:
+        parts.append("the rest first leave its completion at: " + ", ".join(
+            f"{kind} {n}" for kind, n in f["full_cache_wrote"].items()))
+    if f["no_divergence"]:
+        parts.append(f"{f['no_divergence']} with no differing token (one completion a prefix of the other)")
+    return "; ".join(parts)
+
+
 CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}
 .pair{display:flex;gap:2em;flex-wrap:wrap;margin-bottom:2em}
 .run{flex:1 1 0;min-width:24em;overflow-x:auto}
@@ -263,13 +281,14 @@ def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--model", required=True, help="the trained checkpoint directory (a run's checkpoint/); its "
                    "ngc.json gives the task, problems, δ, b, w and prompts")
-    p.add_argument("--before", default=TINY_DIR, help="the untrained model to compare with (default: tiny/)")
+    p.add_argument("--before", default=None, help="the untrained model to compare with, trained on the same task "
+                   "(default: tiny/ for Countdown, tiny-math/ for math)")
     p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
     p.add_argument("--eviction-rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round")
     p.add_argument("--out", default=None, help="the HTML page to write")
     p.add_argument("--png", default=None, help="also a PNG of the same grids (needs matplotlib)")
     p.add_argument("--survival", default=None, help="a JSON file of the target's survival per round (Countdown)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     args = p.parse_args(argv)
     try:
         if args.problems < 1:
@@ -280,13 +299,20 @@ def main(argv=None):
             check_output_file(path)
         if args.png:
             need("matplotlib", "--png")
-        for path in (args.before, args.model):
-            load_config(path)  # a missing or foreign checkpoint fails here, before anything is loaded
+        args.device = distributed.pick_device(args.device)
+        load_config(args.model)  # a missing or foreign checkpoint fails here, before anything is loaded
         c = run_defaults(args.model)
-        ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
-        problems = held_out(c, args.problems)
         if args.survival and c.task != "countdown":
             raise ValueError("--survival measures a Countdown target; this run's task is " + c.task)
+        args.before = args.before or BEFORE[c.task]
+        load_config(args.before)
+        before_task = trained_task(args.before)
+        if before_task and before_task != c.task:
+            raise ValueError(f"--before {args.before} was trained on {before_task} (its ngc.json) but --model "
+                             f"{args.model} on {c.task}; compare with a {c.task} model, such as --before "
+                             f"{os.path.relpath(BEFORE[c.task])}")
+        ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
+        problems = held_out(c, args.problems)
         runs, measures = {}, {}  # measures: --survival's, per model
         for name, path in (("untrained", args.before), ("trained", args.model)):
             model, tokenizer = load(path, args.device, c.meta_token)
@@ -304,10 +330,7 @@ def main(argv=None):
         print(f"{name:>9}: accuracy {k['accuracy']:.1%}; the target's key after round " + ", ".join(
             f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
             for r in k["rounds"] if r["rollouts"]))
-        f = k["failures"]
-        print(f"{'':>9}  {f['wrong']} wrong under eviction, {f['full_cache_wrong_too']} of them also with the full "
-              f"cache; the rest first leave its completion at: " + ", ".join(
-              f"{kind} {n}" for kind, n in f["full_cache_wrote"].items()))
+        print(f"{'':>9}  {failure_line(k['failures'])}")
     info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
     try:

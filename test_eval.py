@@ -1,4 +1,5 @@
 """Evaluation and reports: peak-KV reduction and pass@k, eval.py's CLI, show.py and reproduce.py."""
+import io
 import itertools
 import json
 import math
@@ -14,9 +15,11 @@ import pytest
 import torch
 
 import baselines
+import bench
 import countdown as cd
 import eval as evaluation
 import make_tiny
+import mathtask
 import reproduce
 import rundir
 import settings
@@ -27,7 +30,7 @@ import train
 from checkpoint import load_tokenizer
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, visibility
-from conftest import EV, STEP_KEYS, TINY_MODEL, TRAIN_DEFAULTS, prompts_of
+from conftest import EV, STEP_KEYS, TINY_MODEL, TRAIN_DEFAULTS, prompts_of, write_checkpoint
 
 
 # ---------------------------------------------------------------------------------------
@@ -313,10 +316,11 @@ def test_failures_find_where_eviction_first_changes_the_completion():
                      full_cache_wrote={"a computed number": 1, "a verdict": 1, "another token": 1})
 
 
-def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch):
+def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(show, "target_position", lambda run, problem: 1)  # the test tokenizer splits numbers
     out = tmp_path / "s.json"
     show.main(["--model", train_ckpt, "--before", train_ckpt, "--problems", "2", "--survival", str(out)])
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.rstrip().endswith(":")]  # nothing empty
     s = json.loads(out.read_text())
     assert s["untrained"] == s["trained"] and s["problems"] == 2 and list(tmp_path.iterdir()) == [out]
     assert s["untrained"]["kept_target"]["rollouts"] + s["untrained"]["lost_target"]["rollouts"] == 2
@@ -548,3 +552,211 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
     assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layout 61%)" in text
     # Negative control: were the oracle counted as a baseline, the best would be the oracle itself.
     assert "best baseline oracle" not in text
+
+
+# ---------------------------------------------------------------------------------------
+# The helper scripts off the happy path: every input checked before anything is created; a
+# failure is one line `error: ...` and exit status 1 (sys.exit with a message), never a traceback
+
+
+class Reached(Exception):
+    """Raised by a stand-in for the first thing a script does once every check has passed."""
+
+
+def reached(*args, **kwargs):
+    raise Reached(*args)
+
+
+def one_line_error(run) -> str:
+    with pytest.raises(SystemExit) as err:
+        run()
+    message = err.value.code  # a string: Python prints it to stderr and exits with status 1
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def files_under(path) -> dict:
+    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def math_run(tmp_path_factory):
+    """A math run's checkpoint/ as train.py writes it: every saved setting in ngc.json, task math
+    with no Countdown prompt or difficulty (null), the held-out file it names beside it."""
+    root = tmp_path_factory.mktemp("math_run")
+    mathtask.make_demo(str(root / "data"), n_train=4, n_test=3)
+    path = write_checkpoint(root / "checkpoint", seed=2)
+    c = replace(settings.MATH, data=str(root / "data" / "train.jsonl"), eval_data=str(root / "data" / "test.jsonl"),
+                delta=8, block=2, window=3, max_new_tokens=8, eval_max_new_tokens=8)
+    (root / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def countdown_run(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("countdown_run"), seed=3)
+    with open(os.path.join(path, "ngc.json"), "w") as f:
+        json.dump({**TRAIN_DEFAULTS, "task": "countdown"}, f)
+    return path
+
+
+@pytest.mark.parametrize("device, message", [
+    pytest.param("cuda", "--device cuda: no CUDA GPU is visible here; use --device cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")),
+    ("tpu", "--device 'tpu' is not a device; use cpu, cuda or cuda:N")])
+@pytest.mark.parametrize("script", ["train", "eval", "show", "bench"])
+def test_a_device_that_is_not_here_is_the_same_one_line_in_every_script(train_ckpt, tmp_path, monkeypatch, script,
+                                                                         device, message):
+    for module, name in ((evaluation, "load"), (show, "load"), (train, "load"), (bench, "bench"),
+                         (bench, "from_pretrained")):
+        monkeypatch.setattr(module, name, reached)  # nothing may be loaded or run
+    run = {"train": lambda: train.main(["--model", train_ckpt, "--out", str(tmp_path / "run"), "--device", device]),
+           "eval": lambda: evaluation.main(["--model", train_ckpt, "--out", str(tmp_path / "r.jsonl"), "--device", device]),
+           "show": lambda: show.main(["--model", train_ckpt, "--before", train_ckpt, "--out", str(tmp_path / "f.html"),
+                                      "--device", device]),
+           "bench": lambda: bench.main(["--device", device])}
+    assert one_line_error(run[script]) == f"error: {message}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_trained_on_one_task_is_refused_for_the_other(math_run, countdown_run, tmp_path, monkeypatch):
+    """A math run's checkpoint has no Countdown prompt (ngc.json: null): eval.py --task countdown
+    used to raise KeyError: None; show.py compared it with tiny/, a Countdown model."""
+    for module in (evaluation, show):
+        monkeypatch.setattr(module, "load", reached)
+    monkeypatch.setattr(reproduce.subprocess, "Popen", reached)  # nothing may train
+    out = tmp_path / "out"
+    assert one_line_error(lambda: evaluation.main(["--model", math_run, "--task", "countdown", "--out", str(out)])) == \
+        f"error: {math_run} was trained on math (its ngc.json); evaluate it with --task math"
+    assert one_line_error(lambda: evaluation.main(["--model", countdown_run, "--task", "math", "--eval-data",
+                                                   "x.jsonl"])) == \
+        f"error: {countdown_run} was trained on countdown (its ngc.json); evaluate it with --task countdown"
+    assert one_line_error(lambda: show.main(["--model", math_run, "--before", countdown_run, "--out", str(out)])) == (
+        f"error: --before {countdown_run} was trained on countdown (its ngc.json) but --model {math_run} on math; "
+        f"compare with a math model, such as --before {os.path.relpath(show.BEFORE['math'])}")
+    assert "was trained on math (its ngc.json) but --model" in one_line_error(
+        lambda: show.main(["--model", countdown_run, "--before", math_run, "--out", str(out)]))
+    assert one_line_error(lambda: reproduce.main(["--model", math_run, "--out", str(out)])) == (
+        f"error: --model {math_run} was trained on math (its ngc.json); reproduce.py's studies are Countdown's: "
+        f"start from a Countdown model such as tiny/")
+    assert list(tmp_path.iterdir()) == []
+    # the control: each checkpoint with its own task passes every check and gets to its loading
+    for argv in (["--model", math_run], ["--model", math_run, "--task", "math"], ["--model", countdown_run]):
+        with pytest.raises(Reached):
+            evaluation.main(argv + ["--problems", "1"])
+    with pytest.raises(Reached) as r:  # show.py's --before follows the run's task: tiny-math/ for math
+        show.main(["--model", math_run, "--problems", "1", "--out", str(out)])
+    assert r.value.args[0] == show.BEFORE["math"] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.jsonl", b"", ": no problems in the file"),
+    ("latin-1.jsonl", '{"problem": "Qu\u00e9?", "answer": "1"}\n'.encode("latin-1"), ": not UTF-8 text (byte 0xe9"),
+    ("no-answer.jsonl", b'{"problem": "Q?", "sol": "1"}\n', ":1: no answer in reward_model.ground_truth or answer "
+     "(its fields: problem, sol); name the answer's field with --answer-field"),
+    ("missing.jsonl", None, ": no such file")])
+def test_math_eval_data_that_cannot_be_read_is_one_line_naming_the_file(math_run, tmp_path, monkeypatch, name,
+                                                                        content, message):
+    monkeypatch.setattr(evaluation, "load", reached)
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    before = files_under(tmp_path)
+    error = one_line_error(lambda: evaluation.main(["--model", math_run, "--eval-data", str(path), "--out",
+                                                    str(tmp_path / "r.jsonl")]))
+    assert error.startswith(f"error: {path}{message}"), error
+    assert files_under(tmp_path) == before
+
+
+def test_eval_reads_the_fields_it_is_told_and_refuses_them_for_countdown(math_run, train_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(evaluation, "load", reached)
+    rows = tmp_path / "sol.jsonl"
+    rows.write_text('{"question": "Q?", "sol": "1"}\n')
+    with pytest.raises(Reached):  # --answer-field, the flag the missing-answer error names
+        evaluation.main(["--model", math_run, "--eval-data", str(rows), "--answer-field", "sol"])
+    assert one_line_error(lambda: evaluation.main(["--model", train_ckpt, "--answer-field", "sol"])) == \
+        "error: --answer-field is for --task math; this evaluation's task is countdown"
+
+
+def test_eval_draws_progress_bars_only_on_a_terminal(train_ckpt, monkeypatch):
+    seen = []
+    monkeypatch.setattr(evaluation, "compare", lambda *args, **kw: seen.append(kw["progress"]) or reached())
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    with pytest.raises(Reached):  # pytest's stderr is not a terminal: a log file gets no bars
+        evaluation.main(["--model", train_ckpt, "--problems", "1"])
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with pytest.raises(Reached):
+        evaluation.main(["--model", train_ckpt, "--problems", "1"])
+    assert seen == [False, True]
+
+
+def test_show_says_only_what_there_is_about_the_failures():
+    f = dict(rollouts=4, wrong=0, full_cache_wrong_too=0, no_divergence=0, full_cache_wrote={})
+    assert show.failure_line(f) == "none wrong under eviction"
+    f = dict(f, wrong=3, full_cache_wrong_too=2, no_divergence=1)
+    assert show.failure_line(f) == ("3 wrong under eviction, 2 of them also with the full cache; 1 with no differing "
+                                    "token (one completion a prefix of the other)")
+    f = dict(f, wrong=4, no_divergence=0, full_cache_wrote={"a verdict": 2})
+    assert show.failure_line(f) == ("4 wrong under eviction, 2 of them also with the full cache; the rest first leave "
+                                    "its completion at: a verdict 2")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--new-tokens", "0"], "--new-tokens 0 must be at least 1"), (["--batch", "0"], "--batch 0 must be at least 1"),
+    (["--prompt-len", "0"], "--prompt-len 0 must be at least 1"), (["--repeat", "0"], "--repeat 0 must be at least 1"),
+    (["--replay-batch", "-1"], "--replay-batch -1 must be at least 1"), (["--threads", "0"], "--threads 0 must be"),
+    (["--peak-bandwidth", "0"], "--peak-bandwidth 0.0 must be positive"),
+    (["--rate", "0"], "--delta 64 --block 8 --window 5 --rate 0.0: eviction rate ε=0.0 must lie in (0, 1]"),
+    (["--delta", "4"], "--delta 4 --block 8 --window 5 --rate 0.5: eviction cadence δ=4 must be larger"),
+    (["--model", "/no/such/model"], "no config.json in '/no/such/model'")])
+def test_bench_checks_every_flag_before_it_runs(flags, message, monkeypatch):
+    monkeypatch.setattr(bench, "bench", reached)
+    monkeypatch.setattr(bench, "from_pretrained", reached)
+    assert one_line_error(lambda: bench.main(flags)).startswith(f"error: {message}")
+    with pytest.raises(Reached):  # the control: the defaults get to the benchmark
+        bench.main(["--device", "cpu"])
+
+
+def finished_run(train_ckpt, run_dir, *flags):
+    """A finished run in run_dir as train.py leaves it: checkpoint/ngc.json with the settings of
+    `train.py --model train_ckpt FLAGS`, and a log whose last step is the last of --steps."""
+    c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(run_dir), "--overwrite", *flags]))
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
+    (run_dir / "log.jsonl").write_text("".join(json.dumps(dict.fromkeys(STEP_KEYS, 0.0) | {"step": s}) + "\n"
+                                               for s in range(c.steps)))
+
+
+def test_reproduce_reuses_a_run_only_with_the_settings_it_would_train(train_ckpt, tmp_path, monkeypatch):
+    """A finished run trained with other --train-args used to be reported as this command's."""
+    monkeypatch.setattr(reproduce.subprocess, "Popen", reached)  # nothing may train
+    out = tmp_path / "results"
+    run_dir = out / "runs" / "ngc"
+    finished_run(train_ckpt, run_dir, "--seed", "0", "--threads", "7", "--steps", "2", "--lr", "0.5")
+    before = files_under(tmp_path)
+    assert one_line_error(lambda: reproduce.main(["--out", str(out), "--model", train_ckpt,
+                                                  "--train-args=--steps 2"])) == (
+        f"error: {run_dir} holds a run with other settings than this command asks for (lr 0.5 → 0.001); to keep it, "
+        f"give this command another --out; to train it again, delete {run_dir}")
+    assert files_under(tmp_path) == before  # nothing created, nothing lost
+    # the control: the settings it was trained with (threads aside) reuse it, and nothing trains
+    runs = {os.path.join("runs", "ngc"): ["--seed", "0"]}
+    reproduce.check_runs(str(out), train_ckpt, runs, 1, ["--steps", "2", "--lr", "0.5"])
+    reproduce.train_all(str(out), train_ckpt, 1, runs, ["--steps", "2", "--lr", "0.5"])
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("train_args, message", [
+    ("--seed 3", "--train-args cannot set --seed: reproduce.py chooses it for every run"),
+    ("--ou x", "--train-args cannot set --out"), ("--lr x", "--train-args: argument --lr: invalid float value: 'x'"),
+    ("--bogus 1", "--train-args: unrecognized arguments: --bogus 1"), ("--lr -1", "--lr -1.0 must be positive"),
+    ("--task math", "--train-args sets --task math; reproduce.py's studies are Countdown's")])
+def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, monkeypatch, train_args, message):
+    monkeypatch.setattr(reproduce.subprocess, "Popen", reached)
+    assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), "--model", train_ckpt,
+                                                  f"--train-args={train_args}"])).startswith(f"error: {message}")
+    assert list(tmp_path.iterdir()) == []

@@ -88,6 +88,44 @@ def test_make_tiny_refuses_a_restate_it_cannot_write(tmp_path, flags):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps 0 must be at least 1"),  # was an UnboundLocalError after building the model
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1 must be at least 1"),  # was a traceback after training
+    (["--batch", "0"], "--batch 0 must be at least 1"), (["--micro", "0"], "--micro 0 must be at least 1"),
+    (["--threads", "0"], "--threads 0 must be at least 1"), (["--warmup", "-1"], "--warmup -1 must be at least 0"),
+    (["--layers", "0"], "--layers 0 must be at least 1"), (["--ffn", "0"], "--ffn 0 must be at least 1"),
+    (["--n-test", "0"], "--n-test 0 must be at least 1"), (["--train-problems", "0"], "--train-problems 0 must be"),
+    (["--lr", "0"], "--lr 0.0 must be positive"), (["--lr", "nan"], "--lr nan must be positive"),
+    (["--minutes", "-1"], "--minutes -1.0 must be 0"), (["--heads", "3"], "--d 192 --heads 3: the heads must be"),
+    (["--d", "100"], "--d 100 --heads 4: the heads must be"), (["--task", "maths"], "argument --task: invalid choice"),
+    (["--n-test", "501"], "--n-test 501: the tiny difficulty's held-out set (countdown.held_out) has 500 problems"),
+    (["--eval-only", "--out", "/no/such/tiny"], "no config.json in '/no/such/tiny'")])
+def test_make_tiny_checks_every_flag_before_it_builds_anything(tmp_path, monkeypatch, flags, message):
+    monkeypatch.setattr(make_tiny, "init_weights", None)  # nothing may be built
+    monkeypatch.setattr(make_tiny, "report", None)  # nor evaluated
+    with pytest.raises(SystemExit) as err:
+        make_tiny.main(["--out", str(tmp_path / "t"), "--train-problems", "10", "--n-test", "5", *flags])
+    assert isinstance(err.value.code, str) and err.value.code.startswith(f"error: {message}"), err.value.code
+    assert "\n" not in err.value.code and list(tmp_path.iterdir()) == []
+
+
+def test_make_tiny_never_replaces_what_it_did_not_build(tmp_path, monkeypatch):
+    """--out is replaced whole: a directory holding anything but a build's four files, or a file,
+    is refused and kept as it was; a directory of an earlier build passes."""
+    monkeypatch.setattr(make_tiny, "init_weights", None)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("mine too")
+    for out, message in ((tmp_path / "notes", f"--out {tmp_path / 'notes'} holds keep.txt, which a build would delete"),
+                         (tmp_path / "a-file", f"--out {tmp_path / 'a-file'} is a file")):
+        with pytest.raises(SystemExit) as err:
+            make_tiny.main(["--out", str(out), "--steps", "1", "--train-problems", "10", "--n-test", "5"])
+        assert err.value.code.startswith(f"error: {message}") and "\n" not in err.value.code, err.value.code
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine" and (tmp_path / "a-file").read_text() == "mine too"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "keep.txt", "notes"]
+    make_tiny.check_out(TINY_DIR)  # the control: an earlier build (tiny/ itself) may be rebuilt in place
+
+
 @pytest.mark.parametrize("corrupt", [
     lambda t: t.replace("* 16 yes", "* 17 yes"),  # wrong arithmetic at a leaf
     lambda t: t.replace("+ 10 no", "+ 10 yes"),  # wrong verdict

@@ -621,6 +621,17 @@ def test_load_bad_input_fails_with_one_line(tmp_path, rows, kwargs, message):
     assert str(tmp_path) in str(e.value)  # the message names the file
 
 
+def test_load_names_the_file_it_cannot_decode(tmp_path):
+    path = tmp_path / "latin-1.jsonl"
+    path.write_bytes(json.dumps({"problem": "Qué?", "answer": "1"}, ensure_ascii=False).encode("latin-1") + b"\n")
+    with pytest.raises(ValueError) as e:
+        mt.load(str(path))
+    assert str(e.value) == f"{path}: not UTF-8 text (byte 0xe9 cannot be decoded); save it as UTF-8"
+    with pytest.raises(ValueError) as e:  # the missing answer names the flag of train.py and eval.py that fixes it
+        mt.load(_write_jsonl(tmp_path / "q.jsonl", [{"problem": "Q?", "sol": "1"}]))
+    assert str(e.value).endswith("(its fields: problem, sol); name the answer's field with --answer-field")
+
+
 def test_load_wrong_extension_and_parquet_without_pyarrow(tmp_path, monkeypatch):
     (tmp_path / "x.csv").write_text("problem,answer\n")
     with pytest.raises(ValueError, match="expected a .jsonl or .parquet file"):
@@ -709,4 +720,19 @@ def test_demo_cli_writes_the_files_and_refuses_bad_sizes(tmp_path):
     assert len(mt.load(str(tmp_path / "d" / "test.jsonl"))) == 5
     out = cli("--train", "0")
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.splitlines() == ["error: the demo set needs at least one train and one test problem, got 0 and 200"]
+    assert out.stderr.splitlines() == ["error: --train 0 must be at least 1"]
+
+
+def test_the_demo_set_refuses_more_problems_than_its_templates_allow(tmp_path, monkeypatch):
+    """Drawing distinct problems from templates that allow fewer used to loop for ever."""
+    monkeypatch.setattr(mt, "NAMES", ["Tom"])
+    monkeypatch.setattr(mt, "TEMPLATES", [t for t in mt.TEMPLATES if "marbles" in t[0]])  # 121 (a, b), few c
+    train, test = mt.demo_splits(0, 50, 10, patience=2000)  # the control: few enough
+    assert len({p.question for p in train + test}) == 60
+    with pytest.raises(ValueError, match="the demo set has too few distinct problems for 5000 train and 10 held-out"):
+        mt.demo_splits(0, 5000, 10, patience=2000)
+    with pytest.raises(SystemExit) as err:  # its command line: one line naming its flags
+        mt.main(["--make-demo", str(tmp_path / "d"), "--train", "5000", "--test", "10"])
+    assert err.value.code.startswith("error: --train 5000 --test 10: the demo set has too few distinct problems")
+    assert "\n" not in err.value.code
+    assert list(tmp_path.iterdir()) == []  # checked before the folder is made
