@@ -482,6 +482,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
+    p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2, "
+                   "for the CPU's budget; eval.py's default is the run's 4)")
     p.add_argument("--problems", type=int, default=500, help="held-out problems per evaluation (default 500: tiny/'s "
                    "whole held-out set)")
     p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
@@ -491,7 +493,7 @@ def main(argv=None):
     p.add_argument("--diagnose", action="store_true", help="train only the diagnosis runs (seed 0) and write "
                                                             "diag/ under --out")
     args = p.parse_args(argv)
-    for flag in ("jobs", "seeds", "problems"):
+    for flag in ("jobs", "seeds", "problems", "samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             sys.exit(f"error: --{flag} {getattr(args, flag)} must be at least 1")
     extra = args.train_args.split()
@@ -516,9 +518,11 @@ def main(argv=None):
     train_all(args.out, args.model, args.jobs, runs, extra)
     sections = []
 
-    def study(name, title, run, policies, rates, extra=()):
-        rows = over_seeds([r for k in range(args.seeds)
-                           for r in eval_study(args.out, name, run, policies, rates, k, args.problems, extra)])
+    samples = ["--samples", str(args.samples)]
+
+    def study(name, title, run, policies, rates, extra=(), seeds=args.seeds):
+        rows = over_seeds([r for k in range(seeds) for r in eval_study(args.out, name, run, policies, rates, k,
+                                                                        args.problems, [*samples, *extra])])
         sections.append(f"## {title}\n\n{markdown(rows)}\n")
         path = os.path.join(args.out, name)
         write_jsonl(path + ".jsonl", rows)
@@ -534,9 +538,9 @@ def main(argv=None):
                            ["none", "ngc", "oracle"], [0.5])
     studies["greedy"] = study("greedy", "1. Greedy tokens (the second column): NGC on its model", "ngc",
                               ["none", "ngc"], [0.5], ["--samples", "0"])
-    sweep = study("sweep", "2. Stricter ε than training saw: NGC", "ngc", ["ngc"], SWEEP)
-    heuristics = study("sweep-heuristics", "2. Stricter ε: the baselines on the no-evict model", "no-evict",
-                       BASELINES, SWEEP[1:])
+    sweep = study("sweep", "2. Stricter ε than training saw: NGC (seed 0)", "ngc", ["ngc"], SWEEP, seeds=1)
+    heuristics = study("sweep-heuristics", "2. Stricter ε: the baselines on the no-evict model (seed 0)", "no-evict",
+                       BASELINES, SWEEP[1:], seeds=1)
     if have("matplotlib"):  # Figure 3 (right): trained NGC against the baselines, full cache as the line
         evaluation.plot(studies["baselines"][:1] + sweep + heuristics, os.path.join(args.out, "ngc-vs-heuristics.png"))
     studies["sweep"], studies["sweep-baselines"] = sweep, heuristics
@@ -555,7 +559,8 @@ def main(argv=None):
     studies["shifted-ngc"] = study("shifted-ngc", "6. Prompt layouts never used in training (tiny-shifted): NGC",
                                    "ngc", ["none", "ngc"], [0.5], SHIFTED)
     studies["shifted-baselines"] = study("shifted-baselines", "6. The same layouts: the baselines on the no-evict "
-                                         "model", "no-evict", ["none", *BASELINES, "oracle"], [0.5], SHIFTED)
+                                         "model (seed 0)", "no-evict", ["none", *BASELINES, "oracle"], [0.5], SHIFTED,
+                                         seeds=1)
     claims = claims_markdown(studies)
     write_text(os.path.join(args.out, "claims.md"), f"# The paper's Countdown claims on {os.path.relpath(args.model)}"
                f" ({args.seeds} seeds)\n\n{claims}\n")
