@@ -19,7 +19,7 @@ import torch
 import distributed
 from checkpoint import CheckpointError, from_pretrained, load_config
 from cli import parser
-from model import Qwen2, Qwen2Config, init_weights, num_params
+from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
 
@@ -174,7 +174,7 @@ def main(argv=None):
             cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                               num_attention_heads=4, num_key_value_heads=2)
             model = init_weights(Qwen2(cfg)).to(device=device, dtype=dtype)
-        print(f"== {device.type} {str(dtype).removeprefix('torch.')}, {num_params(model) / 1e6:.2f} M params, "
+        print(f"== {device.type} {str(dtype).removeprefix('torch.')}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, "
               f"threads {torch.get_num_threads()}, δ={args.delta} b={args.block} w={args.window} ε={args.rate}")
         bench(model, args, device)
 

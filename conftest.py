@@ -164,8 +164,9 @@ def one_round(c, block, rate, policy, prompt=None):
     how = evaluation.CLI_POLICIES[policy] if isinstance(policy, str) else policy
     e = Eviction(delta=64, block=block, window=q.shape[2], rate=rate, **how)
     prompt = prompt or (kpos[:, :2], torch.tensor([2]))
-    ngc.eviction_round(SimpleNamespace(layers=[layer]), window, torch.tensor([True]), e, torch.tensor([rate]), None,
-                       record, prompt)
+    state = SimpleNamespace(cache=SimpleNamespace(layers=[layer]), window=window, eviction=e, rates=torch.tensor([rate]),
+                            generator=None, record=record, tokens=prompt[0], prompt_lens=prompt[1])
+    ngc.eviction_round(state, torch.tensor([True]))
     kept, _, logps, _ = record.tensors()
     survivors = kept_keys(alive, kept[:, 0, 0], block)  # the rest are gone, the survivors moved to the front
     assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and int(layer.fill) == survivors.sum()

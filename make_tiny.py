@@ -61,7 +61,7 @@ from checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from cli import make_output_dir, parser
 from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
-from model import Qwen2, Qwen2Config, init_weights, num_params
+from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
@@ -381,7 +381,7 @@ def main(argv=None):
 
     tok = build_tokenizer(task.words)
     model = init_weights(Qwen2(tiny_config(tok, args.d, args.layers, args.heads, ffn=args.ffn)), seed=args.seed)
-    print(f"{num_params(model) / 1e6:.2f}M parameters, {len(train)} training / {len(test)} held-out problems")
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} training / {len(test)} held-out problems")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],

@@ -266,10 +266,6 @@ class KVCache:
         return [t for c in self.layers for t in (c.k, c.v, c.pos, c.alive, c.fill)]
 
 
-def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def init_weights(model: Qwen2, std: float = 0.02, seed: int = 0):
     """Random weights for tests and pretraining from scratch (normal(0, std), norms at 1)."""
     g = torch.Generator().manual_seed(seed)

@@ -19,9 +19,10 @@ ordered kept blocks σ of every (round, layer), and the settings it was made wit
 row's ε, temperature, g).
 """
 import math
+from collections import namedtuple
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,15 +48,9 @@ class Eviction:
         check_eviction(self.delta, self.block, self.window, self.rate)
 
 
-class Round(NamedTuple):
-    """What a baseline's score reads besides ψ, keys and alive: the round's rows (N,) at one layer.
-    With greedy=False its block means are Gumbel-top-k logits (all equal: uniformly random blocks)."""
-    rows: torch.Tensor  # (N,) batch rows
-    layer: int
-    key_pos: torch.Tensor  # (N, S) each cache slot's position
-    query_pos: torch.Tensor  # (N, w) positions of the w newest tokens
-    prompts: torch.Tensor  # (N, T) the prompts' tokens, right-padded with 0
-    prompt_lens: torch.Tensor  # (N,)
+# What a baseline's score reads besides ψ, keys and alive: the round's rows (N,), the layer, each slot's position
+# (N, S), the w newest tokens' (N, w), the prompts (N, T, 0-padded) and their lengths (N,).
+Round = namedtuple("Round", "rows layer key_pos query_pos prompts prompt_lens")
 
 
 def check_eviction(delta, block, window, rate):
@@ -324,7 +319,7 @@ def prefill(s: RolloutState):
         logits[n > 0] = feed(n)[n > 0]
         if ev:
             fired = (n > 0) & is_round_end(s.fed - 1, ev.delta)
-            eviction_round(s.cache, s.window, fired, ev, s.rates, s.generator, s.record, (s.tokens, s.prompt_lens))
+            eviction_round(s, fired)
     return logits
 
 
@@ -355,8 +350,7 @@ def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
         logits = s.step(s.model, s.cache, s.window, tok[:, None], s.fed[:, None], active[:, None])
         s.fed += active
         if ev and t % ev.delta in phases:
-            eviction_round(s.cache, s.window, due[t % ev.delta] & active, ev, s.rates, s.generator, s.record,
-                           (s.tokens, s.prompt_lens))
+            eviction_round(s, due[t % ev.delta] & active)
     return new, new_logprobs, n_new, hit_eos
 
 
@@ -381,10 +375,9 @@ def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
                    eviction=s.eviction, rates=s.rates)
 
 
-def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record, prompts=None):
-    """One eviction round at every layer, for the batch rows where fired (B,) is True (paper §4.1–4.3).
-    prompts: (tokens (B, T), lengths (B,)) of the prompts, for a baseline's score."""
-    rows = fired.nonzero().flatten()
+def eviction_round(s: RolloutState, fired):
+    """One eviction round at every layer, for the batch rows where fired (B,) is True (paper §4.1–4.3)."""
+    cache, window, ev, rows = s.cache, s.window, s.eviction, fired.nonzero().flatten()
     if len(rows) == 0:
         return
     assert window.valid[rows].all(), "an eviction round needs w scored queries (δ > w)"
@@ -397,14 +390,14 @@ def eviction_round(cache, window, fired, ev: Eviction, rates, generator, record,
         logits, exists = log_block_logits(psi, alive, ev.block)  # x_j = log s_j, s_j = block mean of ψ (§4.2)
         ranking = logits
         if ev.score is not None:  # a baseline: the plain block mean of its own per-key score (may be < 0)
-            at = Round(rows, layer, kpos, qpos, *(x[rows] for x in prompts)) if prompts else None
+            at = Round(rows, layer, kpos, qpos, s.tokens[rows], s.prompt_lens[rows])
             ranking = torch.where(exists, block_means(ev.score(psi, keys, alive, at), alive, ev.block)[0], MISSING)
-        K = keep_count(exists.sum(1), rates[rows])  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
-        sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)  # σ (N, Kmax), §4.3
+        K = keep_count(exists.sum(1), s.rates[rows])  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
+        sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, s.generator)  # σ (N, Kmax), §4.3
         logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
         c.evict(rows, kept_keys(alive, sigma, ev.block))  # the survivors move to the front, the rest are gone
         sigmas.append(sigma), before.append(alive.sum(1))
-    record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))
+    s.record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))
 
 
 class Recorder:
