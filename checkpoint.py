@@ -133,11 +133,23 @@ def load_errors(e: RuntimeError, shown: int = 3) -> str:
 
 def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32):
     """The model and tokenizer of checkpoint directory `path`; meta_token: with the meta-token g
-    (added if the checkpoint lacks it, see add_meta_token)."""
+    (added if the checkpoint lacks it, see add_meta_token). A tokenizer with ids past the model's
+    vocabulary (another model's) is a CheckpointError."""
     model, tokenizer = from_pretrained(path, dtype=dtype, device=device), load_tokenizer(path)
+    check_vocab(tokenizer, model.config, path)
     if meta_token:
         add_meta_token(model, tokenizer)
     return model, tokenizer
+
+
+def check_vocab(tokenizer, cfg: Qwen2Config, path: str):
+    """A CheckpointError unless every id of the tokenizer (added tokens too) has a row in the
+    model's embedding: config.json's vocab_size (R1's has spare rows past its tokenizer's ids)."""
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= cfg.vocab_size:
+        raise CheckpointError(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
+                              f"{os.path.join(path, 'config.json')} gives the model only vocab_size {cfg.vocab_size} "
+                              f"rows: the tokenizer is another model's; use the tokenizer.json of these weights")
 
 
 def save_pretrained(model: Qwen2, path: str, state: dict | None = None):

@@ -109,7 +109,9 @@ def parity_reward(text, problem):
 
 
 def run_train(ckpt, out, *flags):
-    train.main(["--model", ckpt, "--out", str(out), "--threads", "1", *flags], reward_fn=parity_reward)
+    """train.py on checkpoint ckpt into run directory out (a --resume among flags: continuing the run there)."""
+    where = [] if "--resume" in flags else ["--model", ckpt, "--out", str(out)]
+    train.main([*where, "--threads", "1", *flags], reward_fn=parity_reward)
     return [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
 
 

@@ -138,6 +138,13 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, enc
     return r
 
 
+def eval_line(step, r, rate) -> str:
+    """train.py's line for evaluation r (evaluate's) after `step` updates."""
+    sampled = f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}" if "pass1" in r else ""
+    return (f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={rate:g} {r['acc']:.1%} (greedy "
+            f"tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
+
+
 def before_after(evals, rate, seconds, problems=None) -> str:
     """The table train.py ends with: its first and last evaluation. pass@1 over sampled tokens
     (± 1 SE over problems) where the evaluations have it, greedy tokens beside; evictions greedy top-K."""

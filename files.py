@@ -52,6 +52,18 @@ def swap_in(final: str):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def abandon_swap(final: str):
+    """Undo a swap that failed part way (a full disk): the previous `final` (if any) back in place,
+    `final`.tmp deleted. Best effort: what it cannot undo, recover_swap puts right later."""
+    tmp, old = final + ".tmp", final + ".old"
+    try:
+        if not os.path.exists(final) and os.path.exists(old):
+            os.replace(old, final)
+    except OSError:
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def recover_swap(final: str):
     """Finish or undo a swap that a crash interrupted, leaving `final` (if any) and nothing else."""
     tmp, old = final + ".tmp", final + ".old"

@@ -7,6 +7,10 @@ optimizer step and one per held-out evaluation. SIGINT and SIGTERM stop the run 
 update and the next, never between an update and its record, so a resume continues with
 exactly the steps an uninterrupted run would have taken.
 
+One process at a time trains in a run directory: it holds an exclusive lock (flock) on the file
+`lock` there, which names its process id; the lock ends with the process, so a killed run leaves
+nothing stuck, and a second run on the same directory stops with one line before writing.
+
 The training loop runs inside guard(): a signal, a diverging run or a failed save ends it in
 RunStopped, carrying the one line and the exit code the script ends with (cli.exits).
 """
@@ -16,6 +20,7 @@ import math
 import os
 import shutil
 import signal
+import time
 
 import torch
 from tqdm import tqdm
@@ -23,17 +28,109 @@ from tqdm import tqdm
 import distributed
 from checkpoint import CheckpointError, save_pretrained, save_tokenizer
 from cli import Exit
-from files import recover_swap, swap_in, write_json, write_jsonl
+from files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
+
+try:
+    import fcntl
+except ImportError:  # Windows: no run directory lock
+    fcntl = None
 
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
+LOCK = "lock"  # held by the process that trains in the directory; not a file of the run (--overwrite keeps it)
+
+
+# ---------------------------------------------------------------------------------------
+# One process at a time: the lock
+
+
+_held = {}  # run directory (real path) -> the open file that holds its lock, for the process's life
+
+
+def holder(out: str) -> int | None:
+    """The id of the live process that holds out's lock, as it wrote it there (None: unknown).
+    It writes it just after taking the lock, so a run that meets the lock at that instant waits
+    for it a moment."""
+    for _ in range(100):
+        try:
+            with open(os.path.join(out, LOCK)) as f:
+                text = f.read().strip()
+        except OSError:
+            return None
+        if text.isdigit():
+            try:
+                os.kill(int(text), 0)  # alive? (a killed run's id stays in the file until the next run's)
+                return int(text)
+            except PermissionError:  # alive, another user's
+                return int(text)
+            except OSError:
+                pass
+        time.sleep(0.01)
+    return None
+
+
+def in_use(out: str) -> str:
+    """The one line for a run directory whose lock another process holds."""
+    pid = holder(out)
+    who = "another process" if pid is None else f"process {pid}"
+    return (f"{out} is in use: {who} is training there (it holds {os.path.join(out, LOCK)}); wait for it to end "
+            f"or stop it, or choose another --out")
+
+
+def check_free(out: str):
+    """A ValueError (in_use) if another process holds out's lock. Writes nothing: a probe with a
+    shared lock, let go at once."""
+    path = os.path.join(out, LOCK)
+    if fcntl is None or os.path.realpath(out) in _held or not os.path.isfile(path):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(in_use(out)) from None
+    finally:
+        os.close(fd)
+
+
+def hold(out: str):
+    """Take out's lock for the rest of this process (until release), writing this process's id
+    into it; a ValueError (in_use) if another process holds it."""
+    key = os.path.realpath(out)
+    if fcntl is None or key in _held:
+        return
+    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(in_use(out)) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held[key] = fd
+
+
+def release(out: str):
+    """Let go of out's lock (the end of the process does too)."""
+    fd = _held.pop(os.path.realpath(out), None)
+    if fd is not None:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------
+# The run directory
 
 
 def check_run_dir(out: str, resume: bool, overwrite: bool):
-    """A new run never writes into a directory that holds another run, unless --overwrite; a run
-    directory that cannot be created or written is a one-line error before anything starts."""
+    """A new run never writes into a directory that holds another run, unless --overwrite, nor
+    into one where another process trains; a run directory that cannot be created or written is
+    a one-line error before anything starts."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; the run directory must be a directory")
-    if not resume and os.path.isdir(out) and os.listdir(out) and not overwrite:
+    if os.path.isdir(out):
+        check_free(out)
+    if not resume and os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not overwrite:
         raise ValueError(f"{out} already holds a run; continue it with --resume {out}, choose another --out, "
                          f"or pass --overwrite to start afresh there")
     parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
@@ -43,17 +140,29 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
         raise ValueError(f"cannot create or write the run directory {out}: {parent} is not a writable directory")
 
 
-def prepare(out: str, overwrite: bool, step: int, saved_settings: dict | None, settings: dict) -> list[dict]:
-    """Create the run directory (with --overwrite, remove the earlier run's files first) and keep
-    the log records of the steps before `step`; they are returned. A resume (saved_settings: the
-    run's own) prints the settings it changes. A log line that is not JSON raises CheckpointError."""
-    if overwrite:
-        for name in RUN_FILES:
-            path = os.path.join(out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-    os.makedirs(out, exist_ok=True)
-    kept = keep_log_before(os.path.join(out, "log.jsonl"), step)
-    changed = changed_settings(saved_settings or {}, settings)
+def prepare(out: str, overwrite: bool, state: dict | None, settings: dict) -> list[dict]:
+    """Create the run directory and take its lock (the first writes of a run), with --overwrite
+    remove the earlier run's files, and keep the log records of the steps before the resumed
+    checkpoint's; they are returned. A resume (state: load_trainer_state's) prints the settings
+    (settings: what train.py runs with now) it changes. A ValueError if the directory cannot be
+    created or another process holds it; CheckpointError for a log line that is not JSON."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the run directory {out} ({e.strerror}); choose another --out") from None
+    hold(out)
+    try:
+        check_run_dir(out, state is not None, overwrite)  # again, now that no other run can start here
+        if overwrite:
+            for name in RUN_FILES:
+                path = os.path.join(out, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        step = state["step"] if state else 0
+        kept = keep_log_before(os.path.join(out, "log.jsonl"), step)
+    except BaseException:
+        release(out)
+        raise
+    changed = changed_settings({**state["session"], **state["config"]} if state else {}, settings)
     if changed:
         tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
     return kept
@@ -75,10 +184,18 @@ class Diverged(Exception):
     """A non-finite loss, gradient or weight: the run stops and no checkpoint holds it."""
 
 
-def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict):
+class SaveFailed(Exception):
+    """A checkpoint that could not be written, whatever raised (OSError, safetensors'
+    SafetensorError, torch.save's RuntimeError on a full disk); the previous one is in place and
+    the temporary one is gone. The message names the file and the cause."""
+
+
+def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict, session: dict | None = None):
     """Write checkpoint/ for the state after `step` optimizer steps, by a swap. Every process
     calls this (FSDP gathers the shards); the first one writes. Weights that are not finite are
-    never written (Diverged), so the checkpoint on disk stays the last finite one."""
+    never written (Diverged), so the checkpoint on disk stays the last finite one. settings go to
+    ngc.json and trainer.pt, session (the machine settings: device, dtype, ...) to trainer.pt.
+    A failed write raises SaveFailed, the previous checkpoint kept and checkpoint.tmp/ removed."""
     model_state, opt_state = distributed.full_state(model, opt)
     if distributed.rank_and_world()[0] != 0:
         return
@@ -86,12 +203,24 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
         raise Diverged(f"the weights after step {step} are not finite")
     final = os.path.join(run_dir, "checkpoint")
     tmp = final + ".tmp"
-    recover_swap(final)
-    save_pretrained(model, tmp, model_state)
-    save_tokenizer(tokenizer, tmp, model.config, source_dir)
-    write_json(os.path.join(tmp, "ngc.json"), settings)
-    torch.save({"step": step, "optimizer": opt_state, "config": settings}, os.path.join(tmp, "trainer.pt"))
-    swap_in(final)
+    trainer = {"step": step, "optimizer": opt_state, "config": settings, "session": session or {}}
+    writes = [("the earlier save's leftovers", lambda: recover_swap(final)),
+              ("config.json and model.safetensors", lambda: save_pretrained(model, tmp, model_state)),
+              ("the tokenizer files", lambda: save_tokenizer(tokenizer, tmp, model.config, source_dir)),
+              ("ngc.json", lambda: write_json(os.path.join(tmp, "ngc.json"), settings)),
+              ("trainer.pt", lambda: torch.save(trainer, os.path.join(tmp, "trainer.pt"))),
+              ("the swap into checkpoint/", lambda: swap_in(final))]
+    for what, write in writes:
+        try:
+            write()
+        except Exception as e:  # a kill (no handler runs) leaves what recover_swap puts right
+            abandon_swap(final)
+            if isinstance(e, Interrupted):
+                raise
+            cause = (str(e).strip().splitlines() or [""])[0][:200]
+            free = shutil.disk_usage(run_dir).free / 2 ** 20 if os.path.isdir(run_dir) else None
+            raise SaveFailed(f"could not save step {step}: writing {what} in {tmp} failed ({type(e).__name__}: "
+                             f"{cause})" + ("" if free is None else f"; {free:.0f} MiB free on that disk")) from e
 
 
 def load_trainer_state(run_dir) -> dict:
@@ -103,14 +232,15 @@ def load_trainer_state(run_dir) -> dict:
         raise CheckpointError(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt")
     try:
         state = torch.load(path, weights_only=False)
-        return {k: state[k] for k in ("step", "optimizer", "config")}
+        return {**{k: state[k] for k in ("step", "optimizer", "config")}, "session": state.get("session", {})}
     except Exception as e:  # a truncated or foreign file
         raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                               f"it is not a trainer state this code wrote")
 
 
 def changed_settings(saved: dict, now: dict) -> list[str]:
-    """'name old → new' for each setting a resume changes."""
+    """'name old → new' for each setting a resume changes (of those the run recorded: a trainer.pt
+    written before the session settings were recorded has none of those)."""
     return [f"{k} {saved[k]} → {now[k]}" for k in saved if k in now and now[k] != saved[k]]
 
 
@@ -214,12 +344,23 @@ class Run:
         self.write(self.step)
         self.saved = self.step
 
-    def try_save(self):
-        """A periodic save that fails (disk full, ...) keeps the previous checkpoint and training goes on."""
+    def kept(self) -> str:
+        return (f"the checkpoint of step {self.saved} is kept in {self.out}/checkpoint" if self.saved is not None
+                else "no checkpoint was written")
+
+    def go_on(self) -> str:
+        return f"continue with --resume {self.out}" if self.saved is not None else "start again with --overwrite"
+
+    def try_save(self) -> bool:
+        """A periodic save (signals held: a save is never cut short) that fails (SaveFailed: a
+        full disk, ...) keeps the previous checkpoint, says so in one line, and training goes on."""
         try:
-            self.save()
-        except OSError as e:
-            tqdm.write(f"warning: could not save step {self.step} ({e}); the previous checkpoint is kept")
+            with signals_held():
+                self.save()
+            return True
+        except SaveFailed as e:
+            tqdm.write(f"warning: {e}; {self.kept()}; training goes on")
+            return False
 
 
 def check_finite(values: dict):
@@ -233,8 +374,9 @@ def check_finite(values: dict):
 def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
     """The training loop of `run` runs inside; what stops it ends in RunStopped. SIGINT/SIGTERM
     (Interrupted): the state after run.step steps is saved (not under --fsdp) and the exit code is
-    128 + signum. Diverged, and an OSError of a save: a one-line error (exit code 1) that says
-    which checkpoint is kept. say prints (the first process's tqdm.write)."""
+    128 + signum. Diverged, a failed save (SaveFailed) or write (OSError): a one-line error (exit
+    code 1) that says which checkpoint is kept. say prints (the first process's tqdm.write). The
+    run directory's lock is let go when the block ends."""
     with stop_on_signals():
         try:
             yield run
@@ -242,13 +384,21 @@ def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
             if fsdp:  # saving is a collective, and the processes may be inside different ones now
                 say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
                 raise RunStopped(128 + e.signum)
-            with signals_held():
-                run.try_save()
-            say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}")
+            try:
+                saved = run.try_save()
+            except Diverged as d:  # weights that are not finite are never saved
+                say(f"\n{e}: step {run.step} is not saved ({d}); {run.kept()}")
+                raise RunStopped(128 + e.signum)
+            if saved:
+                say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}")
+            else:
+                say(f"\n{e}: step {run.step} is not saved; {run.kept()}")
             raise RunStopped(128 + e.signum)
         except Diverged as e:
-            kept = f"the checkpoint of step {run.saved} is kept" if run.saved is not None else "no checkpoint was written"
-            raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {kept} in {run.out}; "
-                             f"lower --lr (now {lr:g})")
-        except OSError as e:
-            raise RunStopped(f"error: could not save the checkpoint in {run.out} ({e}); the previous one, if any, is kept")
+            raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})")
+        except SaveFailed as e:
+            raise RunStopped(f"error: {e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}")
+        except OSError as e:  # the log
+            raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
+        finally:
+            release(run.out)

@@ -2,8 +2,9 @@
 
 From this one definition come the per-task recipes (the defaults are the paper's Countdown
 recipe; MATH replaces a few), train.py's flags and their --help, the checks of a run's values,
-and what a run saves (ngc.json and trainer.pt keep the settings marked saved). Adding a setting
-is one line here plus the code that reads it.
+and what a run saves (ngc.json and trainer.pt keep the settings marked saved; trainer.pt also
+records the machine settings of the session that saved it, SESSION, so that a resume can say
+when it changes them). Adding a setting is one line here plus the code that reads it.
 
 A run's values are the task's recipe, replaced by the checkpoint's ngc.json where it has one (the
 tiny models' do), replaced in turn by any command-line flag (train.resolve).
@@ -133,6 +134,7 @@ class Settings:
 
 
 SAVED = [f.name for f in fields(Settings) if f.metadata["saved"]]
+SESSION = ["device", "dtype", "compile", "fsdp"]  # not saved (a resume may run elsewhere), but recorded
 LISTS = [f.name for f in fields(Settings) if isinstance(f.default, tuple)]
 
 COUNTDOWN = Settings()  # the paper's Countdown settings (§5.2, Table 1), for large models
@@ -196,11 +198,27 @@ def trained_task(model_dir: str) -> str | None:
     return read_ngc_json(model_dir).get("task")
 
 
+def session(c: Settings) -> dict:
+    """The machine settings of this session (trainer.pt records them)."""
+    return {k: getattr(c, k) for k in SESSION}
+
+
+def recorded(c: Settings) -> dict:
+    """What a run's trainer.pt records of settings c: saved(c) and session(c); a resume reports
+    the differences."""
+    return {**session(c), **saved(c)}
+
+
 def run_defaults(model_dir: str, task: str | None = None) -> Settings:
     """The paper's recipe for the task, replaced by the checkpoint's ngc.json where it has one.
-    The task is `task`, else the one ngc.json names, else Countdown."""
+    The task is `task`, else the one ngc.json names, else Countdown. An ngc.json that names
+    another task than `task` is a CheckpointError: its settings are that task's recipe."""
     path = os.path.join(model_dir, "ngc.json")
     extra = read_ngc_json(model_dir)
+    if task and extra.get("task", task) != task:
+        raise CheckpointError(f"{path} is the settings of a {extra['task']} run; --task {task} cannot use them: train "
+                              f"it with --task {extra['task']}, or copy the directory without ngc.json to start a "
+                              f"{task} run from its weights")
     task = task or extra.get("task") or "countdown"
     try:
         return from_dict({**extra, "task": task, "model": model_dir}, RECIPES[task])

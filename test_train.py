@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
+import checkpoint
 import eval as evaluation
+import files
 import rundir
 import settings
 import tasks
@@ -23,6 +26,8 @@ import train
 
 from checkpoint import META_TOKEN, add_meta_token, from_pretrained, load_tokenizer
 from ngc import rollout
+from tokenizers import Tokenizer, models
+
 from conftest import SIGNAL_RUN, STEP_KEYS, TRAIN_DEFAULTS, parity_reward, run_train, save_small_checkpoint, wait_for_log_lines
 
 
@@ -67,12 +72,24 @@ def test_token_only_and_mem_only_follow_one_term_each_of_ngc(train_ckpt, tmp_pat
 
 
 def test_resume_continues_exactly(train_ckpt, tmp_path):
-    straight = run_train(train_ckpt, tmp_path / "a", "--steps", "2")
+    """A run stopped after step 1 and resumed (on the thread count it saved: no --threads given)
+    ends bit for bit where the uninterrupted run does: weights and optimizer state."""
+    straight = run_train(train_ckpt, tmp_path / "a", "--steps", "2")  # (run_train: --threads 1)
     run_train(train_ckpt, tmp_path / "b", "--steps", "1")
-    resumed = run_train(train_ckpt, tmp_path / "b", "--steps", "2", "--resume", str(tmp_path / "b"))
+    torch.set_num_threads(2)
+    try:
+        train.main(["--resume", str(tmp_path / "b"), "--steps", "2"], reward_fn=parity_reward)
+        assert torch.get_num_threads() == 1  # the run's own
+    finally:
+        torch.set_num_threads(1)
+    resumed = rundir.read_log(str(tmp_path / "b" / "log.jsonl"))
     assert [r["step"] for r in resumed] == [0, 1]
     for key in ("reward", "L_token", "L_mem", "grad_norm", "response_len"):
-        assert abs(straight[1][key] - resumed[1][key]) < 1e-6, key
+        assert straight[1][key] == resumed[1][key], key
+    a, b = (from_pretrained(str(tmp_path / run / "checkpoint")).state_dict() for run in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    opt_a, opt_b = (rundir.load_trainer_state(str(tmp_path / run))["optimizer"]["state"] for run in "ab")
+    assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
     # Negative control: a different seed gives a different second step.
     other = run_train(train_ckpt, tmp_path / "c", "--steps", "2", "--seed", "5")
     assert abs(other[1]["L_token"] - straight[1]["L_token"]) > 1e-6
@@ -116,7 +133,7 @@ def test_a_kill_at_any_point_of_the_checkpoint_swap_leaves_a_checkpoint(train_ck
     """Kill the save before each rename (file or directory) it makes and before it deletes the old
     copy: resume then finds a complete checkpoint (the old step or the new one), and the next save
     works and leaves nothing behind."""
-    class Killed(Exception):
+    class Killed(BaseException):  # not an Exception: a kill runs no handler (a failed save's cleanup neither)
         pass
 
     real_replace, calls = os.replace, []
@@ -156,21 +173,75 @@ def test_a_kill_at_any_point_of_the_checkpoint_swap_leaves_a_checkpoint(train_ck
         assert rundir.load_trainer_state(str(run))["step"] == 3 and sorted(p.name for p in run.iterdir()) == ["checkpoint"]
 
 
-def test_a_failed_save_keeps_the_previous_checkpoint(train_ckpt, tmp_path, monkeypatch):
-    real, calls = rundir.save_pretrained, []
+# What each writer raises on a full disk (ENOSPC; EFBIG under a file size limit alike): none is an OSError
+FULL_DISK = {"safetensors": lambda: SafetensorError("Error while serializing: I/O error: No space left on device "
+                                                    "(os error 28)"),
+             "torch.save": lambda: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+             "json": lambda: OSError(28, "No space left on device")}
 
-    def full_disk(model, path, state=None):
-        calls.append(path)
-        if len(calls) > 1:
-            raise OSError(28, "No space left on device")
-        real(model, path, state)
 
-    monkeypatch.setattr(rundir, "save_pretrained", full_disk)
-    with pytest.raises(SystemExit) as err:  # step 1 saves, the final save at step 2 fails
-        run_train(train_ckpt, tmp_path, "--steps", "2", "--save-every", "1")
-    assert "could not save" in str(err.value) and "No space left" in str(err.value) and "\n" not in str(err.value)
+@pytest.mark.parametrize("writer", list(FULL_DISK))
+def test_a_failed_save_keeps_the_previous_checkpoint_and_a_periodic_one_lets_training_go_on(
+        train_ckpt, tmp_path, monkeypatch, capsys, writer):
+    """Step 1 saves; from then on the disk is full for one writer. The periodic save of step 2
+    fails: one warning line, the checkpoint of step 1 kept, checkpoint.tmp/ gone, training goes
+    on; the final save (step 3) fails: one error line, exit status 1, the same checkpoint kept.
+    A resume once there is room continues from step 1."""
+    real = {"safetensors": checkpoint.save_file, "torch.save": torch.save, "json": files.write_text}
+    name = {"safetensors": (checkpoint, "save_file"), "torch.save": (torch, "save"), "json": (files, "write_text")}
+
+    def full(*args, **kwargs):  # a checkpoint's file, once the first checkpoint is in place
+        if "checkpoint.tmp" in str(args[1 if writer != "json" else 0]) and (tmp_path / "checkpoint").exists():
+            raise FULL_DISK[writer]()
+        return real[writer](*args, **kwargs)
+
+    monkeypatch.setattr(*name[writer], full)
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path, "--steps", "3", "--save-every", "1")
+    monkeypatch.undo()
+    out, message = capsys.readouterr().out, str(err.value)
+    warning = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and warning[0].startswith("warning: could not save step 2: writing ")
+    assert "the checkpoint of step 1 is kept" in warning[0] and warning[0].endswith("training goes on")
+    assert message.startswith("error: could not save step 3: writing ") and "\n" not in message
+    assert f"the checkpoint of step 1 is kept in {tmp_path}/checkpoint" in message
+    assert f"continue with --resume {tmp_path}" in message and FULL_DISK[writer]().__class__.__name__ in message
     assert rundir.load_trainer_state(str(tmp_path))["step"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "log.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "lock", "log.jsonl"]
+    assert [r["step"] for r in rundir.read_log(str(tmp_path / "log.jsonl"))] == [0, 1, 2]  # training went on
+    log = run_train(train_ckpt, tmp_path, "--resume", str(tmp_path), "--steps", "3")
+    assert [r["step"] for r in log] == [0, 1, 2] and rundir.load_trainer_state(str(tmp_path))["step"] == 3
+
+
+FULL_DISK_RUN = ("import resource, signal, sys, train; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                 "limit = int(sys.argv.pop(1)); resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); " + SIGNAL_RUN)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="file size limits are POSIX")
+@pytest.mark.parametrize("fails", ["model.safetensors", "trainer.pt"])
+def test_a_save_past_a_real_file_size_limit_keeps_the_previous_checkpoint(train_ckpt, tmp_path, fails):
+    """A real write failure (EFBIG under RLIMIT_FSIZE, what a full disk does to each writer):
+    safetensors' or torch.save's own error. The resumed run trains on past the failed periodic
+    save, then exits 1 with one line at the final save; nothing half-written is left."""
+    run_train(train_ckpt, tmp_path, "--steps", "1")
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint").iterdir()}
+    small = max(v for k, v in sizes.items() if k not in ("model.safetensors", "trainer.pt"))
+    assert small < sizes["model.safetensors"] < sizes["trainer.pt"]
+    limit = (max(small, sizes["model.safetensors"] // 2) if fails == "model.safetensors"
+             else (sizes["model.safetensors"] + sizes["trainer.pt"]) // 2)
+    before = run_dir_state(tmp_path / "checkpoint")
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_RUN, str(limit), "--resume", str(tmp_path),
+                           "--steps", "3", "--save-every", "1", "--threads", "1"],
+                          cwd=os.path.dirname(train.__file__), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    error = proc.stderr.strip()
+    assert error.startswith("error: could not save step 3: writing ") and "\n" not in error, out
+    assert {"model.safetensors": "SafetensorError", "trainer.pt": "RuntimeError"}[fails] in error
+    assert f"the checkpoint of step 1 is kept in {tmp_path}/checkpoint" in error
+    assert "warning: could not save step 2" in proc.stdout and "step 3/3" in proc.stdout
+    assert run_dir_state(tmp_path / "checkpoint") == before  # the checkpoint of step 1, byte for byte
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "lock", "log.jsonl"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,6 +268,41 @@ def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckp
     for a, b in zip(resumed, straight):
         for key in ("reward", "L_token", "L_mem", "response_len"):
             assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+
+
+def test_two_runs_on_one_run_directory_one_trains_the_other_stops_in_one_line(train_ckpt, tmp_path):
+    """Two runs started at the same instant on one --out: one trains, the other exits 1 with one
+    line naming the process that holds the directory, having written nothing (each step is logged
+    once). A new run or a --resume there meanwhile is refused alike, before it touches anything.
+    The winner killed with SIGKILL leaves no stuck lock: --resume then continues."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run), "--threads", "1",
+           "--steps", "200", "--save-every", "1"]
+    procs = [subprocess.Popen(cmd, cwd=os.path.dirname(train.__file__), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        wait_for_log_lines(run / "log.jsonl", 3, timeout=120)
+        winner = next(p for p in procs if f"{p.pid}\n" == (run / "lock").read_text())  # it wrote its id there
+        loser = procs[1 - procs.index(winner)]
+        out, err = loser.communicate(timeout=120)
+        assert loser.returncode == 1 and winner.poll() is None, out + err
+        assert err.strip() == (f"error: {run} is in use: process {winner.pid} is training there (it holds {run}/lock); "
+                               f"wait for it to end or stop it, or choose another --out"), out + err
+        assert "Traceback" not in out + err and "NGC on" not in out  # stopped before its banner
+        for argv in (["--resume", str(run)], ["--model", train_ckpt, "--out", str(run)]):
+            with pytest.raises(SystemExit) as stopped:
+                train.main(argv + ["--threads", "1"])
+            assert str(stopped.value) == err.strip()
+        wait_for_log_lines(run / "log.jsonl", 5, timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    steps = [r["step"] for r in rundir.read_log(str(run / "log.jsonl"))]
+    assert steps == list(range(len(steps))) and len(steps) >= 5  # every step once
+    saved = rundir.load_trainer_state(str(run))["step"]
+    log = run_train(train_ckpt, run, "--resume", str(run), "--steps", str(saved + 1))
+    assert [r["step"] for r in log] == list(range(saved + 1))
 
 
 def test_resume_drops_a_cut_last_log_line_and_refuses_a_bad_middle_one(train_ckpt, tmp_path, capsys):
@@ -258,7 +364,9 @@ BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
              ("tokenizer.json", "{not json", "not a readable tokenizer"),
              ("config.json", "{not json", "config.json is not valid JSON"),
              ("config.json", '{"model_type": "qwen2", "vocab_size": 96}', "config.json lacks hidden_size"),
-             ("ngc.json", "[1, 2", "ngc.json is not valid JSON")]
+             ("ngc.json", "[1, 2", "ngc.json is not valid JSON"),
+             ("tokenizer.json", Tokenizer(models.WordLevel({f"w{i}": i for i in range(120)}, unk_token="w0")).to_str(),
+              "tokenizer.json has token ids up to 119, but")]  # another model's: more ids than rows
 
 
 @pytest.mark.parametrize("flags, message", BAD_TRAIN_FLAGS, ids=[" ".join(f) for f, _ in BAD_TRAIN_FLAGS])
@@ -270,7 +378,7 @@ def test_bad_training_flags_fail_with_one_line_and_create_nothing(train_ckpt, tm
     assert not out.exists()
 
 
-@pytest.mark.parametrize("file, how, message", BAD_FILES, ids=[f"{f} {h[:9]}" for f, h, _ in BAD_FILES])
+@pytest.mark.parametrize("file, how, message", BAD_FILES, ids=[f"{f} {h[:9]}".replace("/", "") for f, h, _ in BAD_FILES])
 def test_broken_checkpoint_files_fail_with_one_line_and_create_nothing(train_ckpt, tmp_path, file, how, message):
     model, out = tmp_path / "model", tmp_path / "run"
     shutil.copytree(train_ckpt, model)
@@ -287,10 +395,13 @@ def test_bad_resume_and_run_dirs_fail_with_one_line(train_ckpt, tmp_path, monkey
     a_file.write_text("x")
     run_train(train_ckpt, tmp_path / "run", "--steps", "1")
     break_file(tmp_path / "run" / "checkpoint" / "trainer.pt", "truncated")
-    for argv, message in [(["--model", train_ckpt, "--out", str(a_file)], "is a file"),
-                          (["--resume", str(tmp_path / "none")], "nothing to resume"),
-                          (["--resume", str(tmp_path / "run")], "trainer.pt is unreadable"),
-                          (["--model", str(tmp_path / "none")], "no config.json")]:
+    cases = [(["--model", train_ckpt, "--out", str(a_file)], "is a file"),
+             (["--resume", str(tmp_path / "none")], "nothing to resume"),
+             (["--resume", str(tmp_path / "run")], "trainer.pt is unreadable"),
+             (["--model", str(tmp_path / "none")], "no config.json")]
+    if os.path.isdir("/proc/self"):  # a directory no one can create (as root, os.makedirs is what refuses)
+        cases.append((["--model", train_ckpt, "--out", "/proc/ngc-run"], "run directory /proc/ngc-run"))
+    for argv, message in cases:
         with pytest.raises(SystemExit) as err:
             train.main(argv)
         assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
@@ -349,6 +460,15 @@ def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monke
     step = [r for r in log if "eval" not in r][0]
     assert isinstance(calls[0], mt.Problem) and step["L_mem"] is not None
     assert json.loads((tmp_path / "run" / "checkpoint" / "ngc.json").read_text())["task"] == "math"
+    for task in ("countdown", None):  # the math run's checkpoint, for Countdown: refused; with no --task it is math
+        argv = ["--model", str(tmp_path / "run" / "checkpoint"), "--out", str(tmp_path / "cd"), "--eval-every", "0"]
+        with pytest.raises(SystemExit) as err:
+            train.main(argv + (["--task", task] if task else ["--data", "/no/such.jsonl"]))
+        message = str(err.value)
+        assert "\n" not in message and not (tmp_path / "cd").exists()
+        assert message == (f"error: {tmp_path}/run/checkpoint/ngc.json is the settings of a math run; --task countdown "
+                           f"cannot use them: train it with --task math, or copy the directory without ngc.json to "
+                           f"start a countdown run from its weights" if task else "error: no such file: /no/such.jsonl")
     monkeypatch.setattr(evaluation, "rollout", counting_rollout(seen := []))
     evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
              "--out", str(tmp_path / "math.jsonl")])
@@ -380,6 +500,40 @@ def test_bad_math_flags_fail_with_one_line(train_ckpt, tmp_path, flags, message)
     with pytest.raises(SystemExit) as err:
         train.main(["--model", train_ckpt, "--out", str(tmp_path / "run"), *flags])
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+
+
+def break_data(good, bad, how):
+    """bad: the demo file good made empty, not UTF-8 (Latin-1 text), or with a row without its answer."""
+    text = good.read_bytes()
+    if how == "empty":
+        bad.write_bytes(b"")
+    elif how == "not UTF-8":
+        bad.write_bytes(text.replace(b"marbles", "marbl\u00e9s".encode("latin-1"), 1))
+    else:
+        rows = [json.loads(line) for line in text.splitlines()]
+        del rows[1]["reward_model"]
+        bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("flag, how, says", [("--data", "empty", ""), ("--data", "not UTF-8", "UTF-8"),
+                                             ("--eval-data", "no answer", "answer")])
+def test_a_bad_math_data_file_fails_in_one_line_before_the_run_directory_is_made(train_ckpt, tmp_path, flag, how, says):
+    """The data files are read and checked before --out is created: the error names the file, and
+    the corrected command then runs in the same --out (no half-made run stands in its way)."""
+    mt.make_demo(tmp_path / "data", n_train=8, n_test=3)
+    files = {"--data": tmp_path / "data" / "train.jsonl", "--eval-data": tmp_path / "data" / "test.jsonl"}
+    bad = tmp_path / "bad.jsonl"
+    break_data(files[flag], bad, how)
+    run = tmp_path / "run"
+    argv = lambda data: ["--task", "math", "--steps", "1", "--eval-every", "1",
+                         *(a for f, path in files.items() for a in (f, str(data if f == flag else path)))]
+    with pytest.raises(SystemExit) as err:
+        run_train_task(train_ckpt, run, *argv(bad))
+    message = str(err.value)
+    assert message.startswith(f"error: {bad}") and says in message and "\n" not in message, message
+    assert not run.exists()
+    log = run_train_task(train_ckpt, run, *argv(files[flag]))  # the corrected command
+    assert [r["step"] for r in log if "eval" not in r] == [0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -458,3 +612,62 @@ def test_a_resume_with_other_settings_says_which(train_ckpt, tmp_path, capsys):
     assert "note: resuming at step 1 with changed settings: steps 1 → 2, lr 0.001 → 0.002" in out
     train.main(["--resume", str(tmp_path), "--threads", "1"], reward_fn=parity_reward)  # the control: no change
     assert "changed settings" not in capsys.readouterr().out
+
+
+# A value other than the run's for each setting a resume may change (train_ckpt's run, --steps 1):
+# flags and the settings each changes. The rest are derived in test_a_resume_... below.
+RESUME_CHANGES = {"blind_tag": (["--blind-tag", "--interoception"], ["interoception", "blind_tag"]),
+                  "weight_decay": (["--weight-decay", "0.1"], ["weight_decay"]),
+                  "data": (["--data", "x.jsonl"], ["data"]), "eval_data": (["--eval-data", "x.jsonl"], ["eval_data"]),
+                  "question_field": (["--question-field", "q"], ["question_field"]),
+                  "answer_field": (["--answer-field", "a"], ["answer_field"]),
+                  "retention": (["--retention", "0.8,0.4"], ["retention"]),
+                  "interoception_rates": (["--interoception-rates", "0.3,0.6"], ["interoception_rates"]),
+                  "eviction_rate": (["--eviction-rate", "0.3"], ["eviction_rate"]),
+                  "eval_rate": (["--eval-rate", "0.3"], ["eval_rate"]), "data_seed": (["--data-seed", "7"], ["data_seed"]),
+                  "dtype": (["--dtype", "bf16"], ["dtype"]), "compile": (["--compile"], ["compile"])}
+
+
+def other_value(f, value):
+    """Flags that set setting f to a valid value other than `value`."""
+    flag = f"--{f.name.replace('_', '-')}"
+    if isinstance(f.default, bool):
+        return [flag if not value else f"--no-{flag[2:]}"]
+    if "choices" in f.metadata["flag"]:
+        return [flag, next(c for c in f.metadata["flag"]["choices"] if c != value)]
+    return [flag, str(value + 1 if isinstance(value, int) else value / 2)]
+
+
+def test_a_resume_refuses_what_cannot_change_and_reports_every_change(train_ckpt, tmp_path):
+    """--model, --task and --overwrite cannot change a run: with --resume they are refused in one
+    line, before anything is touched. Every other flag that gives a setting another value than the
+    run's is reported (the note rundir.prepare prints), and only that setting; a machine setting
+    (device, dtype) that differs from the run's last session is reported although no flag set it."""
+    run_train(train_ckpt, tmp_path, "--steps", "1")
+    before = run_dir_state(tmp_path)
+    for flags, dropped in [(["--model", train_ckpt], f"--model {train_ckpt}"), (["--task", "countdown"], "--task countdown"),
+                           (["--overwrite"], "--overwrite"), (["--task", "math", "--overwrite"], "--overwrite, --task math")]:
+        with pytest.raises(SystemExit) as err:
+            train.main(["--resume", str(tmp_path), *flags])
+        assert str(err.value) == (f"error: --resume {tmp_path} continues that run with its own model and task; drop "
+                                  f"{dropped} (to start a new run, give --out instead of --resume)")
+        assert run_dir_state(tmp_path) == before
+    state = rundir.load_trainer_state(str(tmp_path))
+    saved = {**state["session"], **state["config"]}
+    assert set(saved) == set(settings.SAVED) | set(settings.SESSION)
+    cannot = {"model", "task", "overwrite", "out", "resume", "fsdp"}  # fsdp: refused outside torchrun
+    checked = []
+    for f in fields(settings.Settings):
+        if not f.metadata["cli"] or f.name in cannot or (f.name == "device" and not torch.cuda.is_available()):
+            continue
+        flags, names = RESUME_CHANGES.get(f.name) or (other_value(f, saved[f.name]), [f.name])
+        c = train.resolve(train.parse_args(["--resume", str(tmp_path), *flags]), state)
+        changed = rundir.changed_settings(saved, settings.recorded(c))
+        assert [x.split(" ")[0] for x in changed] == names, (flags, changed)
+        checked.append(f.name)
+    assert len(checked) >= 45
+    session = {**state, "session": {**state["session"], "device": "cuda:0", "dtype": "bf16"}}  # a run saved on a GPU
+    c = train.resolve(train.parse_args(["--resume", str(tmp_path), "--device", "cpu"]), session)
+    assert rundir.changed_settings({**session["session"], **state["config"]}, settings.recorded(c)) == [
+        "device cuda:0 → cpu", "dtype bf16 → fp32"]
+

@@ -33,7 +33,7 @@ import rundir
 import settings
 from checkpoint import META_TOKEN, CheckpointError, load
 from cli import exits, one_line_errors, parser
-from eval import before_after, evaluate
+from eval import before_after, eval_line, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
 from tasks import TASK_REWARD, load_problems, prompt_encoder
@@ -228,7 +228,7 @@ def make_optimizer(model, c, state=None):
 
 @exits  # a RunStopped (a signal, divergence, a failed save) ends the process with its status
 def main(argv=None, reward_fn=None):
-    c, state, model, tokenizer = setup(argv)
+    c, state, model, tokenizer, (train, test) = setup(argv)
     device = torch.device(c.device)
     distributed.start(device)  # under torchrun; every process has checked its arguments, none has written
     master = distributed.rank_and_world()[0] == 0  # the one process that prints, logs and saves
@@ -236,16 +236,16 @@ def main(argv=None, reward_fn=None):
         distributed.shard(model)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16" else contextlib.nullcontext()
     opt = make_optimizer(model, c, state and state["optimizer"])
-    save = lambda step: rundir.save_checkpoint(c.out, model, opt, tokenizer, c.model, step, settings.saved(c))
+    save = lambda step: rundir.save_checkpoint(c.out, model, opt, tokenizer, c.model, step, settings.saved(c),
+                                               settings.session(c))
     run = rundir.Run(c.out, save, saved=state and state["step"])  # a resume starts at its checkpoint's step
     log_path = os.path.join(c.out, "log.jsonl")
     say = tqdm.write if master else lambda text: None
     log = functools.partial(rundir.write_log, log_path) if master else lambda record: None
-    with one_line_errors():  # the run directory, its log cut back to run.step; a resume says what it changes
-        kept = rundir.prepare(c.out, c.overwrite, run.step, state and state["config"], settings.saved(c)) if master else []
+    with one_line_errors():  # the run directory and its lock, the log cut back to run.step; a resume says what it changes
+        kept = rundir.prepare(c.out, c.overwrite, state, settings.recorded(c)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(banner(c, model, run.step))
-    train, test = load_problems(c)
     eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eviction_rate(c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
@@ -259,9 +259,7 @@ def main(argv=None, reward_fn=None):
                          samples=c.eval_samples, seed=c.seed)
         evals.append(r)
         log({"step": run.step, "eval": r})
-        sampled = f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}" if "pass1" in r else ""
-        say(f"eval @ step {run.step}: accuracy full cache {r['acc_full']:.1%}, at ε={eval_ev.rate:g} "
-            f"{r['acc']:.1%} (greedy tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
+        say(eval_line(run.step, r, eval_ev.rate))
 
     t_start = time.time()
     with rundir.guard(run, c.lr, c.fsdp, say):
@@ -336,19 +334,33 @@ def resolve(args, state=None) -> settings.Settings:
     return c
 
 
+def resumed_state(args) -> dict:
+    """The saved state of the run that --resume continues, once the flags that cannot change a run
+    are refused and no other process is training there (one-line ValueErrors)."""
+    given = [f"--{k}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+             if k in ("model", "task", "overwrite") and v is not None]
+    if given:
+        raise ValueError(f"--resume {args.resume} continues that run with its own model and task; drop "
+                         f"{', '.join(given)} (to start a new run, give --out instead of --resume)")
+    rundir.check_free(args.resume)
+    return rundir.load_trainer_state(args.resume)
+
+
 def setup(argv):
-    """The run's settings, its saved state (a resume's, else None), model and tokenizer. Bad flags
-    or files end the script with one line, before anything is written."""
+    """The run's settings, its saved state (a resume's, else None), model, tokenizer and problems
+    (training, held-out). Bad flags or files end the script with one line, before anything is
+    written."""
     args = parse_args(argv)
     with one_line_errors():
-        state = rundir.load_trainer_state(args.resume) if args.resume else None
+        state = resumed_state(args) if args.resume else None
         c = resolve(args, state)
         if c.threads:
             torch.set_num_threads(c.threads)
+        problems = load_problems(c)  # the data files read and checked before the run directory is made
         model, tokenizer = load(c.model, c.device, c.meta_token)  # before the optimizer: g may add a row
         if not model.config.eos_ids:
             raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
-    return c, state, model, tokenizer
+    return c, state, model, tokenizer, problems
 
 
 def banner(c, model, step) -> str:
