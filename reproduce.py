@@ -5,6 +5,7 @@
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --limit         # and the limit study: three changes to the default recipe
     python reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
+    python reproduce.py --seeds 3 --ablation-seeds 1 --samples 1 --jobs 2   # RESULTS §0's run
 
 It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
 its own training and held-out problems, rollouts and evictions; with --data-seed fixed, only its
@@ -37,8 +38,9 @@ trained or pretrained on):
     2. sweep          NGC and the baselines at stricter ε than training saw (0.5 -> 0.8)
     3. ablations      ngc vs token-only vs targeted-dropout at ε = 0.5, with their reward and
                       grad-norm curves (Figure 5)
-    4. interoception  budget-aware NGC against its blind-tag control, at the rates the groups
-                      trained on (0.25, 0.5, 0.75) and stricter ones, plain NGC beside (Figure 6)
+    4. interoception  budget-aware NGC against its blind-tag control at the training ε (0.5), the
+                      strictest tag the groups trained on (0.75) and a stricter one, plain NGC beside
+                      (Figure 6)
     6. layout shift   NGC and the baselines on prompt layouts never used in training
                       (eval.py --prompt tiny-shifted): does NGC keep what matters or where it sits?
 
@@ -92,7 +94,8 @@ BARS = ["random", "random-prompt", "task-rule"]  # simple policies that could be
 BASELINES = HEURISTICS + BARS
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
 SHIFTED = ["--prompt", "tiny-shifted"]  # prompt layouts never used in training
-INTERO_SWEEP = [0.25, 0.5, 0.75, 0.8]  # the tags the groups trained on at the end, and a stricter one
+INTERO_SWEEP = [0.5, 0.75, 0.8]  # the training ε, the strictest tag the groups trained on, and a stricter one
+ABLATIONS = ["token-only", "targeted-dropout", "interoception", "interoception-blind"]
 LIMIT = {"steps120": ["--steps", "120", "--eval-every", "30"], "lr1e-4": ["--lr", "1e-4", "--eval-every", "20"],
          "p8g16": ["--prompts", "8", "--group", "16", "--eval-every", "30"]}
 
@@ -440,12 +443,15 @@ def claims_markdown(studies) -> str:
     ngc, full, full_ne, oracle = at("ngc", "ngc"), at("ngc", "none", 0.0), at("baselines", "none", 0.0), \
         at("baselines", "oracle")
     best = max((r for r in studies["baselines"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
-    gap = (ngc["accuracy"] - best["accuracy"]) / max(oracle["accuracy"] - best["accuracy"], 1e-9)
+    own_oracle = at("ngc", "oracle")  # the gap closed: on NGC's own model, from its best baseline to its oracle
+    own_best = max((r for r in studies["ngc"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
+    gap = (ngc["accuracy"] - own_best["accuracy"]) / max(own_oracle["accuracy"] - own_best["accuracy"], 1e-9)
     token, dropout, greedy = at("token-only", "ngc"), at("targeted-dropout", "ngc"), at("greedy", "ngc")
     stricter = [e for e in INTERO_SWEEP if e > 0.5]
     intero = ", ".join(f"ε = {e:g}: {cell(at('interoception', 'ngc', e))} vs {cell(at('interoception-blind', 'ngc', e))}"
                        for e in stricter)
-    beaten = [e for e in SWEEP[1:] if at("sweep", "ngc", e)["accuracy"] > max(
+    tried = sorted({r["eviction_rate"] for r in studies["sweep-baselines"]})
+    beaten = [e for e in tried if at("sweep", "ngc", e)["accuracy"] > max(
         r["accuracy"] for r in studies["sweep-baselines"] if r["eviction_rate"] == e)]
     s_ngc, s_full = at("shifted-ngc", "ngc"), at("shifted-ngc", "none", 0.0)
     s_best = max((r for r in studies["shifted-baselines"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
@@ -456,8 +462,9 @@ def claims_markdown(studies) -> str:
              f"best baseline {best['policy']} {cell(best)}: NGC is {ngc['accuracy'] / max(best['accuracy'], 1e-9):.1f}× "
              f"it, {100 * (ngc['accuracy'] - best['accuracy']):+.1f} points"),
             ("how much of the possible gain NGC reaches", "not stated",
-             f"the oracle on the no-evict model {cell(oracle)}; NGC closes {gap:.0%} of the gap from the best baseline "
-             f"to it (NGC's own model under the oracle: {cell(at('ngc', 'oracle'))})"),
+             f"on NGC's own model NGC closes {gap:.0%} of the gap from the best baseline there ({own_best['policy']} "
+             f"{cell(own_best)}) to the oracle there ({cell(own_oracle)}); the oracle on the no-evict model: "
+             f"{cell(oracle)}"),
             ("the token policy learns to write for eviction", "token-only 35.7% (72% of NGC)",
              f"token-only {cell(token)} ({token['accuracy'] / max(ngc['accuracy'], 1e-9):.0%} of NGC)"),
             ("off-policy training fails", "targeted dropout 2.5%", f"targeted dropout {cell(dropout)}"),
@@ -465,7 +472,7 @@ def claims_markdown(studies) -> str:
              f"interoception vs its blind control, {intero}"),
             ("NGC generalises to unseen rates", "pareto-dominates the baselines",
              f"NGC above every baseline at ε = {', '.join(f'{e:g}' for e in beaten) or 'none'} of "
-             f"{', '.join(f'{e:g}' for e in SWEEP[1:])}"),
+             f"{', '.join(f'{e:g}' for e in tried)}"),
             ("what NGC keeps, not where it sits", "not tested (R1's prompts vary)",
              f"prompt layouts never trained on: NGC {cell(s_ngc)} of a full cache's {cell(s_full)} "
              f"({s_ngc['accuracy'] / max(s_full['accuracy'], 1e-9):.0%}; training layout "
@@ -482,6 +489,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
+    p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation and interoception runs (default: "
+                   "--seeds)")
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2, "
                    "for the CPU's budget; eval.py's default is the run's 4)")
     p.add_argument("--problems", type=int, default=500, help="held-out problems per evaluation (default 500: tiny/'s "
@@ -493,16 +502,17 @@ def main(argv=None):
     p.add_argument("--diagnose", action="store_true", help="train only the diagnosis runs (seed 0) and write "
                                                             "diag/ under --out")
     args = p.parse_args(argv)
-    for flag in ("jobs", "seeds", "problems", "samples"):
+    args.ablation_seeds = args.ablation_seeds or args.seeds
+    for flag in ("jobs", "seeds", "ablation_seeds", "problems", "samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            sys.exit(f"error: --{flag} {getattr(args, flag)} must be at least 1")
+            sys.exit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
     extra = args.train_args.split()
     if args.diagnose:
         runs = diagnose_runs()
     elif args.headline:
         runs = seeded_runs(HEADLINE, args.seeds)
     else:
-        runs = seeded_runs(RUNS, args.seeds)
+        runs = {**seeded_runs(["ngc", "no-evict"], args.seeds), **seeded_runs(ABLATIONS, args.ablation_seeds)}
         if args.limit:
             runs.update({limit_dir(name): flags for name, flags in LIMIT.items()})
     try:
@@ -534,24 +544,27 @@ def main(argv=None):
     studies["baselines"] = study("baselines", "1. The baselines at ε = 0.5 on the no-evict model (the paper's "
                                  "heuristics, random, random-prompt, the task rule) and the oracle", "no-evict",
                                  ["none", *BASELINES, "oracle"], [0.5])
-    studies["ngc"] = study("baselines-ngc", "1. NGC on its own model, and the oracle there", "ngc",
-                           ["none", "ngc", "oracle"], [0.5])
+    studies["ngc"] = study("baselines-ngc", "1. NGC on its own model, with the oracle and the strongest simple "
+                           "baselines there", "ngc", ["none", "ngc", "oracle", "task-rule", "random"], [0.5])
     studies["greedy"] = study("greedy", "1. Greedy tokens (the second column): NGC on its model", "ngc",
                               ["none", "ngc"], [0.5], ["--samples", "0"])
     sweep = study("sweep", "2. Stricter ε than training saw: NGC (seed 0)", "ngc", ["ngc"], SWEEP, seeds=1)
     heuristics = study("sweep-heuristics", "2. Stricter ε: the baselines on the no-evict model (seed 0)", "no-evict",
-                       BASELINES, SWEEP[1:], seeds=1)
+                       BASELINES, SWEEP[1::2], seeds=1)
     if have("matplotlib"):  # Figure 3 (right): trained NGC against the baselines, full cache as the line
         evaluation.plot(studies["baselines"][:1] + sweep + heuristics, os.path.join(args.out, "ngc-vs-heuristics.png"))
     studies["sweep"], studies["sweep-baselines"] = sweep, heuristics
+    few = args.ablation_seeds
     for run in ["token-only", "targeted-dropout"]:
-        studies[run] = study(f"ablation-{run}", f"3. Ablation: {run}", run, ["none", "ngc"], [0.5])
+        studies[run] = study(f"ablation-{run}", f"3. Ablation: {run}", run, ["none", "ngc"], [0.5], seeds=few)
     if have("matplotlib"):
-        curves(args.out, ["ngc", "token-only", "targeted-dropout"], args.seeds, os.path.join(args.out, "ablations.png"))
-    plain = study("interoception-ngc", "4. Plain NGC at the interoception rates", "ngc", ["ngc"], INTERO_SWEEP)
-    intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"], INTERO_SWEEP)
+        curves(args.out, ["ngc", "token-only", "targeted-dropout"], few, os.path.join(args.out, "ablations.png"))
+    plain = study("interoception-ngc", "4. Plain NGC at the interoception rates", "ngc", ["ngc"], INTERO_SWEEP,
+                  seeds=few)
+    intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"], INTERO_SWEEP,
+                   seeds=few)
     blind = study("interoception-blind", "4. Its control: the same per-group ε, the tag without the rate",
-                  "interoception-blind", ["ngc"], INTERO_SWEEP)
+                  "interoception-blind", ["ngc"], INTERO_SWEEP, seeds=few)
     studies["interoception"], studies["interoception-blind"] = intero, blind
     if have("matplotlib"):
         accuracy_vs_rate({"NGC": plain, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
