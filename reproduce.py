@@ -217,10 +217,23 @@ def eval_study(out, study, run, policies, rates, seed, problems=None, extra=()):
     name = run_name(run, seed)
     argv = ["--model", os.path.join(out, "runs", name, "checkpoint"), "--policy", *policies, "--batch-size", "250",
             "--eviction-rate", *map(str, rates), "--out", path, *extra] + (["--problems", str(problems)] if problems else [])
-    print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {name} {' '.join(policies)} at ε {rates}", flush=True)
-    evaluation.main(argv)
+    if not evaluated(path, argv):
+        print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {name} {' '.join(policies)} at ε {rates}", flush=True)
+        evaluation.main(argv)
+        write_text(path + ".argv", " ".join(argv) + "\n")
     with open(path) as f:
         return [dict(json.loads(line), run=run, seed=seed) for line in f]
+
+
+def evaluated(path, argv) -> bool:
+    """Whether path holds eval.py's rows for exactly these arguments (path.argv says which), written
+    after the run's checkpoint: an evaluation reproduce.py can reuse."""
+    checkpoint = os.path.join(argv[1], "trainer.pt")
+    if not (os.path.exists(path) and os.path.exists(path + ".argv") and os.path.exists(checkpoint)):
+        return False
+    with open(path + ".argv") as f:
+        same = f.read().split() == argv
+    return same and os.path.getmtime(path) > os.path.getmtime(checkpoint)
 
 
 def over_seeds(rows):

@@ -763,3 +763,20 @@ def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, m
     assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), "--model", train_ckpt,
                                                   f"--train-args={train_args}"])).startswith(f"error: {message}")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reproduce_reuses_an_evaluation_only_for_the_same_arguments_after_the_checkpoint(tmp_path):
+    import reproduce
+    ckpt = tmp_path / "runs" / "ngc" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.pt").write_text("x")
+    path, argv = str(tmp_path / "e.jsonl"), ["--model", str(ckpt), "--policy", "ngc", "--samples", "1"]
+    assert not reproduce.evaluated(path, argv)  # nothing written yet
+    (tmp_path / "e.jsonl").write_text("{}\n")
+    (tmp_path / "e.jsonl.argv").write_text(" ".join(argv) + "\n")
+    os.utime(ckpt / "trainer.pt", (1, 1))
+    assert reproduce.evaluated(path, argv)
+    assert not reproduce.evaluated(path, argv[:-1] + ["2"])  # other arguments
+    os.utime(ckpt / "trainer.pt", None)  # the checkpoint is newer than the evaluation: trained again
+    os.utime(path, (1, 1))
+    assert not reproduce.evaluated(path, argv)
