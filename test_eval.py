@@ -555,6 +555,8 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
     assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layout 61%)" in text
     # Negative control: were the oracle counted as a baseline, the best would be the oracle itself.
     assert "best baseline oracle" not in text
+    without = {k: v for k, v in studies.items() if not k.startswith("interoception")}  # --no-interoception
+    assert "interoception vs its blind control, not measured" in reproduce.claims_markdown(without)
 
 
 # ---------------------------------------------------------------------------------------
