@@ -83,7 +83,7 @@ import settings
 import show
 import train
 from checkpoint import load_config
-from cli import have, make_output_dir, parser, pyplot
+from cli import Exit, exits, have, make_output_dir, parser, pyplot
 from files import recover_swap, save_figure, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -208,7 +208,7 @@ def train_all(out, model, jobs, runs, extra):
             status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see {log.name})"
             print(f"[{time.strftime('%H:%M:%S')}] {name} {status} in {(time.time() - t0) / 60:.1f} min", flush=True)
             if proc.returncode:
-                sys.exit(f"error: training run {name} failed; see {log.name}")
+                raise Exit(f"error: training run {name} failed; see {log.name}")
 
 
 def eval_study(out, study, run, policies, rates, seed, problems=None, extra=()):
@@ -496,6 +496,7 @@ def claims_markdown(studies) -> str:
                      + [f"| {a} | {b} | {c} |" for a, b, c in rows])
 
 
+@exits  # a training run that fails ends the script with one line
 def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--out", default=os.path.join("results", "restate"),
