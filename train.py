@@ -205,12 +205,12 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
         peak_kv=ro.peak_kv.float().mean(), tokens_per_s=n_new.sum() * world / t_rollout,  # all processes together
         zero_adv_groups=(adv.view(-1, G) == 0).all(1).float().mean(),  # groups that teach nothing
         sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
-    return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,
+    return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,  # the log's record
             "response_len": m["response_len"], "rounds": m["rounds"], "L_token": losses["L_token"],
             "L_mem": losses["L_mem"], "grad_norm": grad_norm, "grad_norm_token": losses["grad_norm_token"],
-            "grad_norm_mem": losses["grad_norm_mem"],
-            "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0, "tokens_per_s": m["tokens_per_s"],
-            "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
+            "grad_norm_mem": losses["grad_norm_mem"], "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
+            "tokens_per_s": m["tokens_per_s"], "zero_adv_groups": m["zero_adv_groups"],
+            "sampled_logprob": m["sampled_logprob"]}
 
 
 def make_optimizer(model, c, state=None):
