@@ -240,8 +240,8 @@ def evaluated(path, argv) -> bool:
 
 def over_seeds(rows):
     """One row per (run, policy, ε): the means over seeds, the accuracy's standard deviation across
-    seeds (accuracy_sd, 0 for one seed) and the mean binomial standard error of one evaluation
-    (accuracy_se = sqrt(p(1 - p) / n), n = problems x samples)."""
+    seeds (accuracy_sd, 0 for one seed) and the mean standard error of one evaluation
+    (accuracy_se: eval.error_bar, 1 SE over problems)."""
     groups = {}
     for r in rows:
         groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
@@ -249,7 +249,7 @@ def over_seeds(rows):
     for (run, policy, rate), rs in groups.items():
         acc = [r["accuracy"] for r in rs]
         mean = {k: statistics.fmean(r[k] for r in rs) for k in ("accuracy", "length", "rounds", "kv_reduction")}
-        se = statistics.fmean(evaluation.error_bar(r) for r in rs)  # each row one evaluation: its binomial SE
+        se = statistics.fmean(evaluation.error_bar(r) for r in rs)  # each row one evaluation: its SE
         out.append(dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"],
                         samples=rs[0]["samples"], seeds=len(rs), **mean,
                         accuracy_sd=statistics.stdev(acc) if len(acc) > 1 else 0.0, accuracy_se=se))
@@ -423,7 +423,7 @@ def accuracy_vs_rate(curves_by_label, path):
         pts = sorted((r["eviction_rate"], r["accuracy"], evaluation.error_bar(r)) for r in rows)
         ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=label)
     ax.set_xlabel("eviction rate ε")
-    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_ylabel("held-out pass@1")
     ax.set_title(evaluation.error_bar_note(next(iter(curves_by_label.values()))), fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -609,8 +609,8 @@ def main(argv=None):
                "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have("matplotlib") else []))
     summary = os.path.join(args.out, "summary.md")
     seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
-    samples = studies["ngc"][0]["samples"]
-    write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over {samples} sampled "
+    k = studies["ngc"][0]["samples"]
+    write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over {k} sampled "
                f"completions per problem unless a section says greedy, evictions greedy top-K, "
                f"{studies['ngc'][0]['problems']} held-out problems; SE: one evaluation's standard error over "
                f"problems, in points)\n\n" + "\n".join(sections)

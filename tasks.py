@@ -15,19 +15,6 @@ def data_seed(c) -> int:
     return c.seed if c.data_seed is None else c.data_seed
 
 
-def read_problems(path: str, c) -> list:
-    """The math problems of file `path`, or a one-line ValueError that names the file (whatever
-    the reader raised: a file that is not UTF-8, not JSONL or Parquet, without problems, ...)."""
-    try:
-        return mathtask.load(path, c.question_field, c.answer_field)
-    except (ValueError, OSError) as e:
-        if isinstance(e, UnicodeDecodeError):
-            why = f"not UTF-8 text (a byte 0x{e.object[e.start]:02x}: {e.reason}); save it as UTF-8"
-        else:
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(why if path in why else f"{path}: {why}") from None
-
-
 def load_problems(c):
     """(training problems in the data seed's order, held-out problems) of settings c: Countdown's
     are generated from the data seed, math problems are read from --data and --eval-data (a bad
@@ -36,8 +23,8 @@ def load_problems(c):
         difficulty = countdown.DIFFICULTIES[c.difficulty]
         train, test = countdown.splits(data_seed(c), c.train_problems, c.eval_problems, difficulty, unique=False)
     else:
-        train = read_problems(c.data, c)[: c.train_problems] if c.data else []
-        test = (read_problems(c.eval_data, c) if c.eval_data else [])[: c.eval_problems]
+        train = mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems] if c.data else []
+        test = (mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data else [])[: c.eval_problems]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(data_seed(c))).tolist()
     return [train[i] for i in order], test
 
