@@ -161,8 +161,26 @@ def tiny_shifted_prompt(problem, eviction_rate=None, blind=False):
     dots = " ." * (1 + (problem.target + sum(problem.nums)) % 6)
     return tiny_prompt(problem, eviction_rate, blind).replace("<bos>", "<bos>" + dots, 1)
 
+def layouts_prompt(problem, eviction_rate=None, blind=False, unseen=False):
+    """The prompt of tiny/ (make_tiny.py --prompt tiny-layouts) in one of 8 layouts, a function of
+    the problem: 0-3 filler dots after BOS, and the target before or after the numbers, so that the
+    target sits anywhere in positions 4-13. unseen: 4-7 dots, layouts never used in training (the
+    target in positions 8-17). The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
+    k = 3 * problem.target + sum(problem.nums)
+    dots = " ." * (k % 4 + 4 * unseen)
+    goal, given = f"reach {problem.target}", "with " + " ".join(map(str, problem.nums))
+    text = f"<bos>{dots} Countdown : " + (f"{goal} {given}" if k // 4 % 2 == 0 else f"{given} {goal}") + " ."
+    if eviction_rate is not None:
+        text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
+    return text
+
+def unseen_layouts_prompt(problem, eviction_rate=None, blind=False):
+    return layouts_prompt(problem, eviction_rate, blind, unseen=True)
+
 PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
-           "tiny-shifted": tiny_shifted_prompt}
+           "tiny-shifted": tiny_shifted_prompt, "tiny-layouts": layouts_prompt,
+           "tiny-unseen": unseen_layouts_prompt}
+SHIFTED = {"tiny": "tiny-shifted", "tiny-layouts": "tiny-unseen"}  # a training prompt -> its layouts never trained on
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL}  # --difficulty name -> preset
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):

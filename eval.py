@@ -27,6 +27,7 @@ draws its noise from the same seed. --samples 0: one greedy completion per probl
 entries of one shared no-eviction run by the peak under the policy (each a mean over the k
 samples), averaged over problems. One JSONL line per policy x rate.
 """
+import argparse
 import sys
 from dataclasses import replace
 from math import comb
@@ -168,8 +169,10 @@ def pass_at_k(n: int, c, k: int) -> float:
 
 
 def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=64, progress=True,
-            compile=False):
-    """One result row per (policy, rate), all against one shared no-eviction reference run."""
+            compile=False, tag=None):
+    """One result row per (policy, rate), all against one shared no-eviction reference run. tag: the
+    budget tag of the evicting runs' prompts: None, the run's (--interoception: the rate evaluated);
+    "rate", the rate evaluated; "blind", the tag without it; a number, that rate whatever is evaluated."""
     n = samples or 1
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
                         top_p=c.eval_top_p or c.top_p, greedy=samples is None,
@@ -178,7 +181,9 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
 
     def run(name, rate):
         ev = make_eviction(name, c, rate, tokenizer)
-        encode = prompt_encoder(c.task, c.prompt, rate if c.interoception and ev else None, c.blind_tag)
+        tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
+        written = tag if isinstance(tag, float) else rate
+        encode = prompt_encoder(c.task, c.prompt, written if tagged and ev else None, blind)
         gen = torch.Generator(device=device).manual_seed(c.seed)
         return roll_out_and_score(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
                      desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None, compile=compile)
@@ -258,6 +263,19 @@ def plot(rows, path):
     save_figure(fig, path, dpi=150)
 
 
+def tag_flag(text: str):
+    """--tag: rate, blind, or a rate in [0, 1]."""
+    if text in ("rate", "blind"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give rate, blind or a rate in [0, 1]")
+    return value
+
+
 def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--model", required=True, help="Qwen2 checkpoint directory")
@@ -277,7 +295,10 @@ def main(argv=None):
                    "pass@k; 0: greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' "
                    "sampling, 32 for math at T=0.6, top-p 0.95)")
     p.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="countdown: another prompt layout than the "
-                   "run's (tiny-shifted: layouts never used in training)")
+                   "run's (layouts never used in training: tiny-unseen for tiny/, tiny-shifted for the earlier models)")
+    p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "
+                   "ε evaluated), blind (the tag without the rate) or a rate in [0, 1] whatever ε is evaluated "
+                   "(default: the run's; with --interoception, rate): does the model read the tag?")
     p.add_argument("--problems", type=int, default=None, help="held-out problems to use (default: all)")
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
@@ -307,8 +328,9 @@ def main(argv=None):
         given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
         if given and c.task != "math":
             raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")
-        if args.prompt and c.task != "countdown":
-            raise ValueError(f"--prompt is for --task countdown; this evaluation's task is {c.task}")
+        for flag in ("prompt", "tag"):
+            if getattr(args, flag) is not None and c.task != "countdown":
+                raise ValueError(f"--{flag} is for --task countdown; this evaluation's task is {c.task}")
         c = replace(c, eval_data=args.eval_data or c.eval_data, prompt=args.prompt or c.prompt,
                     question_field=args.question_field or c.question_field,
                     answer_field=args.answer_field or c.answer_field,
@@ -326,7 +348,8 @@ def main(argv=None):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
-                       progress=distributed.rank_and_world()[0] == 0 and sys.stderr.isatty(), compile=args.compile)
+                       progress=distributed.rank_and_world()[0] == 0 and sys.stderr.isatty(), compile=args.compile,
+                       tag=args.tag)
     rank = distributed.rank_and_world()[0]
     distributed.stop()
     if rank:  # every process holds every row; the first one reports them

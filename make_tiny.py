@@ -1,24 +1,37 @@
 """Build the tiny reasoners shipped in tiny/ (Countdown) and tiny-math/ (word problems): traces,
 a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on the CPU.
 
-    python make_tiny.py                      # rebuild tiny/ (about 45 minutes on one core)
+    python make_tiny.py                      # rebuild tiny/ (about 20 minutes on 2 cores)
     python make_tiny.py --steps 300 --out runs/tiny-smoke
-    python make_tiny.py --restate 0 --out tiny-plain   # traces that never restate the target
+    python make_tiny.py --prompt tiny --restate 0.25 --slip 0 --threads 1 --out tiny-restate  # RESULTS §0's model
+    python make_tiny.py --prompt tiny --restate 0 --slip 0 --threads 1 --out tiny-plain        # RESULTS §1-9's
     python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
 
 Countdown: the model learns to write a depth-first search, Stream-of-Search style. The target
 is given in the prompt, and every leaf's yes/no needs it, so a KV-cache policy that evicts it
-loses. After each `[ ... ]` a trace restates it (`reach <target>`) with probability --restate
-(0.25; the greedy model rarely does): a choice the token policy has. With --restate 0 the trace
-never restates it, the earlier tiny/ on which RESULTS.md §1-9 were measured.
+loses. tiny/ is built so that RL has reasoning to teach as well as memory to manage:
 
-    prompt:     <bos> Countdown : reach 16 with 3 5 2 .
-    completion: [ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 yes <answer> ( 5 + 3 ) * 2 </answer> <eos>
+* Slips (--slip 0.5): a leaf that reaches the target is judged `no` with probability 0.5 and the
+  search goes on; a search that never says `yes` answers `none`. The pretrained model imitates
+  this, so it solves only part of the problems with sampled tokens, and what it must learn (say
+  `yes` when the leaf is the target) needs the target, which eviction can take away.
+* Verbosity per trace (--restate per-trace): after each `[ ... ]` the trace restates the target
+  (`reach <target>`) with a probability the trace draws, so reinforcement can move how much the
+  model writes for eviction. Under a budget tag with rate ε the probability is ε (the stricter
+  the budget, the more it restates); untagged and blind-tagged traces draw it uniformly.
+* Layouts (--prompt tiny-layouts): 0-3 filler dots and the target before or after the numbers,
+  8 layouts; countdown's tiny-unseen layouts (4-7 dots) are kept out of training for the test.
+  The tag's rate is one token of its own (`<eviction_rate> 50% </eviction_rate>`).
+
+    prompt:     <bos> . Countdown : with 3 5 2 reach 16 .
+    completion: [ 5 3 2 ] reach 16 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back [ 5 3 2 ] ...
 
 `[ ... ]` states the numbers left, largest first. A move `a op b = v` picks two of them
 (pairs in order, larger first, ops + * - /, / only when exact); with two numbers x >= y
 left, each leaf `op w` is x op y, judged yes (w is the target) or no (leaves above 999
-are skipped). A dead end returns with `back [ ... ]` restating the numbers.
+are skipped). A dead end returns with `back [ ... ]` restating the numbers. The earlier models
+(--prompt tiny --slip 0) never slip and have one layout: tiny-restate (--restate 0.25) and
+tiny-plain (--restate 0), whose results are RESULTS §0 and §1-9.
 
 Math (--task math): the word problems of mathtask.py's demo set, prompted exactly as
 `train.py --task math` prompts them (mathtask.encode: the question, then R1's instruction; this
@@ -46,7 +59,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -56,7 +69,6 @@ from tqdm import tqdm
 
 import countdown as cd
 import mathtask
-from countdown import tiny_prompt
 from checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from cli import make_output_dir, parser
 from eval import roll_out_and_score
@@ -67,7 +79,7 @@ from ngc import Eviction, Sampling
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompt ~12 tokens, full-cache completions ~75, capped at 256).
 TINY_RUN = dict(
-    task="countdown", prompt="tiny", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
+    task="countdown", prompt="tiny-layouts", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
     delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
     lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
@@ -86,11 +98,14 @@ MATH_RUN = dict(
 MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
     # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
-    max_new_tokens=MATH_RUN["max_new_tokens"], restate=0.0)
+    threads=1,
+    max_new_tokens=MATH_RUN["max_new_tokens"], slip=0.0)
 MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
          "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>"]
+LAYOUT_WORDS = ["none"] + [f"{n}%" for n in range(101)] + ["-%"]  # --prompt tiny-layouts: a failed search's
+# answer, and the budget tag's rate as one token of its own
 
 # ---------------------------------------------------------------------------------------
 # Search traces
@@ -106,9 +121,11 @@ def numbers(nums) -> str:
     return "[ " + " ".join(map(str, sorted(nums, reverse=True))) + " ]"
 
 
-def trace(problem, restate: float = 0.0, rng=None) -> str:
+def trace(problem, restate: float = 0.0, rng=None, slip: float = 0.0) -> str:
     """The depth-first search trace for a 3-number problem, answer included: deterministic, or
-    with restate > 0, each `[ ... ]` followed by `reach <target>` with that probability (rng)."""
+    with restate > 0, each `[ ... ]` followed by `reach <target>` with that probability (rng).
+    With slip > 0, a leaf that reaches the target is judged `no` with that probability and the
+    search goes on; a search that finds no `yes` ends in `<answer> none </answer>`."""
     nums = sorted(problem.nums, reverse=True)
     assert len(nums) == 3, "traces are written for 3 numbers"
 
@@ -125,13 +142,15 @@ def trace(problem, restate: float = 0.0, rng=None) -> str:
             for op2, w in moves(x, y):
                 if w > MAX_NUM:
                     continue
-                if w != problem.target:
+                if w != problem.target or (slip and rng.random() < slip):
                     out.append(f"{op2} {w} no")
                     continue
                 inner = f"( {a} {op} {b} )"
                 expr = f"{inner} {op2} {c}" if v >= c else f"{c} {op2} {inner}"
                 return " ".join(out + [f"{op2} {w} yes <answer> {expr} </answer>"])
             out.append(f"back {state(nums)}")
+    if slip:
+        return " ".join(out + ["<answer> none </answer>"])
     raise ValueError(f"{problem} has no solution")
 
 
@@ -238,11 +257,18 @@ def split_problems(seed: int, n_test: int, n_train: int = 300_000):
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
-def countdown_example(tok, problem, rng, restate=0.0):
-    """(prompt ids, completion ids). Half the prompts carry a random budget tag (it says nothing
-    yet) so that train.py --interoception starts from a model that has read it."""
+def countdown_example(tok, problem, rng, restate=0.0, slip=0.0, prompt="tiny"):
+    """(prompt ids, completion ids). Half the prompts carry a random budget tag so that train.py
+    --interoception starts from a model that has read it. With restate None (--restate per-trace),
+    each trace draws how often it restates the target: the tag's rate where the tag has one (the
+    stricter the budget, the more it restates), else uniform in [0, 1]. A fixed restate: the same
+    probability for every trace, and the tag says nothing."""
     rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
-    return tok.encode(tiny_prompt(problem, rate)).ids, tok.encode(trace(problem, restate, rng)).ids
+    blind = prompt == "tiny-layouts" and rate is not None and rng.random() < 0.5  # the control's tag, `-%`
+    if restate is None:
+        restate = rng.random() if rate is None or blind else rate
+    text = cd.PROMPTS[prompt](problem, rate, blind)
+    return tok.encode(text).ids, tok.encode(trace(problem, restate, rng, slip)).ids
 
 
 def math_example(tok, problem, rng):
@@ -281,11 +307,13 @@ def tiny_config(tok, d=192, layers=4, heads=4, kv_heads=2, ffn=512) -> Qwen2Conf
 # Evaluation
 
 
-def trace_accuracy(model, tok, problems, task, eviction=None, max_new_tokens=400, batch=128):
-    """Greedy accuracy (mean reward), the fraction of completions that are correct traces, and
-    the mean completion length."""
-    out = roll_out_and_score(model, tok, problems, Sampling(max_new_tokens=max_new_tokens, greedy=True), eviction,
-                             encode=task.encode, reward_fn=task.reward, batch_size=batch)
+def trace_accuracy(model, tok, problems, task, eviction=None, max_new_tokens=400, batch=128, greedy=True):
+    """Accuracy (mean reward; greedy tokens, or pass@1 of one sampled completion at temperature 1
+    from a generator seeded 0), the fraction of completions that are correct traces, and the mean
+    completion length."""
+    sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)
+    out = roll_out_and_score(model, tok, problems, sampling, eviction, encode=task.encode, reward_fn=task.reward,
+                             batch_size=batch, generator=torch.Generator().manual_seed(0))
     valid = sum(task.valid(p, texts[0]) for p, texts in zip(problems, out["texts"]))
     return out["reward"].mean().item(), valid / len(problems), out["length"].mean().item()
 
@@ -307,7 +335,7 @@ class Task:
 
 
 TASKS = {
-    "countdown": Task(WORDS, split_problems, countdown_example, lambda t, p: t.encode(tiny_prompt(p)).ids,
+    "countdown": Task(WORDS, split_problems, countdown_example, None,  # encode: from --prompt
                       cd.reward, check_trace, TINY_RUN, {}),
     "math": Task(MATH_WORDS, lambda seed, n_test, n_train: mathtask.demo_splits(seed, n_train, n_test),
                  math_example, mathtask.encode, mathtask.reward, lambda p, text: text == math_trace(p),
@@ -333,7 +361,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps; the lr schedule spans them")
     ap.add_argument("--minutes", type=float, default=0, help="stop early after this many minutes (0 = never); "
                     "an early stop makes the result depend on the machine's speed")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the bits of the result depend on it)")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the bits of the result depend on it)")
     ap.add_argument("--batch", type=int, default=64, help="examples per optimizer step")
     ap.add_argument("--micro", type=int, default=16, help="examples per forward pass (length-sorted)")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine to 10%%)")
@@ -344,10 +372,19 @@ def main(argv=None):
     ap.add_argument("--ffn", type=int, default=512, help="MLP intermediate size")
     ap.add_argument("--n-test", type=int, default=500, help="held-out problems to evaluate on")
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
-    ap.add_argument("--max-new-tokens", type=int, default=400, help="completion cap of the held-out evaluation")
-    ap.add_argument("--restate", type=float, default=0.25,
+    ap.add_argument("--max-new-tokens", type=int, default=TINY_RUN["max_new_tokens"],
+                    help="completion cap of the held-out evaluation (default: the run's, ngc.json)")
+    ap.add_argument("--restate", type=restate_flag, default=None, metavar="P|per-trace",
                     help="Countdown: the probability that a trace restates the target (`reach N`) after each "
-                         "`[ ... ]` (default 0.25, tiny/; 0 never restates, the earlier tiny/ of RESULTS.md §1-9)")
+                         "`[ ... ]`; per-trace (default, tiny/): each trace draws its own, the tag's rate where the "
+                         "prompt has one. 0.25: the restate model of RESULTS §0, 0: the plain model of §1-9")
+    ap.add_argument("--slip", type=float, default=0.5,
+                    help="Countdown: the probability that a leaf reaching the target is judged `no` and the search "
+                         "goes on, so the model is only partly competent before RL (default 0.5, tiny/; 0: the "
+                         "earlier models, which never slip)")
+    ap.add_argument("--prompt", choices=sorted(cd.SHIFTED), default="tiny-layouts",
+                    help="Countdown prompt: tiny-layouts (default, tiny/: 8 layouts, the rate tag in tokens of its "
+                         "own) or tiny (one layout, the earlier models)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
@@ -357,6 +394,10 @@ def main(argv=None):
     task = TASKS[pre.parse_known_args(argv)[0].task]
     ap.set_defaults(**task.flags)
     args = ap.parse_args(argv)
+    if args.task == "countdown":  # the prompt style decides the vocabulary, the prompts and ngc.json's
+        task = replace(task, words=WORDS + LAYOUT_WORDS * (args.prompt == "tiny-layouts"),
+                       encode=lambda t, p: t.encode(cd.PROMPTS[args.prompt](p)).ids,
+                       run=dict(task.run, prompt=args.prompt))
     try:
         check_flags(args)
         if args.task == "countdown" and args.n_test > cd.SMALL.held_out:
@@ -386,7 +427,9 @@ def main(argv=None):
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
-    example = functools.partial(task.example, restate=args.restate) if args.restate else task.example
+    example = task.example
+    if args.task == "countdown":
+        example = functools.partial(task.example, restate=args.restate, slip=args.slip, prompt=args.prompt)
     rng, t0, seen = random.Random(args.seed), time.time(), 0
     bar = tqdm(range(args.steps), desc="pretrain")
     for step in bar:
@@ -441,8 +484,18 @@ def check_flags(args):
     if args.heads % 2 or args.d % args.heads or (args.d // args.heads) % 2:
         raise ValueError(f"--d {args.d} --heads {args.heads}: the heads must be a multiple of the 2 key/value heads, "
                          f"and --d a multiple of 2 x --heads (an even head size for RoPE)")
-    if not 0 <= args.restate <= 1 or (args.restate and args.task != "countdown"):
-        raise ValueError(f"--restate {args.restate} must lie in [0, 1], and be 0 for --task {args.task}")
+    if args.restate is not None and not 0 <= args.restate <= 1:
+        raise ValueError(f"--restate {args.restate} must lie in [0, 1] (or be per-trace)")
+    if not 0 <= args.slip < 1:
+        raise ValueError(f"--slip {args.slip} must lie in [0, 1)")
+    if args.task == "countdown" and args.prompt == "tiny" and args.slip:
+        raise ValueError(f"--slip {args.slip}: a slipped search may end in `<answer> none </answer>`, which only "
+                         f"--prompt tiny-layouts' vocabulary has; add --slip 0 or drop --prompt tiny")
+    if args.task == "countdown" and args.prompt == "tiny" and args.restate is None:
+        raise ValueError("--restate per-trace reads the rate tag of --prompt tiny-layouts; give --restate a "
+                         "probability with --prompt tiny")
+    if args.task == "math" and (args.restate or args.slip):
+        raise ValueError(f"--restate and --slip shape Countdown's traces; leave them out for --task math")
 
 
 def check_out(out: str):
@@ -456,17 +509,27 @@ def check_out(out: str):
                              f"build would delete (it replaces the directory whole); choose another --out")
 
 
+def restate_flag(text: str):
+    """--restate: a probability, or per-trace (None)."""
+    if text == "per-trace":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a probability nor per-trace")
+
+
 def write_run_defaults(model_dir, run):
     write_text(os.path.join(model_dir, "ngc.json"), json.dumps(run, indent=1) + "\n")
 
 
 def report(model, tok, test, task, max_new_tokens):
-    acc, valid, length = trace_accuracy(model, tok, test, task, max_new_tokens=max_new_tokens)
-    print(f"full cache:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  ({len(test)} held out)")
     ev = Eviction(task.run["delta"], task.run["block"], task.run["window"], rate=0.5, greedy=True)
-    acc, valid, length = trace_accuracy(model, tok, test, task, ev, max_new_tokens)
-    print(f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}:  accuracy {acc:.3f}  "
-          f"valid traces {valid:.3f}  mean length {length:.0f}")
+    for name, eviction in [("full cache", None), (f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}", ev)]:
+        for tokens, greedy in [("greedy tokens", True), ("pass@1", False)]:
+            acc, valid, length = trace_accuracy(model, tok, test, task, eviction, max_new_tokens, greedy=greedy)
+            print(f"{name}, {tokens}:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  "
+                  f"({len(test)} held out, at most {max_new_tokens} tokens)")
 
 
 if __name__ == "__main__":

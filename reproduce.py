@@ -31,7 +31,8 @@ evaluation is the paper's (§5.1): pass@1 over the run's eval_samples (4) sample
 problem, evictions greedy top-K, on the one held-out set (500 problems for tiny/, none of them
 trained or pretrained on):
 
-    0. claims         the paper's Countdown claims beside this run's numbers (claims.md)
+    0. claims         the paper's Countdown claims beside this run's numbers and a goal for each
+                      (claims.md); the starting model's full cache and untrained NGC scores
     1. baselines      on the no-evict model at ε = 0.5 (Figure 3): SnapKV, KeyDiff, KNorm,
                       StreamingLLM, random blocks, random-prompt, the task rule, and the oracle
                       (the blocks the full cache's next δ tokens read most); NGC (greedy top-K)
@@ -40,10 +41,12 @@ trained or pretrained on):
     3. ablations      ngc vs token-only vs targeted-dropout at ε = 0.5, with their reward and
                       grad-norm curves (Figure 5)
     4. interoception  budget-aware NGC against its blind-tag control at the training ε (0.5), the
-                      strictest tag the groups trained on (0.75) and a stricter one, plain NGC beside
-                      (Figure 6)
-    6. layout shift   NGC and the baselines on prompt layouts never used in training
-                      (eval.py --prompt tiny-shifted): does NGC keep what matters or where it sits?
+                      strictest tag the groups trained on (0.75) and a stricter one (0.9), plain NGC
+                      beside (Figure 6); and the tag check: the interoception model at ε = 0.9 under
+                      the tags 0.25 and blind (eval.py --tag): does it read the tag?
+    6. layout shift   NGC and the baselines on prompt layouts never used in training (eval.py
+                      --prompt tiny-unseen for tiny/, tiny-shifted for the earlier models): does NGC
+                      keep what matters or where it sits?
 
 With --limit it also trains the limit study's recipes (seed 0, OUT/limit/<name>) and writes
 their evaluations during training, beside the default run's, as section 5 and OUT/limit.jsonl:
@@ -77,6 +80,7 @@ import subprocess
 import sys
 import time
 
+import countdown
 import eval as evaluation
 import rundir
 import settings
@@ -94,9 +98,10 @@ HEURISTICS = ["snapkv", "keydiff", "knorm", "streamingllm"]
 BARS = ["random", "random-prompt", "task-rule"]  # simple policies that could beat a learned one
 BASELINES = HEURISTICS + BARS
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
-SHIFTED = ["--prompt", "tiny-shifted"]  # prompt layouts never used in training
+UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
 STRONGEST = ["task-rule", "random", "keydiff"]  # the baselines of the seed-0 sweeps (the strongest on tiny/)
-INTERO_SWEEP = [0.5, 0.75, 0.8]  # the training ε, the strictest tag the groups trained on, and a stricter one
+INTERO_SWEEP = [0.5, 0.75, 0.9]  # the training ε, the strictest tag the groups trained on, and a stricter one
+TAG_CHECK = 0.9  # the ε at which the tag check evaluates a model under other tags than the rate
 ABLATIONS = ["token-only", "targeted-dropout", "interoception", "interoception-blind"]
 LIMIT = {"steps120": ["--steps", "120", "--eval-every", "30"], "lr1e-4": ["--lr", "1e-4", "--eval-every", "20"],
          "p8g16": ["--prompts", "8", "--group", "16", "--eval-every", "30"]}
@@ -211,13 +216,14 @@ def train_all(out, model, jobs, runs, extra):
                 raise Exit(f"error: training run {name} failed; see {log.name}")
 
 
-def eval_study(out, study, run, policies, rates, seed, problems=None, extra=()):
+def eval_study(out, study, run, policies, rates, seed, problems=None, extra=(), model=None):
     """eval.py on the final checkpoint of one run and seed (pass@1 at the run's eval_samples unless
-    extra says otherwise); returns its rows, marked with both."""
+    extra says otherwise), or on `model` for the run UNTRAINED; returns its rows, marked with both."""
     path = os.path.join(out, "evals", f"{study}-seed{seed}.jsonl")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     name = run_name(run, seed)
-    argv = ["--model", os.path.join(out, "runs", name, "checkpoint"), "--policy", *policies, "--batch-size", "250",
+    checkpoint = model if run == UNTRAINED else os.path.join(out, "runs", name, "checkpoint")
+    argv = ["--model", checkpoint, "--policy", *policies, "--batch-size", "250",
             "--eviction-rate", *map(str, rates), "--out", path, *extra] + (["--problems", str(problems)] if problems else [])
     if not evaluated(path, argv):
         print(f"[{time.strftime('%H:%M:%S')}] eval {study}: {name} {' '.join(policies)} at ε {rates}", flush=True)
@@ -230,7 +236,7 @@ def eval_study(out, study, run, policies, rates, seed, problems=None, extra=()):
 def evaluated(path, argv) -> bool:
     """Whether path holds eval.py's rows for exactly these arguments (path.argv says which), written
     after the run's checkpoint: an evaluation reproduce.py can reuse."""
-    checkpoint = os.path.join(argv[1], "trainer.pt")
+    checkpoint = os.path.join(argv[1], "model.safetensors")
     if not (os.path.exists(path) and os.path.exists(path + ".argv") and os.path.exists(checkpoint)):
         return False
     with open(path + ".argv") as f:
@@ -447,53 +453,90 @@ def markdown(rows) -> str:
 
 
 def claims_markdown(studies) -> str:
-    """The paper's Countdown claims (§5.2-5.3, the numbers its text states) beside this run's: pass@1
-    means over seeds, ± their standard deviation across seeds where there are several."""
+    """The paper's Countdown claims (§5.2-5.3, the numbers its text states) beside this run's, each
+    with a goal: pass@1 means over seeds, ± their standard deviation across seeds where there are
+    several; "met" says whether this run reaches the goal."""
     def at(study, policy, rate=0.5):
         return next(r for r in studies[study] if r["policy"] == policy and r["eviction_rate"] == rate)
 
     def cell(r):
         return f"{r['accuracy']:.1%}" + (f" ± {100 * r['accuracy_sd']:.1f}" if r["seeds"] > 1 else "")
 
-    ngc, full, full_ne, oracle = at("ngc", "ngc"), at("ngc", "none", 0.0), at("baselines", "none", 0.0), \
-        at("baselines", "oracle")
-    best = max((r for r in studies["baselines"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
-    own_oracle = at("ngc", "oracle")  # the gap closed: on NGC's own model, from its best baseline to its oracle
-    own_best = max((r for r in studies["ngc"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
-    gap = (ngc["accuracy"] - own_best["accuracy"]) / max(own_oracle["accuracy"] - own_best["accuracy"], 1e-9)
-    token, dropout, greedy = at("token-only", "ngc"), at("targeted-dropout", "ngc"), at("greedy", "ngc")
-    stricter = [e for e in INTERO_SWEEP if e > 0.5]
-    intero = ", ".join(f"ε = {e:g}: {cell(at('interoception', 'ngc', e))} vs {cell(at('interoception-blind', 'ngc', e))}"
-                       for e in stricter) if "interoception" in studies else "not measured (--no-interoception)"
+    def best_of(rows):
+        return max((r for r in rows if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
+
+    def ratio(a, b):
+        return a["accuracy"] / max(b["accuracy"], 1e-9)
+
+    before, trained = at("untrained", "none", 0.0), at("baselines", "none", 0.0)
+    ngc, full, greedy = at("ngc", "ngc"), at("ngc", "none", 0.0), at("greedy", "ngc")
+    best, own_best, oracle = best_of(studies["baselines"]), best_of(studies["ngc"]), at("ngc", "oracle")
+    gap = (ngc["accuracy"] - own_best["accuracy"]) / max(oracle["accuracy"] - own_best["accuracy"], 1e-9)
+    token, dropout = at("token-only", "ngc"), at("targeted-dropout", "ngc")
     tried = sorted({r["eviction_rate"] for r in studies["sweep-baselines"]})
-    beaten = [e for e in tried if at("sweep", "ngc", e)["accuracy"] > max(
-        r["accuracy"] for r in studies["sweep-baselines"] if r["eviction_rate"] == e)]
+    margin = {e: at("sweep", "ngc", e)["accuracy"] - max(r["accuracy"] for r in studies["sweep-baselines"]
+                                                          if r["eviction_rate"] == e) for e in tried}
+    rows = [("the model learns to reason", "R1 near 0 → trained",
+             "full cache before training ≤ 70%; no-evict training adds ≥ 15 points",
+             f"full cache before training {cell(before)}, after no-evict training {cell(trained)} "
+             f"({100 * (trained['accuracy'] - before['accuracy']):+.1f} points)",
+             before["accuracy"] <= 0.7 and trained["accuracy"] - before["accuracy"] >= 0.15),
+            ("NGC keeps the reasoning under a smaller peak cache", "49.6% at 2.4×",
+             "NGC at ε = 0.5 ≥ 70% of the no-evict model's full cache, at ≥ 2×",
+             f"{cell(ngc)} at {ngc['kv_reduction']:.2f}× ({ratio(ngc, trained):.0%} of {cell(trained)}; NGC's own "
+             f"full cache {cell(full)}; untrained scores {cell(at('untrained', 'ngc'))}); greedy tokens {cell(greedy)}",
+             ratio(ngc, trained) >= 0.7 and ngc["kv_reduction"] >= 2),
+            ("NGC beats every baseline", "2.3× the next best (49.6% vs 21.2%)", "≥ 2× the best of all baselines",
+             f"best baseline {best['policy']} {cell(best)} on the no-evict model: NGC is {ratio(ngc, best):.1f}× it; "
+             f"on NGC's own model the best is {own_best['policy']} {cell(own_best)}, and NGC closes {gap:.0%} of the "
+             f"gap from it to the oracle there ({cell(oracle)})", ratio(ngc, best) >= 2),
+            ("the token policy learns to write for eviction", "token-only 35.7% (72% of NGC)",
+             "token-only ≥ 50% of NGC and ≥ 3× targeted dropout",
+             f"token-only {cell(token)}: {ratio(token, ngc):.0%} of NGC, {ratio(token, dropout):.1f}× targeted dropout",
+             ratio(token, ngc) >= 0.5 and ratio(token, dropout) >= 3),
+            ("off-policy training fails", "targeted dropout 2.5%", "targeted dropout far below token-only (≤ ⅓ of it)",
+             f"targeted dropout {cell(dropout)}", ratio(dropout, token) <= 1 / 3),
+            interoception_claim(studies, at, cell),
+            ("NGC generalises to unseen rates", "pareto-dominates the baselines", "above every baseline at every ε tried",
+             "NGC's margin over the best baseline: " + ", ".join(f"ε = {e:g} {100 * m:+.1f} points"
+                                                                  for e, m in margin.items()),
+             all(m > 0 for m in margin.values())),
+            layout_claim(studies, at, cell, ratio(ngc, full))]
+    met = {True: "yes", False: "**no**", None: "-"}
+    return "\n".join(["| claim | paper (§5.2-5.3) | goal | here, pass@1 | met |", "|---|---|---|---|---|"]
+                     + [f"| {a} | {b} | {g} | {c} | {met[m]} |" for a, b, g, c, m in rows])
+
+
+def layout_claim(studies, at, cell, kept):
+    """The layout row: NGC on prompt layouts never trained on, as a fraction of the full cache there
+    (kept: the same fraction on the training layouts)."""
+    claim, paper, goal = ("what NGC keeps, not where it sits", "(R1's prompts vary)",
+                          "on layouts never trained on, NGC at ε = 0.5 keeps ≥ 70% of the full cache there")
+    if "shifted-ngc" not in studies:
+        return claim, paper, goal, "not measured (the model's prompt has one layout)", None
     s_ngc, s_full = at("shifted-ngc", "ngc"), at("shifted-ngc", "none", 0.0)
     s_best = max((r for r in studies["shifted-baselines"] if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
-    rows = [("NGC keeps the reasoning under a smaller peak cache", "49.6% at 2.4×",
-             f"{cell(ngc)} at {ngc['kv_reduction']:.2f}× ({ngc['accuracy'] / full_ne['accuracy']:.0%} of the no-evict "
-             f"model's full cache, {cell(full_ne)}; its own full cache {cell(full)}); greedy tokens {cell(greedy)}"),
-            ("NGC beats every baseline", "2.3× the next best (49.6% vs 21.2%)",
-             f"best baseline {best['policy']} {cell(best)}: NGC is {ngc['accuracy'] / max(best['accuracy'], 1e-9):.1f}× "
-             f"it, {100 * (ngc['accuracy'] - best['accuracy']):+.1f} points"),
-            ("how much of the possible gain NGC reaches", "not stated",
-             f"on NGC's own model NGC closes {gap:.0%} of the gap from the best baseline there ({own_best['policy']} "
-             f"{cell(own_best)}) to the oracle there ({cell(own_oracle)}); the oracle on the no-evict model: "
-             f"{cell(oracle)}"),
-            ("the token policy learns to write for eviction", "token-only 35.7% (72% of NGC)",
-             f"token-only {cell(token)} ({token['accuracy'] / max(ngc['accuracy'], 1e-9):.0%} of NGC)"),
-            ("off-policy training fails", "targeted dropout 2.5%", f"targeted dropout {cell(dropout)}"),
-            ("interoception helps at budgets stricter than training", "an 8-13% boost",
-             f"interoception vs its blind control, {intero}"),
-            ("NGC generalises to unseen rates", "pareto-dominates the baselines",
-             f"NGC above every baseline at ε = {', '.join(f'{e:g}' for e in beaten) or 'none'} of "
-             f"{', '.join(f'{e:g}' for e in tried)}"),
-            ("what NGC keeps, not where it sits", "not tested (R1's prompts vary)",
-             f"prompt layouts never trained on: NGC {cell(s_ngc)} of a full cache's {cell(s_full)} "
-             f"({s_ngc['accuracy'] / max(s_full['accuracy'], 1e-9):.0%}; training layout "
-             f"{ngc['accuracy'] / max(full['accuracy'], 1e-9):.0%}); best baseline {s_best['policy']} {cell(s_best)}")]
-    return "\n".join(["| claim | paper (§5.2-5.3) | here, pass@1 |", "|---|---|---|"]
-                     + [f"| {a} | {b} | {c} |" for a, b, c in rows])
+    share = s_ngc["accuracy"] / max(s_full["accuracy"], 1e-9)
+    return (claim, paper, goal, f"NGC {cell(s_ngc)} of a full cache's {cell(s_full)} ({share:.0%}; training layouts "
+            f"{kept:.0%}); best baseline there {s_best['policy']} {cell(s_best)}", share >= 0.7)
+
+
+def interoception_claim(studies, at, cell):
+    """The interoception row: the tagged model against its blind control at the strictest ε, and
+    the tag check (the same model and ε under other tags)."""
+    claim, paper, goal = ("interoception helps beyond the training budgets", "+8-13 points",
+                          "≥ +5 points over the blind control at a stricter ε, beyond 2 SE")
+    if "interoception" not in studies:
+        return claim, paper, goal, "not measured (--no-interoception)", None
+    e = INTERO_SWEEP[-1]
+    tagged, blind = at("interoception", "ngc", e), at("interoception-blind", "ngc", e)
+    lift = tagged["accuracy"] - blind["accuracy"]
+    two_se = 2 * (tagged["accuracy_se"] ** 2 + blind["accuracy_se"] ** 2) ** 0.5
+    same = [at("interoception", "ngc", TAG_CHECK)] + [at(f"tag-{t}", "ngc", TAG_CHECK) for t in ("0.25", "blind")]
+    reads = ", ".join(f"tag {t} {cell(r)} (length {r['length']:.0f})" for t, r in zip([f"{TAG_CHECK:g}", "0.25", "-"], same))
+    return (claim, paper, goal, f"ε = {e:g}: {cell(tagged)} vs blind {cell(blind)} ({100 * lift:+.1f} points, "
+            f"2 SE = {100 * two_se:.1f}); the same model at ε = {TAG_CHECK:g} under three tags: {reads}",
+            lift >= 0.05 and lift > two_se)
 
 
 @exits  # a training run that fails ends the script with one line
@@ -551,7 +594,8 @@ def main(argv=None):
 
     def study(name, title, run, policies, rates, extra=(), seeds=args.seeds):
         rows = over_seeds([r for k in range(seeds) for r in eval_study(args.out, name, run, policies, rates, k,
-                                                                        args.problems, [*samples, *extra])])
+                                                                        args.problems, [*samples, *extra],
+                                                                        args.model)])
         sections.append(f"## {title}\n\n{markdown(rows)}\n")
         path = os.path.join(args.out, name)
         write_jsonl(path + ".jsonl", rows)
@@ -560,6 +604,8 @@ def main(argv=None):
         return rows
 
     studies = {}
+    studies["untrained"] = study("untrained", "0. Before training: the starting model's full cache, and NGC's scores "
+                                 "untrained", UNTRAINED, ["none", "ngc"], [0.5], seeds=1)
     studies["baselines"] = study("baselines", "1. The baselines at ε = 0.5 on the no-evict model (the paper's "
                                  "heuristics, random, random-prompt, the task rule) and the oracle", "no-evict",
                                  ["none", *BASELINES, "oracle"], [0.5])
@@ -586,14 +632,19 @@ def main(argv=None):
         blind = study("interoception-blind", "4. Its control: the same per-group ε, the tag without the rate",
                       "interoception-blind", ["ngc"], INTERO_SWEEP, seeds=few)
         studies["interoception"], studies["interoception-blind"] = intero, blind
+        for tag in ("0.25", "blind"):  # does the model read the tag? The same ε, another tag
+            studies[f"tag-{tag}"] = study(f"tag-{tag}", f"4. The interoception model at ε = {TAG_CHECK:g} with the "
+                                          f"tag {tag}", "interoception", ["ngc"], [TAG_CHECK], ["--tag", tag], seeds=few)
         if have("matplotlib"):
             accuracy_vs_rate({"NGC": plain, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
                              os.path.join(args.out, "interoception-vs-ngc.png"))
-    studies["shifted-ngc"] = study("shifted-ngc", "6. Prompt layouts never used in training (tiny-shifted): NGC",
-                                   "ngc", ["none", "ngc"], [0.5], SHIFTED)
-    studies["shifted-baselines"] = study("shifted-baselines", "6. The same layouts: the strongest baselines on "
-                                         "the no-evict model (seed 0)", "no-evict", ["none", *STRONGEST, "oracle"],
-                                         [0.5], SHIFTED, seeds=1)
+    unseen = countdown.SHIFTED.get(settings.run_defaults(args.model).prompt)  # None: a prompt of one layout
+    if unseen:
+        studies["shifted-ngc"] = study("shifted-ngc", f"6. Prompt layouts never used in training ({unseen}): NGC",
+                                       "ngc", ["none", "ngc"], [0.5], ["--prompt", unseen])
+        studies["shifted-baselines"] = study("shifted-baselines", "6. The same layouts: the strongest baselines on "
+                                             "the no-evict model (seed 0)", "no-evict",
+                                             ["none", *STRONGEST, "oracle"], [0.5], ["--prompt", unseen], seeds=1)
     claims = claims_markdown(studies)
     write_text(os.path.join(args.out, "claims.md"), f"# The paper's Countdown claims on {os.path.relpath(args.model)}"
                f" ({args.seeds} seeds)\n\n{claims}\n")

@@ -526,37 +526,74 @@ def test_cli_evaluates_another_layout_than_the_runs(train_ckpt, monkeypatch):
     assert seen == [None, run, run] and run != (9, 3, 2)
 
 
+@pytest.mark.parametrize("tag, written", [("0.25", (0.25, False)), ("rate", (0.5, False)), ("blind", (0.5, True)),
+                                          (None, (None, False))])
+def test_eval_tag_writes_the_budget_tag_it_is_given(train_ckpt, monkeypatch, tag, written):
+    """eval.py --tag: the evicting runs' prompts carry the tag with that rate (rate: the ε evaluated,
+    blind: the tag without it), whatever ε is evaluated; the full-cache reference never does. Without
+    --tag a run trained without --interoception has no tag (the control)."""
+    seen = []
+
+    def spy(task, style=None, eviction_rate=None, blind=False):
+        seen.append((eviction_rate, blind))
+        return tasks.prompt_encoder(task, style, eviction_rate, blind)
+
+    monkeypatch.setattr(evaluation, "prompt_encoder", spy)
+    evaluation.main(["--model", train_ckpt, "--policy", "ngc", "--eviction-rate", "0.5", "--problems", "2",
+                     "--samples", "0"] + (["--tag", tag] if tag else []))
+    assert seen[0][0] is None and seen[1] == written  # the full-cache reference (no tag), then ngc at ε = 0.5
+
+
+def test_eval_refuses_a_tag_it_cannot_write(train_ckpt):
+    with pytest.raises(SystemExit) as err:
+        evaluation.main(["--model", train_ckpt, "--tag", "1.5"])
+    assert "argument --tag: '1.5': give rate, blind or a rate in [0, 1]" in str(err.value)
+
+
 def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
-    """claims.md: the best baseline is the strongest non-oracle policy, NGC's multiple of it, and the
-    fraction of the gap from the best baseline to the oracle, both on NGC's own model, that NGC
-    closes; the oracle never counts as a baseline."""
+    """claims.md: each claim against its goal. The best baseline is the strongest non-oracle policy,
+    NGC's multiple of it, the fraction of the gap from the best baseline to the oracle on NGC's own
+    model that NGC closes; the oracle never counts as a baseline; "met" follows each goal."""
     import reproduce
-    row = lambda run, policy, acc, rate=0.5: dict(run=run, policy=policy, eviction_rate=rate, accuracy=acc,
-                                                  accuracy_sd=0.01, seeds=3, kv_reduction=2.2)
+    row = lambda run, policy, acc, rate=0.5, length=80.0: dict(
+        run=run, policy=policy, eviction_rate=rate, accuracy=acc, accuracy_sd=0.01, accuracy_se=0.02, seeds=3,
+        kv_reduction=2.2, length=length)
     baselines = [row("no-evict", "none", 0.96, 0.0), row("no-evict", "oracle", 0.8)] + [
         row("no-evict", p, 0.4 if p == "task-rule" else 0.05) for p in reproduce.BASELINES]
     sweep = [row("ngc", "ngc", 0.8 - e / 2, e) for e in reproduce.SWEEP]  # 0.5, 0.45, 0.4 at ε = 0.6, 0.7, 0.8
-    studies = {"baselines": baselines, "ngc": [row("ngc", "none", 0.98, 0.0), row("ngc", "ngc", 0.6),
+    studies = {"untrained": [row("u", "none", 0.6, 0.0), row("u", "ngc", 0.1)],
+               "baselines": baselines, "ngc": [row("ngc", "none", 0.98, 0.0), row("ngc", "ngc", 0.6),
                                                row("ngc", "oracle", 0.9), row("ngc", "task-rule", 0.45),
                                                row("ngc", "random", 0.1)],
                "greedy": [row("ngc", "ngc", 0.55)], "token-only": [row("t", "ngc", 0.3)],
                "targeted-dropout": [row("d", "ngc", 0.02)], "sweep": sweep,
                "sweep-baselines": [row("no-evict", "task-rule", 0.45 if e == 0.8 else 0.2, e) for e in reproduce.SWEEP[1:]],
-               "interoception": [row("i", "ngc", 0.1, e) for e in reproduce.INTERO_SWEEP],
+               "interoception": [row("i", "ngc", 0.2, e, 90.0) for e in reproduce.INTERO_SWEEP],
                "interoception-blind": [row("b", "ngc", 0.05, e) for e in reproduce.INTERO_SWEEP],
+               "tag-0.25": [row("i", "ngc", 0.1, reproduce.TAG_CHECK, 70.0)],
+               "tag-blind": [row("i", "ngc", 0.12, reproduce.TAG_CHECK, 75.0)],
                "shifted-ngc": [row("ngc", "none", 0.97, 0.0), row("ngc", "ngc", 0.3)],
                "shifted-baselines": [row("no-evict", "task-rule", 0.35)]}
     text = reproduce.claims_markdown(studies)
-    assert "best baseline task-rule 40.0% ± 1.0: NGC is 1.5× it, +20.0 points" in text
-    assert "NGC closes 33% of the gap from the best baseline there (task-rule 45.0% ± 1.0) to the oracle there " \
-           "(90.0% ± 1.0)" in text  # (0.6 - 0.45) / (0.9 - 0.45), all on NGC's model
-    assert "token-only 30.0% ± 1.0 (50% of NGC)" in text
-    assert "NGC above every baseline at ε = 0.6, 0.7 of 0.6, 0.7, 0.8" in text  # 0.4 < 0.45 at 0.8
-    assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layout 61%)" in text
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:]}
+    assert "full cache before training 60.0% ± 1.0, after no-evict training 96.0% ± 1.0 (+36.0 points) | yes" \
+        in lines["the model learns to reason"]
+    assert "60.0% ± 1.0 at 2.20× (62% of 96.0% ± 1.0;" in text and lines["NGC keeps the reasoning under a smaller " \
+                                                                       "peak cache"].endswith("| **no** |")
+    assert "best baseline task-rule 40.0% ± 1.0 on the no-evict model: NGC is 1.5× it" in text
+    assert "NGC closes 33% of the gap from it to the oracle there (90.0% ± 1.0)" in text  # (0.6 - 0.45) / (0.9 - 0.45)
+    assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
+    assert "targeted dropout 2.0% ± 1.0 | yes" in text
+    assert "ε = 0.9: 20.0% ± 1.0 vs blind 5.0% ± 1.0 (+15.0 points, 2 SE = 5.7)" in text  # 2 √(0.02² + 0.02²)
+    assert "tag 0.9 20.0% ± 1.0 (length 90), tag 0.25 10.0% ± 1.0 (length 70), tag - 12.0% ± 1.0 (length 75) | yes" in text
+    assert "ε = 0.6 +30.0 points, ε = 0.7 +25.0 points, ε = 0.8 -5.0 points | **no**" in text  # 0.4 < 0.45 at 0.8
+    assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layouts 61%)" in text
     # Negative control: were the oracle counted as a baseline, the best would be the oracle itself.
     assert "best baseline oracle" not in text
-    without = {k: v for k, v in studies.items() if not k.startswith("interoception")}  # --no-interoception
-    assert "interoception vs its blind control, not measured" in reproduce.claims_markdown(without)
+    without = {k: v for k, v in studies.items() if not k.startswith(("interoception", "tag-"))}  # --no-interoception
+    assert "not measured (--no-interoception) | - |" in reproduce.claims_markdown(without)
+    one_layout = {k: v for k, v in studies.items() if not k.startswith("shifted-")}  # a prompt of one layout
+    assert "not measured (the model's prompt has one layout) | - |" in reproduce.claims_markdown(one_layout)
 
 
 # ---------------------------------------------------------------------------------------
@@ -771,14 +808,14 @@ def test_reproduce_reuses_an_evaluation_only_for_the_same_arguments_after_the_ch
     import reproduce
     ckpt = tmp_path / "runs" / "ngc" / "checkpoint"
     ckpt.mkdir(parents=True)
-    (ckpt / "trainer.pt").write_text("x")
+    (ckpt / "model.safetensors").write_text("x")
     path, argv = str(tmp_path / "e.jsonl"), ["--model", str(ckpt), "--policy", "ngc", "--samples", "1"]
     assert not reproduce.evaluated(path, argv)  # nothing written yet
     (tmp_path / "e.jsonl").write_text("{}\n")
     (tmp_path / "e.jsonl.argv").write_text(" ".join(argv) + "\n")
-    os.utime(ckpt / "trainer.pt", (1, 1))
+    os.utime(ckpt / "model.safetensors", (1, 1))
     assert reproduce.evaluated(path, argv)
     assert not reproduce.evaluated(path, argv[:-1] + ["2"])  # other arguments
-    os.utime(ckpt / "trainer.pt", None)  # the checkpoint is newer than the evaluation: trained again
+    os.utime(ckpt / "model.safetensors", None)  # the checkpoint is newer than the evaluation: trained again
     os.utime(path, (1, 1))
     assert not reproduce.evaluated(path, argv)

@@ -80,11 +80,94 @@ def test_restating_traces_write_the_target_after_numbers_and_still_replay():
     assert rng.random() == random.Random(2).random()
 
 
-@pytest.mark.parametrize("flags", [["--restate", "1.5"], ["--task", "math", "--restate", "0.2"]])
-def test_make_tiny_refuses_a_restate_it_cannot_write(tmp_path, flags):
+def slips_and_hits(problem, text):
+    """The leaves of a trace that reach the target: (judged no, judged yes)."""
+    words = text.split()
+    leaves = [words[k + 2] for k in range(len(words) - 2)  # `op w verdict`; a move is `a op b = v`
+              if words[k] in "+*-/" and words[k + 1] == str(problem.target) and words[k + 2] in ("no", "yes")]
+    return leaves.count("no"), leaves.count("yes")
+
+
+def test_slipped_traces_say_no_at_the_target_and_search_on():
+    """make_tiny.py --slip s: a leaf that reaches the target is judged `no` with probability s and the
+    search goes on; a search without `yes` answers `none` (reward 0). Without slips every trace is the
+    deterministic one, and a slipped trace is not a correct one (check_trace)."""
+    p = cd.Problem((3, 5, 2), 16)
+    always = trace(p, slip=0.999999, rng=random.Random(0))
+    assert always.startswith("[ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no") and always.endswith("<answer> none </answer>")
+    assert "yes" not in always and cd.reward(always, p) == 0.0 and not check_trace(p, always)
+    rng, slips, hits, rewards = random.Random(3), 0, 0, []
+    for q in cd.generate(400, 11, cd.SMALL):
+        t = trace(q, slip=0.5, rng=rng)
+        no, yes = slips_and_hits(q, t)
+        slips, hits = slips + no, hits + yes
+        rewards.append(cd.reward(t, q))
+        assert yes == rewards[-1] and (yes == 0) == t.endswith("<answer> none </answer>")
+        d, w = trace(q).split(), t.split()  # up to its first slip, the deterministic search of the problem
+        k = d.index("yes")
+        assert w == d if no == 0 else (w[:k] == d[:k] and w[k] == "no")
+    assert abs(slips / (slips + hits) - 0.5) < 0.06, (slips, hits)  # each target leaf slips with probability 0.5
+    assert 0.5 < sum(rewards) / len(rewards) < 0.95  # a perfect imitator solves only part of them
+    # Negative control: --slip 0 never slips.
+    assert all(slips_and_hits(q, trace(q))[0] == 0 for q in cd.generate(200, 11, cd.SMALL))
+
+
+def test_per_trace_restating_follows_the_tag_rate():
+    """--restate per-trace (tiny/): a trace under a tag with rate r restates the target after each
+    `[ ... ]` with probability r, one without a rate (untagged or blind) with a probability drawn per
+    trace; with a fixed --restate the tag says nothing (the control)."""
+    tok = build_tokenizer(make_tiny.WORDS + make_tiny.LAYOUT_WORDS)
+    problems = cd.generate(1500, 4, cd.SMALL)
+
+    def restated_by_tag(restate):
+        rng, by = random.Random(0), {"low": [], "high": [], "-%": [], "none": []}
+        for q in problems:
+            prompt, completion = make_tiny.countdown_example(tok, q, rng, restate, 0.0, "tiny-layouts")
+            words = tok.decode(prompt + completion).split()
+            states, reach = words.count("["), words.count("reach") - 1  # the prompt's own `reach` aside
+            tag = words[words.index("<eviction_rate>") + 1] if "<eviction_rate>" in words else "none"
+            kind = tag if tag in ("-%", "none") else ("low" if int(tag[:-1]) < 25 else "high" if int(tag[:-1]) > 75 else None)
+            if kind:
+                by[kind].append(reach / states)
+        return {k: sum(v) / len(v) for k, v in by.items()}
+
+    per_trace = restated_by_tag(None)
+    assert per_trace["high"] > 0.8 and per_trace["low"] < 0.2, per_trace
+    assert 0.4 < per_trace["-%"] < 0.6 and 0.4 < per_trace["none"] < 0.6, per_trace
+    fixed = restated_by_tag(0.25)  # Negative control: the tag's rate changes nothing
+    assert all(abs(v - 0.25) < 0.05 for v in fixed.values()), fixed
+
+
+def test_layouts_vary_the_targets_position_and_keep_unseen_ones_out_of_training():
+    """tiny/'s prompts (tiny-layouts): 8 layouts, a function of the problem, with the target at
+    positions 4-11; the layouts of tiny-unseen never occur among them, and put the target at 8-15.
+    The rate of the budget tag is one token of its own (`50%`; blind `-%`, the same length)."""
+    tok = build_tokenizer(make_tiny.WORDS + make_tiny.LAYOUT_WORDS)
+    seen, unseen = {}, {}
+    for q in cd.generate(300, 2, cd.SMALL):
+        for prompts, style in ((seen, "tiny-layouts"), (unseen, "tiny-unseen")):
+            words = cd.PROMPTS[style](q).split()
+            layout = (words.count("."), words.index("reach") < words.index("with"))
+            prompts.setdefault(layout, set()).add(words.index(str(q.target), words.index("reach")))
+            assert tok.token_to_id("<unk>") not in tok.encode(" ".join(words)).ids
+    assert len(seen) == 8 and len(unseen) == 8 and not set(seen) & set(unseen)
+    assert set().union(*seen.values()) == set(range(4, 12)) and set().union(*unseen.values()) == set(range(8, 16))
+    q = cd.Problem((3, 5, 2), 16)
+    tagged, blind = (tok.encode(cd.layouts_prompt(q, 0.5, b)).ids for b in (False, True))
+    assert tok.decode(tagged[-3:]) == "<eviction_rate> 50% </eviction_rate>" and len(tagged) == len(blind)
+    assert [i for i, (a, b) in enumerate(zip(tagged, blind)) if a != b] == [len(tagged) - 2]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--restate", "1.5"], "--restate 1.5 must lie in [0, 1]"), (["--restate", "often"], "argument --restate"),
+    (["--slip", "1"], "--slip 1.0 must lie in [0, 1)"),
+    (["--prompt", "tiny"], "--slip 0.5: a slipped search"), (["--prompt", "tiny", "--slip", "0"], "--restate per-trace"),
+    (["--task", "math", "--restate", "0.2"], "--restate and --slip shape Countdown's traces"),
+    (["--task", "math", "--slip", "0.2"], "--restate and --slip shape Countdown's traces")])
+def test_make_tiny_refuses_traces_it_cannot_write(tmp_path, flags, message):
     with pytest.raises(SystemExit) as err:
         make_tiny.main(["--out", str(tmp_path / "t"), "--steps", "1", *flags])
-    assert str(err.value).startswith("error: --restate") and "\n" not in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value), err.value
     assert list(tmp_path.iterdir()) == []
 
 
@@ -190,13 +273,18 @@ def test_shipped_tiny_model_loads_and_solves():
     assert cfg.vocab_size == tok.get_vocab_size()
     assert cfg.bos_token_id == tok.token_to_id("<bos>") and cfg.eos_ids == [tok.token_to_id("<eos>")]
     assert sum(os.path.getsize(os.path.join(TINY_DIR, f)) for f in os.listdir(TINY_DIR)) < 8e6
-    _, test = split_problems(0, 16, n_train=1)
-    prompts = [tok.encode(tiny_prompt(p)).ids for p in test]
-    torch.manual_seed(0)
-    out = rollout(model, prompts, Sampling(max_new_tokens=400, greedy=True), None, eos_ids=cfg.eos_ids)
-    texts = tok.decode_batch(out.completions(), skip_special_tokens=True)
-    solved = sum(cd.reward(t, p) for t, p in zip(texts, test))
-    assert solved >= 11, texts  # the shipped model solves about 95% of held-out problems
+    _, test = split_problems(0, 100, n_train=1)
+    style = settings.run_defaults(TINY_DIR).prompt
+    prompts = [tok.encode(cd.PROMPTS[style](p)).ids for p in test]
+    solved = {}
+    for greedy in (True, False):
+        out = rollout(model, prompts, Sampling(max_new_tokens=256, greedy=greedy), None, eos_ids=cfg.eos_ids,
+                      generator=torch.Generator().manual_seed(0))
+        texts = tok.decode_batch(out.completions(), skip_special_tokens=True)
+        solved[greedy] = sum(cd.reward(t, p) for t, p in zip(texts, test))
+    # Greedy tokens solve most held-out problems; sampled ones, as the model writes its traces, only part:
+    # it slips (a `no` at the target) as its pretraining traces did, which leaves RL reasoning to teach.
+    assert solved[True] >= 75 and 50 <= solved[False] <= 80, solved
 
 
 def _build_small(out, seed):
@@ -230,7 +318,7 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
     assert "ε = 0.5, pass@1 (greedy top-K)" in printed and "peak-KV reduction" in printed
     steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
-    assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny"
+    assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny-layouts"
 
 
 def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
@@ -252,8 +340,8 @@ def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
     tok = load_tokenizer(TINY_DIR)
     for a, b, rate in zip(tagged, blind, rates.tolist()):
         changed = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-        assert len(a) == len(b) and changed == [len(a) - 3]  # <eviction_rate> RATE % </eviction_rate>
-        assert tok.decode([a[-3]]) == str(round(100 * rate)) and tok.decode([b[-3]]) == "-"
+        assert len(a) == len(b) and changed == [len(a) - 2]  # <eviction_rate> RATE% </eviction_rate>
+        assert tok.decode([a[-2]]) == f"{round(100 * rate)}%" and tok.decode([b[-2]]) == "-%"
 
 
 # ---------------------------------------------------------------------------------------
