@@ -3,7 +3,7 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
 
     python make_tiny.py                      # rebuild tiny/ (about 20 minutes on 2 cores)
     python make_tiny.py --steps 300 --out runs/tiny-smoke
-    python make_tiny.py --prompt tiny --restate 0.25 --slip 0 --threads 1 --out tiny-restate  # RESULTS §0's model
+    python make_tiny.py --prompt tiny --restate 0.25 --slip 0 --threads 1 --out tiny-restate  # RESULTS §R's model
     python make_tiny.py --prompt tiny --restate 0 --slip 0 --threads 1 --out tiny-plain        # RESULTS §1-9's
     python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
 
@@ -23,7 +23,7 @@ loses. tiny/ is built so that RL has reasoning to teach as well as memory to man
   8 layouts; countdown's tiny-unseen layouts (4-7 dots) are kept out of training for the test.
   The tag's rate is one token of its own (`<eviction_rate> 50% </eviction_rate>`).
 
-    prompt:     <bos> . Countdown : with 3 5 2 reach 16 .
+    prompt:     <bos> . . Countdown : reach 16 with 3 5 2 .
     completion: [ 5 3 2 ] reach 16 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back [ 5 3 2 ] ...
 
 `[ ... ]` states the numbers left, largest first. A move `a op b = v` picks two of them
@@ -31,7 +31,7 @@ loses. tiny/ is built so that RL has reasoning to teach as well as memory to man
 left, each leaf `op w` is x op y, judged yes (w is the target) or no (leaves above 999
 are skipped). A dead end returns with `back [ ... ]` restating the numbers. The earlier models
 (--prompt tiny --slip 0) never slip and have one layout: tiny-restate (--restate 0.25) and
-tiny-plain (--restate 0), whose results are RESULTS §0 and §1-9.
+tiny-plain (--restate 0), whose results are RESULTS §R and §1-9.
 
 Math (--task math): the word problems of mathtask.py's demo set, prompted exactly as
 `train.py --task math` prompts them (mathtask.encode: the question, then R1's instruction; this
@@ -77,7 +77,7 @@ from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
-# lengths scaled to its traces (prompt ~12 tokens, full-cache completions ~75, capped at 256).
+# lengths scaled to its traces (prompts of 10-13 tokens, full-cache completions ~150 before training, capped at 256).
 TINY_RUN = dict(
     task="countdown", prompt="tiny-layouts", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
@@ -98,8 +98,7 @@ MATH_RUN = dict(
 MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
     # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
-    threads=1,
-    max_new_tokens=MATH_RUN["max_new_tokens"], slip=0.0)
+    threads=1, max_new_tokens=MATH_RUN["max_new_tokens"], slip=0.0)
 MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
@@ -377,7 +376,7 @@ def main(argv=None):
     ap.add_argument("--restate", type=restate_flag, default=None, metavar="P|per-trace",
                     help="Countdown: the probability that a trace restates the target (`reach N`) after each "
                          "`[ ... ]`; per-trace (default, tiny/): each trace draws its own, the tag's rate where the "
-                         "prompt has one. 0.25: the restate model of RESULTS §0, 0: the plain model of §1-9")
+                         "prompt has one. 0.25: the restate model of RESULTS §R, 0: the plain model of §1-9")
     ap.add_argument("--slip", type=float, default=0.5,
                     help="Countdown: the probability that a leaf reaching the target is judged `no` and the search "
                          "goes on, so the model is only partly competent before RL (default 0.5, tiny/; 0: the "
@@ -394,6 +393,10 @@ def main(argv=None):
     task = TASKS[pre.parse_known_args(argv)[0].task]
     ap.set_defaults(**task.flags)
     args = ap.parse_args(argv)
+    shipped = os.path.join(args.out, "ngc.json")
+    if args.eval_only and args.task == "countdown" and os.path.exists(shipped):  # evaluate as the model is prompted
+        with open(shipped) as f:
+            args.prompt = json.load(f).get("prompt", args.prompt)
     if args.task == "countdown":  # the prompt style decides the vocabulary, the prompts and ngc.json's
         task = replace(task, words=WORDS + LAYOUT_WORDS * (args.prompt == "tiny-layouts"),
                        encode=lambda t, p: t.encode(cd.PROMPTS[args.prompt](p)).ids,
@@ -488,14 +491,15 @@ def check_flags(args):
         raise ValueError(f"--restate {args.restate} must lie in [0, 1] (or be per-trace)")
     if not 0 <= args.slip < 1:
         raise ValueError(f"--slip {args.slip} must lie in [0, 1)")
-    if args.task == "countdown" and args.prompt == "tiny" and args.slip:
+    building = args.task == "countdown" and not args.eval_only  # the traces to pretrain on
+    if building and args.prompt == "tiny" and args.slip:
         raise ValueError(f"--slip {args.slip}: a slipped search may end in `<answer> none </answer>`, which only "
                          f"--prompt tiny-layouts' vocabulary has; add --slip 0 or drop --prompt tiny")
-    if args.task == "countdown" and args.prompt == "tiny" and args.restate is None:
+    if building and args.prompt == "tiny" and args.restate is None:
         raise ValueError("--restate per-trace reads the rate tag of --prompt tiny-layouts; give --restate a "
                          "probability with --prompt tiny")
     if args.task == "math" and (args.restate or args.slip):
-        raise ValueError(f"--restate and --slip shape Countdown's traces; leave them out for --task math")
+        raise ValueError("--restate and --slip shape Countdown's traces; leave them out for --task math")
 
 
 def check_out(out: str):

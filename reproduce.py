@@ -1,19 +1,19 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
-    python reproduce.py                 # everything, one seed, into results/restate/ (about 1.2 hours on a 2-core CPU)
+    python reproduce.py                 # everything, one seed, into results/reason/
     python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --limit         # and the limit study: three changes to the default recipe
     python reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
-    python reproduce.py --seeds 3 --ablation-seeds 1 --samples 1 --no-interoception --jobs 2 --out results/restate/pass1
-                                        # RESULTS §0's run (about an hour of evaluations on a 2-core CPU)
+    python reproduce.py --seeds 3 --ablation-seeds 1 --samples 1 --problems 200 --jobs 2 --out results/reason
+                                        # RESULTS §0's run
 
 It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
 its own training and held-out problems, rollouts and evictions; with --data-seed fixed, only its
 own rollouts and evictions, so the spread across seeds is training's alone), each only if
 OUT/runs/<name>[-seed<k>] has not finished yet (a run directory saved with other settings than this
 command's, say other --train-args, is refused before anything trains), then evaluates them with
-eval.py on the held-out problems (OUT is --out: results/restate, the shipped tiny/'s folder, unless
+eval.py on the held-out problems (OUT is --out: results/reason, the shipped tiny/'s folder, unless
 given; results/README.md says which folder holds which model):
 
     ngc                  the method                          train.py
@@ -542,8 +542,8 @@ def interoception_claim(studies, at, cell):
 @exits  # a training run that fails ends the script with one line
 def main(argv=None):
     p = parser(__doc__)
-    p.add_argument("--out", default=os.path.join("results", "restate"),
-                   help="directory for runs/, *.jsonl, *.png and summary.md (default: results/restate)")
+    p.add_argument("--out", default=os.path.join("results", "reason"),
+                   help="directory for runs/, *.jsonl, *.png and summary.md (default: results/reason)")
     p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")

@@ -158,6 +158,22 @@ def test_layouts_vary_the_targets_position_and_keep_unseen_ones_out_of_training(
     assert [i for i, (a, b) in enumerate(zip(tagged, blind)) if a != b] == [len(tagged) - 2]
 
 
+def test_make_tiny_evaluates_a_model_as_its_ngc_json_prompts_it(tmp_path, monkeypatch):
+    """--eval-only reads the prompt style from the model's ngc.json: an earlier model (--prompt tiny)
+    is evaluated on its own one layout, the shipped one on tiny-layouts (the control)."""
+    small = ["--steps", "1", "--warmup", "1", "--batch", "4", "--micro", "4", "--d", "32", "--layers", "1",
+             "--heads", "2", "--ffn", "64", "--train-problems", "50", "--n-test", "2", "--threads", "1"]
+    seen = {}
+    monkeypatch.setattr(make_tiny, "report", lambda model, tok, test, task, cap: seen.update(
+        prompt=tok.decode(task.encode(tok, cd.Problem((3, 5, 2), 16)), skip_special_tokens=False)))
+    make_tiny.main(["--out", str(tmp_path / "old"), *small, "--prompt", "tiny", "--slip", "0", "--restate", "0.25"])
+    make_tiny.main(["--out", str(tmp_path / "old"), *small, "--eval-only"])
+    assert seen["prompt"] == "<bos> Countdown : reach 16 with 3 5 2 ."
+    make_tiny.main(["--out", str(tmp_path / "new"), *small])
+    make_tiny.main(["--out", str(tmp_path / "new"), *small, "--eval-only"])
+    assert seen["prompt"] == "<bos> . . Countdown : reach 16 with 3 5 2 ."
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--restate", "1.5"], "--restate 1.5 must lie in [0, 1]"), (["--restate", "often"], "argument --restate"),
     (["--slip", "1"], "--slip 1.0 must lie in [0, 1)"),
