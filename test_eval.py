@@ -585,7 +585,7 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
     assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
     assert "targeted dropout 2.0% ± 1.0 | yes" in text
     assert "ε = 0.8: 20.0% ± 1.0 vs blind 5.0% ± 1.0 (+15.0 points, 2 SE = 5.7)" in text  # 2 √(0.02² + 0.02²)
-    assert "tag 0.8 20.0% ± 1.0 (length 90), tag 0.25 10.0% ± 1.0 (length 70), tag - 12.0% ± 1.0 (length 75) | yes" in text
+    assert "tag 0.75 20.0% ± 1.0 (length 90), tag 0.25 10.0% ± 1.0 (length 70), tag - 12.0% ± 1.0 (length 75) | yes" in text
     assert "ε = 0.6 +30.0 points, ε = 0.7 +25.0 points, ε = 0.8 -5.0 points | **no**" in text  # 0.4 < 0.45 at 0.8
     assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layouts 61%)" in text
     # Negative control: were the oracle counted as a baseline, the best would be the oracle itself.
