@@ -164,8 +164,8 @@ def tiny_shifted_prompt(problem, eviction_rate=None, blind=False):
 def layouts_prompt(problem, eviction_rate=None, blind=False, unseen=False):
     """The prompt of tiny/ (make_tiny.py --prompt tiny-layouts) in one of 8 layouts, a function of
     the problem: 0-3 filler dots after BOS, and the target before or after the numbers, so that the
-    target sits anywhere in positions 4-13. unseen: 4-7 dots, layouts never used in training (the
-    target in positions 8-17). The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
+    target sits anywhere in positions 4-11. unseen: 4-7 dots, layouts never used in training (the
+    target in positions 8-15). The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
     k = 3 * problem.target + sum(problem.nums)
     dots = " ." * (k % 4 + 4 * unseen)
     goal, given = f"reach {problem.target}", "with " + " ".join(map(str, problem.nums))
