@@ -84,7 +84,7 @@ def slips_and_hits(problem, text):
     """The leaves of a trace that reach the target: (judged no, judged yes)."""
     words = text.split()
     leaves = [words[k + 2] for k in range(len(words) - 2)  # `op w verdict`; a move is `a op b = v`
-              if words[k] in "+*-/" and words[k + 1] == str(problem.target) and words[k + 2] in ("no", "yes")]
+              if words[k] in ("+", "*", "-", "/") and words[k + 1] == str(problem.target) and words[k + 2] in ("no", "yes")]
     return leaves.count("no"), leaves.count("yes")
 
 
