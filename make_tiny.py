@@ -75,6 +75,7 @@ from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling
+from settings import read_ngc_json
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompts of 10-13 tokens, full-cache completions ~150 before training, capped at 256).
@@ -393,15 +394,13 @@ def main(argv=None):
     task = TASKS[pre.parse_known_args(argv)[0].task]
     ap.set_defaults(**task.flags)
     args = ap.parse_args(argv)
-    shipped = os.path.join(args.out, "ngc.json")
-    if args.eval_only and args.task == "countdown" and os.path.exists(shipped):  # evaluate as the model is prompted
-        with open(shipped) as f:
-            args.prompt = json.load(f).get("prompt", args.prompt)
-    if args.task == "countdown":  # the prompt style decides the vocabulary, the prompts and ngc.json's
-        task = replace(task, words=WORDS + LAYOUT_WORDS * (args.prompt == "tiny-layouts"),
-                       encode=lambda t, p: t.encode(cd.PROMPTS[args.prompt](p)).ids,
-                       run=dict(task.run, prompt=args.prompt))
     try:
+        if args.eval_only and args.task == "countdown":  # evaluate a model as its ngc.json prompts it
+            args.prompt = read_ngc_json(args.out).get("prompt", args.prompt)
+        if args.task == "countdown":  # the prompt style decides the vocabulary, the prompts and ngc.json's
+            task = replace(task, words=WORDS + LAYOUT_WORDS * (args.prompt == "tiny-layouts"),
+                           encode=lambda t, p: t.encode(cd.PROMPTS[args.prompt](p)).ids,
+                           run=dict(task.run, prompt=args.prompt))
         check_flags(args)
         if args.task == "countdown" and args.n_test > cd.SMALL.held_out:
             raise ValueError(f"--n-test {args.n_test}: the tiny difficulty's held-out set (countdown.held_out) has "

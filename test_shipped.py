@@ -161,16 +161,15 @@ def test_layouts_vary_the_targets_position_and_keep_unseen_ones_out_of_training(
 def test_make_tiny_evaluates_a_model_as_its_ngc_json_prompts_it(tmp_path, monkeypatch):
     """--eval-only reads the prompt style from the model's ngc.json: an earlier model (--prompt tiny)
     is evaluated on its own one layout, the shipped one on tiny-layouts (the control)."""
-    small = ["--steps", "1", "--warmup", "1", "--batch", "4", "--micro", "4", "--d", "32", "--layers", "1",
-             "--heads", "2", "--ffn", "64", "--train-problems", "50", "--n-test", "2", "--threads", "1"]
+    evaluate = ["--eval-only", "--train-problems", "50", "--n-test", "2"]
     seen = {}
     monkeypatch.setattr(make_tiny, "report", lambda model, tok, test, task, cap: seen.update(
         prompt=tok.decode(task.encode(tok, cd.Problem((3, 5, 2), 16)), skip_special_tokens=False)))
-    make_tiny.main(["--out", str(tmp_path / "old"), *small, "--prompt", "tiny", "--slip", "0", "--restate", "0.25"])
-    make_tiny.main(["--out", str(tmp_path / "old"), *small, "--eval-only"])
+    _build_small(tmp_path / "old", 0, "--prompt", "tiny", "--slip", "0", "--restate", "0.25")
+    make_tiny.main(["--out", str(tmp_path / "old"), *evaluate])
     assert seen["prompt"] == "<bos> Countdown : reach 16 with 3 5 2 ."
-    make_tiny.main(["--out", str(tmp_path / "new"), *small])
-    make_tiny.main(["--out", str(tmp_path / "new"), *small, "--eval-only"])
+    _build_small(tmp_path / "new", 0)
+    make_tiny.main(["--out", str(tmp_path / "new"), *evaluate])
     assert seen["prompt"] == "<bos> . . Countdown : reach 16 with 3 5 2 ."
 
 
@@ -303,10 +302,10 @@ def test_shipped_tiny_model_loads_and_solves():
     assert solved[True] >= 75 and 50 <= solved[False] <= 80, solved
 
 
-def _build_small(out, seed):
+def _build_small(out, seed, *flags):
     make_tiny.main(["--out", str(out), "--seed", str(seed), "--steps", "3", "--warmup", "1", "--batch", "8",
                     "--micro", "4", "--d", "32", "--layers", "1", "--heads", "2", "--ffn", "64",
-                    "--train-problems", "500", "--n-test", "2"])
+                    "--train-problems", "500", "--n-test", "2", *flags])
     return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
 
 
