@@ -118,6 +118,10 @@ class Settings:
     weight_decay: float = setting(0.0, "AdamW weight decay", OPTIM, at_least(0))
     clip: float = setting(1.0, "grad-norm clipping", OPTIM, positive)
     micro_batch: int = setting(4, "rollouts per replay forward/backward", OPTIM, at_least(1))
+    mem_norm: str = setting("paper", "L_mem's normaliser: paper (eq. 4: per rollout and layer the mean over its rounds, "
+                            "/ the step's rollouts) | joint (summed over rounds and layers, / L_token's constant: "
+                            "the joint policy's gradient)", OPTIM, choices=["paper", "joint"])
+    mem_weight: float = setting(1.0, "W in L = L_token + W · L_mem", OPTIM, positive)
     term_grad_norms: bool = setting(False, "log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward per micro-batch, "
                                     "one more gradient copy)", OPTIM)
     # Evaluation and checkpoints

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import FrozenInstanceError, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,6 +70,70 @@ def test_token_only_and_mem_only_follow_one_term_each_of_ngc(train_ckpt, tmp_pat
     assert norms["token-only"]["grad_norm"] == pytest.approx(norms["ngc"]["grad_norm_token"], rel=1e-4)
     assert norms["mem-only"]["grad_norm"] == pytest.approx(norms["ngc"]["grad_norm_mem"], rel=1e-4)
     assert norms["ngc"]["grad_norm_mem"] != pytest.approx(norms["ngc"]["grad_norm_token"], rel=1e-2)  # control
+
+
+# ---------------------------------------------------------------------------------------
+# L_mem's normaliser and weight (--mem-norm, --mem-weight)
+
+
+# Two rollouts, n_total = 4 of the step, max_new_tokens = 10, advantages 0.5 and -0.5; log p(σ) per
+# round x layer: rollout 0 has 2 rounds, rollout 1 one (its second row is padding, 0).
+HAND_EV_LP = torch.tensor([[[-1.0, -2.0], [-3.0, -4.0]],
+                           [[-0.5, -1.5], [0.0, 0.0]]])
+# paper (eq. 4): layer means over rounds, rollout 0: (-1-3)/2 + (-2-4)/2 = -5; rollout 1: -0.5 - 1.5 = -2
+#   L_mem = -(0.5·(-5) + (-0.5)·(-2)) / 4 = 1.5/4 = 0.375
+# joint: sums over rounds and layers, rollout 0: -10; rollout 1: -2
+#   L_mem = -(0.5·(-10) + (-0.5)·(-2)) / (4·10) = 4/40 = 0.1
+# the weight W multiplies either: W = 3 gives 1.125 and 0.3
+HAND_L_MEM = [("paper", 1.0, 0.375), ("paper", 3.0, 1.125), ("joint", 1.0, 0.1), ("joint", 3.0, 0.3)]
+
+
+@pytest.mark.parametrize("norm, weight, expected", HAND_L_MEM)
+def test_l_mem_of_a_hand_built_batch_under_each_normaliser_and_weight(monkeypatch, norm, weight, expected):
+    tok_lp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [-0.5, -0.5, 0.0, 0.0]])
+    monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, HAND_EV_LP))
+    ro = SimpleNamespace(n_rounds=torch.tensor([2, 1]))
+    l_token, l_mem = train.policy_losses(None, ro, torch.tensor([0.5, -0.5]), train.MODES["ngc"], 10, 4, norm, weight)
+    assert l_mem.item() == pytest.approx(expected, abs=1e-7)  # float32
+    assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)  # -(0.5·(-3) + (-0.5)·(-1)) / 40: neither changes it
+
+
+@pytest.mark.parametrize("norm", ["paper", "joint"])
+def test_the_logged_l_mem_and_its_gradient_norm_are_of_the_weighted_term(ckpt, sampled, norm):
+    """train.backward under --mem-norm with --mem-weight 4: the logged L_mem (policy_losses' on the whole
+    batch under that normaliser and weight) and ‖∇L_mem‖ (--term-grad-norms) are 4x
+    those at weight 1, ‖∇L_token‖ and L_token unchanged; the total gradient is ∇L_token + 4 ∇L_mem."""
+    adv = torch.linspace(-1, 1, len(sampled.n_rounds))
+    out = {}
+    for weight in (1.0, 4.0):
+        model = from_pretrained(ckpt)
+        c = settings.Settings(mode="ngc", max_new_tokens=60, micro_batch=2, term_grad_norms=True, mem_norm=norm,
+                              mem_weight=weight)
+        out[weight] = train.backward(model, sampled, adv, c)
+        whole = train.policy_losses(model, sampled, adv, train.MODES["ngc"], 60, len(adv), norm, weight)[1]
+        assert out[weight]["L_mem"] == pytest.approx(whole.item(), rel=1e-5)  # the micro-batches add up to it
+        out[weight]["total"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    one, four = out[1.0], out[4.0]
+    assert four["L_mem"] == pytest.approx(4 * one["L_mem"], rel=1e-5) and one["L_mem"] != 0
+    assert four["grad_norm_mem"] == pytest.approx(4 * one["grad_norm_mem"], rel=1e-4)
+    assert four["grad_norm_token"] == pytest.approx(one["grad_norm_token"], rel=1e-6)
+    assert four["L_token"] == pytest.approx(one["L_token"], rel=1e-6)
+    assert four["total"] != pytest.approx(one["total"], rel=1e-3)  # the weight reached the update itself
+
+
+def test_mem_norm_and_weight_are_saved_with_the_run_and_default_for_older_runs(train_ckpt, tmp_path):
+    """ngc.json and trainer.pt keep --mem-norm and --mem-weight, so a resume runs on with them; a run
+    saved before they existed resumes with the defaults (eq. 4, weight 1) and reports no change."""
+    run_train(train_ckpt, tmp_path, "--steps", "1", "--mem-norm", "joint", "--mem-weight", "2")
+    saved = json.loads((tmp_path / "checkpoint" / "ngc.json").read_text())
+    assert (saved["mem_norm"], saved["mem_weight"]) == ("joint", 2.0)
+    state = rundir.load_trainer_state(str(tmp_path))
+    c = train.resolve(train.parse_args(["--resume", str(tmp_path), "--steps", "2"]), state)
+    assert (c.mem_norm, c.mem_weight) == ("joint", 2.0)
+    older = {**state, "config": {k: v for k, v in state["config"].items() if k not in ("mem_norm", "mem_weight")}}
+    c = train.resolve(train.parse_args(["--resume", str(tmp_path)]), older)
+    assert (c.mem_norm, c.mem_weight) == ("paper", 1.0)
+    assert rundir.changed_settings({**older["session"], **older["config"]}, settings.recorded(c)) == []
 
 
 def test_resume_continues_exactly(train_ckpt, tmp_path):
@@ -357,7 +422,8 @@ BAD_TRAIN_FLAGS = [
     (["--device", "foo"], "--device 'foo' is not a device"), (["--retention", "0.9,x"], "comma-separated numbers"),
     (["--eviction-rate", "1.5"], "must lie in"), (["--delta", "2"], "larger than the window"),
     (["--group", "1"], "--group"), (["--beta2", "1"], "must lie in [0, 1)"), (["--threads", "0"], "at least 1"),
-    (["--steps", "x"], "invalid int value"),
+    (["--steps", "x"], "invalid int value"), (["--mem-weight", "0"], "--mem-weight 0.0 must be positive"),
+    (["--mem-norm", "mean"], "invalid choice: 'mean'"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA GPU is visible")])
 BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
              ("model.safetensors", "truncated", "not a readable safetensors file"),

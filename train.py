@@ -94,17 +94,26 @@ def group_advantages(reward, group: int):
     return (r - r.mean(1, keepdim=True)).flatten()
 
 
-def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int):
-    """L_token and L_mem (None when the mode has none) of rollouts ro with advantages adv (B,).
+def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm: str = "paper",
+                  mem_weight: float = 1.0):
+    """L_token and mem_weight · L_mem (None when the mode has none) of rollouts ro with advantages adv (B,).
 
-    Both are normalised by the whole step's rollout count n_total (and L_token by the max
-    completion length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss."""
-    tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)
+    Both are normalised by the whole step's rollout count n_total (L_token also by the max completion
+    length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss. L_mem's normaliser:
+      paper  eq. (4): per rollout and layer, the mean of log p(σ) over its rounds; summed over layers, / n_total
+      joint  log p(σ) summed over a rollout's rounds and layers, / (n_total · max_new_tokens), L_token's
+             constant: tokens and evictions are actions of one policy (§4.4), and this is its exact gradient"""
+    tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)  # (B, T), (B, R, L)
     l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)  # eq. (3)
     l_mem = None
     if mode.eviction_loss and ev_lp is not None:
-        per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
-        l_mem = -(adv[:, None] * per_layer).sum() / n_total  # eq. (4), summed over layers
+        if mem_norm == "paper":
+            per_rollout = (ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]).sum(1)  # (B,): layers' round means, summed
+            norm = n_total
+        else:
+            per_rollout = ev_lp.sum((1, 2))  # (B,): every round at every layer (rounds that did not fire hold 0)
+            norm = n_total * max_new_tokens
+        l_mem = -mem_weight * (adv * per_rollout).sum() / norm  # eq. (4), weighted
     return l_token, l_mem
 
 
@@ -141,7 +150,8 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many on every process
     for rows, a in chunks:
         with amp:
-            l_token, l_mem = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, n_total=len(adv))
+            l_token, l_mem = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, len(adv), c.mem_norm,
+                                           c.mem_weight)
         if diag and mode.token_loss:
             diag.add(l_token)
         loss = l_token if mode.token_loss else 0 * l_token  # (a graph still: with FSDP every backward runs)
