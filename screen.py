@@ -50,7 +50,7 @@ from files import recover_swap, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RATE = 0.5  # the ε every row is compared at
-L_MEM_ONLY = ("mem_norm", "mem_weight")  # settings only L_mem reads: a token-only run ignores them
+L_MEM_ONLY = ("--mem-norm", "--mem-weight")  # settings only L_mem reads: a token-only run ignores them
 SET_HERE = ("model", "out", "resume", "overwrite", "task", "mode", "eval_every", "term_grad_norms")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -132,12 +132,12 @@ def check_run(run: Run):
 
 
 def without_l_mem(flags):
-    """flags without --mem-norm/--mem-weight and their values."""
+    """flags without L_MEM_ONLY's and their values."""
     out, skip = [], False
     for f in flags:
-        if not skip and f.split("=")[0] not in ("--mem-norm", "--mem-weight"):
+        if not skip and f.split("=")[0] not in L_MEM_ONLY:
             out.append(f)
-        skip = not skip and f in ("--mem-norm", "--mem-weight")
+        skip = not skip and f in L_MEM_ONLY  # its value is the next word
     return out
 
 
@@ -269,7 +269,7 @@ def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--out", default=os.path.join("results", "screen"), help="directory for runs/, evals/, "
                    "screen.md and screen.jsonl (default: results/screen)")
-    p.add_argument("--threads", type=int, help="CPU threads of each train.py child (default: torch's)")
+    p.add_argument("--threads", type=int, help="CPU threads of each child, train.py and eval.py (default: torch's)")
     p.add_argument("--variant", metavar="NAME MODEL_DIR [TRAIN_FLAGS ...]", help="a row (see above); repeat it")
     args = p.parse_args(own)
     try:
@@ -280,6 +280,8 @@ def main(argv=None):
                 raise ValueError(f"--threads {args.threads} must be at least 1")
             variants = plan(args.out, specs, args.threads)
             make_output_dir(args.out)
+        if args.threads:
+            os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's, eval.py's too (it has no --threads)
         rows = []
         for v in variants:
             train_run(v.ngc)
