@@ -1,34 +1,28 @@
-"""One-factor screen: train variants of a recipe from one seed, each beside its token-only run, in one table.
+"""One-factor screen: variants of a recipe trained from one seed, each beside its token-only run, in one table.
 
-    python screen.py --out results/screen \\
-        --variant shipped tiny \\
-        --variant joint tiny --mem-norm joint \\
-        --variant joint-x8 tiny --mem-norm joint --mem-weight 8 \\
-        --variant slip0 models/slip0
+    python screen.py --out results/screen --variant shipped tiny --variant joint tiny --mem-norm joint \\
+        --variant joint-x8 tiny --mem-norm joint --mem-weight 8 --variant slip0 models/slip0
 
-Each `--variant NAME MODEL_DIR [TRAIN_FLAGS ...]` is a row: every word up to the next --variant is a
-train.py flag that defines it; the rest of the recipe is the model's ngc.json (train.py's defaults).
-screen.py's own flags come before the first --variant. For each variant it runs, as child processes
-(their consoles in OUT/runs/<run>.log, OUT/evals/<eval>.log):
+A row is `--variant NAME MODEL_DIR [TRAIN_FLAGS ...]`: the words up to the next --variant are the train.py
+flags that define it, the rest of the recipe is the model's ngc.json; screen.py's own flags come first.
+Per variant, as child processes (consoles in OUT/runs/*.log, OUT/evals/*.log):
 
     runs/NAME-ngc          train.py --model MODEL_DIR TRAIN_FLAGS --term-grad-norms --eval-every STEPS
-    runs/NAME-token-only   the same in --mode token-only; variants that differ only in L_mem's settings
-                           (--mem-norm, --mem-weight: token-only has no L_mem) share the first one's
-    evals/NAME-untrained   eval.py --policy task-rule random --eviction-rate 0.5 on MODEL_DIR untrained, the
-                           run's held-out problems and samples; shared by the variants that evaluate alike
+    runs/NAME-token-only   the same in --mode token-only, shared by variants that differ only in L_mem's
+                           settings (--mem-norm, --mem-weight)
+    evals/NAME-untrained   eval.py --policy task-rule random --eviction-rate 0.5 on MODEL_DIR, the run's
+                           held-out problems and samples, shared by variants that evaluate alike
 
-and writes OUT/screen.md (the table) and OUT/screen.jsonl (its rows) after each variant. Columns: pass@1
-(%) with the full cache and at ε = 0.5 (evictions greedy top-K), before → after training: train.py's own
-evaluations at step 0 and the last step (the run's eval_problems x eval_samples; ± 1 SE over problems
-after); the same for token-only; the task rule and random at ε = 0.5 untrained; over the ngc run's steps,
-the mean share of groups whose advantages are all zero, the mean of ‖∇L_mem‖ / ‖∇L_token‖ (steps with
-‖∇L_token‖ = 0 aside), and the minutes of its training steps (evaluations aside).
+then OUT/screen.md and OUT/screen.jsonl, rewritten after each row: pass@1 (%) with the full cache and at
+ε = 0.5, before → after (train.py's evaluations at step 0 and the last step, ± 1 SE over problems), the
+same for token-only, the task rule and random untrained; over the ngc run's steps, the mean share of
+groups with all-zero advantages, the mean ‖∇L_mem‖/‖∇L_token‖ (steps with ‖∇L_token‖ = 0 aside) and the
+minutes of its training steps.
 
-Every check comes before any work: names, model directories, flags, ε = 0.5 at evaluation, and run
-directories that hold a run with other settings than this command asks for. A rerun of the same command
-trains nothing twice: a run whose log holds an evaluation at its last step is reused, an interrupted one
-resumed (train.py --resume), an evaluation reused when its arguments are the same (evals/*.argv).
-Ctrl-C lets the running child save its step, then ends the screen (exit 130).
+All checks come before any work. A rerun of the same command trains nothing twice: a run whose log holds
+an evaluation at its last step is reused, an interrupted one resumed (train.py --resume), an evaluation
+reused when its arguments are the same (evals/*.argv); a run directory holding a run with other
+settings is refused. Ctrl-C lets the running child save its step, then exits 130.
 """
 import json
 import os
