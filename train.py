@@ -107,13 +107,12 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int,
     l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)  # eq. (3)
     l_mem = None
     if mode.eviction_loss and ev_lp is not None:
-        if mem_norm == "paper":
-            per_rollout = (ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]).sum(1)  # (B,): layers' round means, summed
-            norm = n_total
-        else:
-            per_rollout = ev_lp.sum((1, 2))  # (B,): every round at every layer (rounds that did not fire hold 0)
-            norm = n_total * max_new_tokens
-        l_mem = -mem_weight * (adv * per_rollout).sum() / norm  # eq. (4), weighted
+        if mem_norm == "paper":  # eq. (4)
+            per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
+            l_mem = -(adv[:, None] * per_layer).sum() / n_total  # summed over layers
+        else:  # every round at every layer (rounds that did not fire hold 0)
+            l_mem = -(adv * ev_lp.sum((1, 2))).sum() / (n_total * max_new_tokens)
+        l_mem = mem_weight * l_mem
     return l_token, l_mem
 
 
