@@ -464,8 +464,8 @@ def curves(out, names, seeds, path):
     for name in names:
         logs = []
         for k in range(seeds):
-            with open(os.path.join(out, "runs", run_name(name, k), "log.jsonl")) as f:
-                logs.append({s["step"]: s for s in map(json.loads, f) if "reward" in s})
+            log = rundir.read_log(os.path.join(out, "runs", run_name(name, k), "log.jsonl"))
+            logs.append({s["step"]: s for s in log if "reward" in s})
         x = sorted(set.intersection(*(set(log) for log in logs)))
         axes[0].plot(x, smooth([statistics.fmean(log[i]["reward"] for log in logs) for i in x]), label=name)
         for ax, key in ((axes[1], "grad_norm_token"), (axes[2], "grad_norm_mem")):  # null: not measured that step

@@ -197,6 +197,10 @@ def read_ngc_json(model_dir: str) -> dict:
         wrong = value_error(FIELDS[key], value)
         if wrong:
             raise CheckpointError(f"{path}: {key} is {json.dumps(value)}; it {wrong}")
+    for key in ("prompt", "difficulty"):  # null in a math run's ngc.json; Countdown's problems need them
+        if extra.get("task", "countdown") == "countdown" and key in extra and extra[key] is None:
+            raise CheckpointError(f"{path}: {key} is null; a Countdown run's must be one of "
+                                  f"{', '.join(FIELDS[key].metadata['flag']['choices'])}")
     return extra
 
 

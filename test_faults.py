@@ -72,7 +72,9 @@ NGC_EDITS = [("steps", "60", 'steps is "60"; it must be an integer'),
                                  'tiny-unseen'),
              ("lr", "1e-3", 'lr is "1e-3"; it must be a number'),
              ("retention", "0.9;0.5", 'retention is "0.9;0.5"; it must be comma-separated numbers'),
-             ("term_grad_norms", 1, "term_grad_norms is 1; it must be true or false")]
+             ("term_grad_norms", 1, "term_grad_norms is 1; it must be true or false"),
+             ("prompt", None, "prompt is null; a Countdown run's must be one of plain, tiny, tiny-layouts, "
+                              "tiny-shifted, tiny-unseen")]
 CONFIG_EDITS = [("hidden_size", "64", 'hidden_size is "64"; it must be a positive integer'),
                 ("num_hidden_layers", 2.5, "num_hidden_layers is 2.5; it must be a positive integer"),
                 ("vocab_size", None, "vocab_size is null; it must be a positive integer"),
