@@ -18,7 +18,7 @@ import torch
 
 import distributed
 from checkpoint import CheckpointError, from_pretrained, load_config
-from cli import parser
+from cli import exits, parser
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
@@ -131,6 +131,7 @@ def check(args) -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")

@@ -56,12 +56,27 @@ def config_to_dict(cfg: Qwen2Config) -> dict:
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+        return sorted({os.path.join(path, name) for name in read_index(index).values()})
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
     raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def read_index(index: str) -> dict:
+    """The weight_map of a sharded checkpoint's model.safetensors.index.json (tensor name -> shard
+    file), or a one-line CheckpointError naming the file."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index} is not valid JSON ({e}); re-download it or re-save the checkpoint")
+    weight_map = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor names to shard files "
+                              f"({{\"weight_map\": {{\"model.norm.weight\": \"model-00001-of-00002.safetensors\", ...}}}}); "
+                              f"re-download it or re-save the checkpoint")
+    return weight_map
 
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -73,14 +88,36 @@ def load_config(path: str) -> Qwen2Config:
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
     try:
-        with open(cfg_path) as f:
+        with open(cfg_path, encoding="utf-8") as f:
             d = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{cfg_path} is not valid JSON ({e})")
     missing = [k for k in REQUIRED if not isinstance(d, dict) or k not in d]
     if missing:
         raise CheckpointError(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")
+    for key, accepts in CONFIG_VALUES.items():
+        if key in d and not accepts[0](d[key]):
+            raise CheckpointError(f"{cfg_path}: {key} is {json.dumps(d[key])}; it must be {accepts[1]}")
     return config_from_dict(d)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _token_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test, in words)
+    **{k: (_count, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
+    **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
+       for k in ("rope_theta", "rms_norm_eps")},
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "bos_token_id": (lambda v: v is None or _token_id(v), "a token id or null"),
+    "eos_token_id": (lambda v: v is None or _token_id(v) or (isinstance(v, list) and all(map(_token_id, v))),
+                     "a token id, a list of them, or null"),
+}
 
 
 def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:

@@ -8,6 +8,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 
 
@@ -27,14 +28,42 @@ class Exit(Exception):
         self.status = status
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM, raised where the process is when it arrives (see exits); like
+    KeyboardInterrupt, no `except Exception` takes it for an error."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+_stopping = []  # the handlers exits replaced, while a decorated main runs
+
+
 def exits(main):
-    """Decorate a script's main: an Exit raised inside it ends the process with its status."""
+    """Decorate a script's main: an Exit raised inside it ends the process with its status, and
+    SIGINT (Ctrl-C) or SIGTERM ends it with one line and exit code 130 or 143. Files are written
+    whole or not at all (files.py), so a signal leaves nothing half-written. A main called inside
+    another (reproduce.py runs eval.main) leaves the signals to the outer one."""
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
+        if _stopping:
+            return main(*args, **kwargs)
+        _stopping.append({s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)})
         try:
             return main(*args, **kwargs)
         except Exit as e:
             sys.exit(e.status)
+        except Interrupted as e:
+            print(f"\n{e}: stopped; no file is half-written", file=sys.stderr)
+            sys.exit(128 + e.signum)
+        finally:
+            for s, handler in _stopping.pop().items():
+                signal.signal(s, handler)
     return wrapped
 
 
@@ -68,8 +97,11 @@ def pyplot(what: str):
     return importlib.import_module("matplotlib.pyplot")
 
 
-def check_output_file(path: str):
-    """A one-line ValueError unless `path` can be written: a file name in a writable directory."""
+def check_output_file(path: str, flag: str = "the output path"):
+    """A one-line ValueError unless `path` (given with `flag`) can be written: a file name in a
+    writable directory."""
+    if not str(path).strip():
+        raise ValueError(f"{flag} is empty; give a file name")
     if os.path.isdir(path):
         raise ValueError(f"{path} is a directory; give a file path")
     folder = os.path.dirname(os.path.abspath(path))
@@ -82,6 +114,8 @@ def check_output_file(path: str):
 
 def make_output_dir(path: str):
     """Create directory `path` (and its parents), or a one-line ValueError saying why not."""
+    if not str(path).strip():
+        raise ValueError("the output directory is empty; give a directory name")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{path} is a file; give a directory")
     try:

@@ -39,11 +39,11 @@ import baselines
 import countdown
 import distributed
 from checkpoint import META_TOKEN, CheckpointError, load
-from cli import check_output_file, need, parser, pyplot
+from cli import check_output_file, exits, need, parser, pyplot
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
 from settings import run_defaults, trained_task
-from tasks import TASK_REWARD, held_out, prompt_encoder
+from tasks import TASK_REWARD, check_prompt, held_out, prompt_encoder
 
 CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
     "ngc": dict(greedy=True), "ngc-sample": dict(greedy=False), "snapkv": dict(greedy=True, score=baselines.snapkv),
@@ -276,6 +276,7 @@ def tag_flag(text: str):
     return value
 
 
+@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--model", required=True, help="Qwen2 checkpoint directory")
@@ -318,8 +319,9 @@ def main(argv=None):
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
         if args.plot:
             need("matplotlib", "--plot")
-        for path in filter(None, [args.out, args.plot]):
-            check_output_file(path)
+        for flag in ("out", "plot"):
+            if getattr(args, flag) is not None:
+                check_output_file(getattr(args, flag), f"--{flag}")
         args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
         trained = trained_task(args.model)
         if args.task and trained and args.task != trained:  # its recipe has no prompts for the other task
@@ -331,6 +333,9 @@ def main(argv=None):
         for flag in ("prompt", "tag"):
             if getattr(args, flag) is not None and c.task != "countdown":
                 raise ValueError(f"--{flag} is for --task countdown; this evaluation's task is {c.task}")
+        if "task-rule" in args.policy and c.task != "countdown":
+            raise ValueError(f"--policy task-rule keeps the block of a Countdown prompt's target; this evaluation's "
+                             f"task is {c.task}: leave task-rule out")
         c = replace(c, eval_data=args.eval_data or c.eval_data, prompt=args.prompt or c.prompt,
                     question_field=args.question_field or c.question_field,
                     answer_field=args.answer_field or c.answer_field,
@@ -340,6 +345,9 @@ def main(argv=None):
             Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
         problems = held_out(c, args.problems)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
+        check_prompt(c, tokenizer, args.model)
+        for name in args.policy:
+            make_eviction(name, c, args.eviction_rate[0], tokenizer)  # the tokenizer has what the policy reads
     except (CheckpointError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     device = torch.device(args.device)

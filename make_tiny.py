@@ -70,7 +70,7 @@ from tqdm import tqdm
 import countdown as cd
 import mathtask
 from checkpoint import from_pretrained, load_tokenizer, save_pretrained
-from cli import make_output_dir, parser
+from cli import exits, make_output_dir, parser
 from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
@@ -353,6 +353,7 @@ def lr_at(step, steps, lr, warmup):
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
 
 
+@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     ap = parser(__doc__)
     ap.add_argument("--out", default="tiny", help="output directory, replaced whole (written via a temporary dir, "
@@ -388,11 +389,12 @@ def main(argv=None):
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.error = ap.error  # one line
-    pre.add_argument("--task", choices=list(TASKS), default="countdown")
-    task = TASKS[pre.parse_known_args(argv)[0].task]
-    ap.set_defaults(**task.flags)
+    try:
+        name = chosen_task(argv, ap)
+    except ValueError as e:  # CheckpointError too
+        sys.exit(f"error: {e}")
+    task = TASKS[name]
+    ap.set_defaults(**task.flags, task=name)
     args = ap.parse_args(argv)
     try:
         if args.eval_only and args.task == "countdown":  # evaluate a model as its ngc.json prompts it
@@ -469,6 +471,24 @@ def main(argv=None):
     report(from_pretrained(args.out), load_tokenizer(args.out), test, task, args.max_new_tokens)  # as shipped
 
 
+def chosen_task(argv, ap) -> str:
+    """--task; with --eval-only, the task of --out's ngc.json unless --task names it (another is a
+    one-line ValueError: the model would be scored on prompts it never learned)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.error = ap.error  # one line
+    pre.add_argument("--task", choices=list(TASKS))
+    pre.add_argument("--eval-only", action="store_true")
+    pre.add_argument("--out", default="tiny")
+    known = pre.parse_known_args(argv)[0]
+    if not known.eval_only:
+        return known.task or "countdown"
+    trained = read_ngc_json(known.out).get("task")
+    if known.task and trained and known.task != trained:
+        raise ValueError(f"--out {known.out} was trained on {trained} (its ngc.json); evaluate it with --task {trained} "
+                         f"or without --task")
+    return known.task or trained or "countdown"
+
+
 AT_LEAST = {"steps": 1, "threads": 1, "batch": 1, "micro": 1, "warmup": 0, "d": 1, "layers": 1, "heads": 1, "ffn": 1,
             "n_test": 1, "train_problems": 1, "max_new_tokens": 1}
 OUT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "ngc.json"}  # what a build writes into --out
@@ -503,6 +523,8 @@ def check_flags(args):
 
 def check_out(out: str):
     """A build replaces --out whole: refuse a path whose contents a build did not write (they would be lost)."""
+    if not str(out).strip():
+        raise ValueError("--out is empty; give the directory to build the model in")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; give a directory (a build replaces it whole)")
     if os.path.isdir(out):

@@ -121,11 +121,22 @@ def _rows(path):
         raise ValueError(f"cannot read {path} ({e.strerror})") from None
     return rows
 
+DEMO_FILES = ("train.jsonl", "test.jsonl")  # what make_demo writes
+
+
+def demo_hint(path: str) -> str:
+    """For a missing file of the demo set (not shipped), how to make it; else nothing."""
+    if os.path.basename(path) not in DEMO_FILES:
+        return ""
+    return f"; the demo set is not shipped: make it with python mathtask.py --make-demo {os.path.dirname(path) or '.'}"
+
+
 def load(path, question_field=None, answer_field=None):
     """The problems of a local .jsonl / .parquet file, in file order (layouts: module docstring).
     Raises ValueError with one line naming the file and line on bad input."""
     if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file (datasets are read from local files; see mathtask.py's docstring)")
+        raise ValueError(f"{path}: no such file" + (demo_hint(path) or " (datasets are read from local files; see "
+                                                                      "mathtask.py's docstring)"))
     rows = _rows(path)
     if not rows:
         raise ValueError(f"{path}: no problems in the file")

@@ -73,8 +73,11 @@ sampling-untrained.jsonl and sampling-ngc.jsonl, eval.py's greedy against Gumbel
     t09-k50              the paper's sampling, 60 steps      train.py --temperature 0.9 --top-k 50
     paper-optim          and the paper's AdamW, 250 steps    ... --lr 5e-6 --beta2 0.95 --adam-eps 1e-15
 """
+import contextlib
 import json
 import os
+import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,7 +90,7 @@ import settings
 import show
 import train
 from checkpoint import load_config
-from cli import Exit, exits, have, make_output_dir, parser, pyplot
+from cli import Exit, Interrupted, exits, have, make_output_dir, parser, pyplot
 from files import recover_swap, save_figure, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,11 +134,15 @@ def wall_time(t0) -> str:
 
 
 def finished(run_dir) -> bool:
+    """Whether a run has finished: its checkpoint holds its last step and its log the final
+    evaluation (a run stopped during that evaluation has saved its last step without it)."""
     checkpoint = os.path.join(run_dir, "checkpoint")
-    if not os.path.exists(os.path.join(checkpoint, "ngc.json")):
+    if not os.path.exists(os.path.join(checkpoint, "trainer.pt")):
         return False
-    last = [r for r in rundir.read_log(os.path.join(run_dir, "log.jsonl")) if "reward" in r][-1:]
-    return bool(last) and last[0]["step"] + 1 >= settings.read_ngc_json(checkpoint)["steps"]
+    run = settings.read_ngc_json(checkpoint)
+    log = rundir.read_log(os.path.join(run_dir, "log.jsonl"))
+    evaluated = not run["eval_every"] or any("eval" in r and r["step"] == run["steps"] for r in log)
+    return evaluated and rundir.saved_step(run_dir) == run["steps"]
 
 
 def threads_per_run(jobs: int) -> int:
@@ -189,31 +196,74 @@ def parse_train_args(argv):
 
 def train_all(out, model, jobs, runs, extra):
     """Train the runs {dir under out: train.py flags} that have not finished, `jobs` at a time,
-    logging each to <out>/<dir>.log (check_runs first)."""
+    each in a process group of its own, logging each to <out>/<dir>.log (appended: an interrupted
+    run's earlier lines are kept). A run that saved a checkpoint is resumed (check_runs first:
+    its settings are this command's). SIGINT/SIGTERM, or a failed run, stop the others: each
+    saves its step, and the same command resumes them."""
     todo = [(name, flags) for name, flags in runs.items() if not finished(os.path.join(out, name))]
     threads = threads_per_run(jobs)
     running = []
-    while todo or running:
-        while todo and len(running) < jobs:
-            name, flags = todo.pop(0)
-            run_dir = os.path.join(out, name)
-            saved = os.path.exists(os.path.join(run_dir, "checkpoint"))
-            resume = ["--resume", run_dir] if saved else ["--overwrite"]  # a run that never saved starts afresh
-            cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", model, "--out", run_dir,
-                   "--threads", str(threads), *flags, *extra, *resume]
-            os.makedirs(run_dir, exist_ok=True)
-            print(f"[{time.strftime('%H:%M:%S')}] start {name}: {' '.join(cmd[1:])}", flush=True)
-            log = open(run_dir + ".log", "w")
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, time.time()))
-        time.sleep(5)
-        for item in [r for r in running if r[1].poll() is not None]:
-            name, proc, log, t0 = item
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                name, flags = todo.pop(0)
+                running.append(start_run(name, train_command(out, name, model, threads, flags, extra)))
+            time.sleep(1)
+            for item in [r for r in running if r[1].poll() is not None]:
+                name, proc, log, t0 = item
+                log.close()
+                running.remove(item)
+                status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see {log.name})"
+                print(f"[{time.strftime('%H:%M:%S')}] {name} {status} in {(time.time() - t0) / 60:.1f} min", flush=True)
+                if proc.returncode:
+                    raise Exit(f"error: training run {name} failed; see {log.name}")
+    except BaseException as e:
+        stop_runs(running, e.signum if isinstance(e, Interrupted) else signal.SIGTERM)
+        raise
+
+
+def train_command(out, name, model, threads, flags, extra) -> list[str]:
+    """train.py's command line for run `name`: a run that saved a checkpoint is resumed with the
+    flags a resume accepts (its settings are its own), any other starts afresh."""
+    run_dir = os.path.join(out, name)
+    train_py = [sys.executable, os.path.join(HERE, "train.py")]
+    if os.path.exists(os.path.join(run_dir, "checkpoint")):
+        return train_py + ["--resume", run_dir, "--threads", str(threads)]
+    return train_py + ["--model", model, "--out", run_dir, "--threads", str(threads), *flags, *extra, "--overwrite"]
+
+
+def start_run(name, cmd):
+    """train.py's process for run `name` (command cmd), in a process group of its own, its console
+    appended to <run dir>.log."""
+    run_dir = cmd[cmd.index("--resume" if "--resume" in cmd else "--out") + 1]
+    os.makedirs(run_dir, exist_ok=True)
+    line = f"[{time.strftime('%H:%M:%S')}] start {name}: {' '.join(cmd[1:])}"
+    print(line, flush=True)
+    log = open(run_dir + ".log", "a")
+    log.write(line + "\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return name, proc, log, time.time()
+
+
+def stop_runs(running, signum):
+    """Send signum to each running train.py's process group and wait for it to save and end
+    (SIGKILL after STOP_WAIT seconds); a second signal meanwhile waits for this to finish."""
+    with rundir.signals_held():
+        for _, proc, _, _ in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+        for name, proc, log, _ in running:
+            try:
+                proc.wait(STOP_WAIT)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             log.close()
-            running.remove(item)
-            status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see {log.name})"
-            print(f"[{time.strftime('%H:%M:%S')}] {name} {status} in {(time.time() - t0) / 60:.1f} min", flush=True)
-            if proc.returncode:
-                raise Exit(f"error: training run {name} failed; see {log.name}")
+            print(f"[{time.strftime('%H:%M:%S')}] {name} stopped (exit {proc.returncode}, see {log.name})", flush=True)
+
+
+STOP_WAIT = 300  # seconds a stopped train.py may take to save its step
 
 
 def eval_study(out, study, run, policies, rates, seed, problems=None, extra=(), model=None):
@@ -273,8 +323,7 @@ def limit_rows(out):
     rows = []
     for name, flags in {"default": [], **LIMIT}.items():
         run_dir = os.path.join(out, limit_dir(name))
-        with open(os.path.join(run_dir, "checkpoint", "ngc.json")) as f:
-            problems = json.load(f)["eval_problems"]
+        problems = settings.read_ngc_json(os.path.join(run_dir, "checkpoint"))["eval_problems"]
         evals = [s for s in rundir.read_log(os.path.join(run_dir, "log.jsonl")) if "eval" in s]
         rows += [dict(recipe=name, flags=" ".join(flags), step=s["step"], problems=problems, samples=1,
                       accuracy=s["eval"]["acc"], accuracy_full=s["eval"]["acc_full"],
@@ -359,30 +408,42 @@ def headline_rows(out, seeds, problems=None):
     for k in range(seeds):
         for name in HEADLINE:
             log = rundir.read_log(os.path.join(out, "runs", run_name(name, k), "log.jsonl"))
-            before = next(s["eval"] for s in log if "eval" in s and s["step"] == 0)
+            before = next((s["eval"] for s in log if "eval" in s and s["step"] == 0), {})  # {}: --eval-every 0
             full, ngc = eval_study(out, f"headline-{name}", name, ["none", "ngc"], [0.5], k, problems)
-            rows.append(dict(run=name, seed=k, problems=ngc["problems"], full_before=before["acc_full"],
-                             full_after=full["accuracy"], before=before["acc"], after=ngc["accuracy"],
-                             kv_before=before["kv_reduction"], kv_after=ngc["kv_reduction"],
-                             of_full=ngc["accuracy"] / full["accuracy"], length=ngc["length"], rounds=ngc["rounds"]))
+            rows.append(dict(run=name, seed=k, problems=ngc["problems"], full_before=before.get("acc_full"),
+                             full_after=full["accuracy"], before=before.get("acc"), after=ngc["accuracy"],
+                             kv_before=before.get("kv_reduction"), kv_after=ngc["kv_reduction"],
+                             of_full=ngc["accuracy"] / full["accuracy"] if full["accuracy"] else None,
+                             length=ngc["length"], rounds=ngc["rounds"]))
     return rows
 
 
 def headline_markdown(rows) -> str:
-    cells = lambda r: (f"{r['full_before']:.1%} → {r['full_after']:.1%} | {r['before']:.1%} → {r['after']:.1%} | "
-                       f"{r['of_full']:.0%} | {r['kv_before']:.2f}x → {r['kv_after']:.2f}x")
+    """The headline table; "–" where a number is not there (no evaluation before training, a full
+    cache that solves nothing)."""
+    f = lambda x, spec: "–" if x is None else format(x, spec)
+    cells = lambda r: (f"{f(r['full_before'], '.1%')} → {f(r['full_after'], '.1%')} | {f(r['before'], '.1%')} → "
+                       f"{f(r['after'], '.1%')} | {f(r['of_full'], '.0%')} | {f(r['kv_before'], '.2f')}x → "
+                       f"{f(r['kv_after'], '.2f')}x")
     lines = ["| run | seed | full cache, before → after | ε = 0.5, before → after | ε = 0.5 / full cache "
              "| peak-KV reduction, before → after |", "|---|---|---|---|---|---|"]
     for name in HEADLINE:
         mine = [r for r in rows if r["run"] == name]
         lines += [f"| {name} | {r['seed']} | {cells(r)} |" for r in mine]
         if len(mine) > 1:
-            mean = {key: statistics.fmean(r[key] for r in mine) for key in mine[0] if key not in ("run", "seed")}
-            sd = lambda key: statistics.stdev(r[key] for r in mine)
+            mean = {key: over_rows(mine, key, statistics.fmean) for key in mine[0] if key not in ("run", "seed")}
+            sd = {key: over_rows(mine, key, statistics.stdev) for key in mean}
+            points = lambda key: f(sd[key] and 100 * sd[key], ".1f")
             lines.append(f"| {name} | mean | {cells(mean)} |")
-            lines.append(f"| {name} | sd | {100 * sd('full_before'):.1f} → {100 * sd('full_after'):.1f} | "
-                         f"{100 * sd('before'):.1f} → {100 * sd('after'):.1f} | {sd('of_full'):.0%} | |")
+            lines.append(f"| {name} | sd | {points('full_before')} → {points('full_after')} | {points('before')} → "
+                         f"{points('after')} | {f(sd['of_full'], '.0%')} | |")
     return "\n".join(lines)
+
+
+def over_rows(rows, key, how):
+    """how (a mean, a spread) of the rows' values of key; None where a row has none."""
+    values = [r[key] for r in rows]
+    return None if None in values else how(values)
 
 
 def headline(out, model, seeds, jobs, extra, problems=None):
@@ -403,8 +464,8 @@ def curves(out, names, seeds, path):
     for name in names:
         logs = []
         for k in range(seeds):
-            with open(os.path.join(out, "runs", run_name(name, k), "log.jsonl")) as f:
-                logs.append({s["step"]: s for s in map(json.loads, f) if "reward" in s})
+            log = rundir.read_log(os.path.join(out, "runs", run_name(name, k), "log.jsonl"))
+            logs.append({s["step"]: s for s in log if "reward" in s})
         x = sorted(set.intersection(*(set(log) for log in logs)))
         axes[0].plot(x, smooth([statistics.fmean(log[i]["reward"] for log in logs) for i in x]), label=name)
         for ax, key in ((axes[1], "grad_norm_token"), (axes[2], "grad_norm_mem")):  # null: not measured that step
@@ -543,6 +604,17 @@ def interoception_claim(studies, at, cell):
 
 @exits  # a training run that fails ends the script with one line
 def main(argv=None):
+    try:
+        run_studies(argv)
+    except Interrupted as e:
+        again = shlex.join(["python", "reproduce.py", *(sys.argv[1:] if argv is None else argv)])
+        print(f"{e}: stopped; finished runs and evaluations are kept and interrupted runs saved their step: "
+              f"run the same command to continue ({again})", file=sys.stderr)
+        raise Exit(128 + e.signum)
+
+
+def run_studies(argv=None):
+    """The studies of the module docstring (main adds what SIGINT and SIGTERM do)."""
     p = parser(__doc__)
     p.add_argument("--out", default=os.path.join("results", "reason"),
                    help="directory for runs/, *.jsonl, *.png and summary.md (default: results/reason)")

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import distributed
 from checkpoint import CheckpointError, save_pretrained, save_tokenizer
-from cli import Exit
+from cli import Exit, Interrupted, raise_interrupted
 from files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
 try:
@@ -100,7 +100,7 @@ def hold(out: str):
     key = os.path.realpath(out)
     if fcntl is None or key in _held:
         return
-    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock(out)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -109,6 +109,20 @@ def hold(out: str):
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _held[key] = fd
+
+
+def open_lock(out: str) -> int:
+    """out's lock file, opened (created) to be written, or a one-line ValueError saying why not."""
+    path = os.path.join(out, LOCK)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ValueError(lock_error(path, e.strerror)) from None
+
+
+def lock_error(path: str, why: str) -> str:
+    return (f"cannot open the run directory's lock {path} ({why}); it must be a file this user can write: fix its "
+            f"permissions or remove it")
 
 
 def release(out: str):
@@ -129,6 +143,9 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; the run directory must be a directory")
     if os.path.isdir(out):
+        lock = os.path.join(out, LOCK)
+        if os.path.lexists(lock) and not (os.path.isfile(lock) and os.access(lock, os.R_OK | os.W_OK)):
+            raise ValueError(lock_error(lock, "a directory" if os.path.isdir(lock) else "permission denied"))
         check_free(out)
     if not resume and os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not overwrite:
         raise ValueError(f"{out} already holds a run; continue it with --resume {out}, choose another --out, "
@@ -213,9 +230,9 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
     for what, write in writes:
         try:
             write()
-        except Exception as e:  # a kill (no handler runs) leaves what recover_swap puts right
+        except BaseException as e:  # a kill (no handler runs) leaves what recover_swap puts right
             abandon_swap(final)
-            if isinstance(e, Interrupted):
+            if not isinstance(e, Exception):  # Interrupted
                 raise
             cause = (str(e).strip().splitlines() or [""])[0][:200]
             free = shutil.disk_usage(run_dir).free / 2 ** 20 if os.path.isdir(run_dir) else None
@@ -236,6 +253,14 @@ def load_trainer_state(run_dir) -> dict:
     except Exception as e:  # a truncated or foreign file
         raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                               f"it is not a trainer state this code wrote")
+
+
+def saved_step(run_dir) -> int | None:
+    """The step of the checkpoint saved in run_dir (None: none, or not readable)."""
+    try:
+        return torch.load(os.path.join(run_dir, "checkpoint", "trainer.pt"), weights_only=False, mmap=True)["step"]
+    except Exception:
+        return None
 
 
 def changed_settings(saved: dict, now: dict) -> list[str]:
@@ -261,21 +286,45 @@ def write_log(path, record):
 
 
 def read_log(path) -> list[dict]:
-    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is an error."""
+    """The records of log.jsonl, each an object with its step (an integer); a last line cut short
+    by a crash is dropped, any other bad line is a CheckpointError naming the file and the line."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        lines = f.read().splitlines()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise CheckpointError(f"{path} line {line} is not UTF-8 text (byte {raw[e.start]:#x}); repair or remove "
+                              f"that line") from None
     records = []
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 print(f"note: dropping the unfinished last line of {path}")
                 break
             raise CheckpointError(f"{path} line {i + 1} is not JSON; repair or remove that line")
+        wrong = record_error(record)
+        if wrong:
+            raise CheckpointError(f"{path} line {i + 1} {wrong}; repair or remove that line")
+        records.append(record)
     return records
+
+
+def record_error(record) -> str | None:
+    """Why `record` cannot be a line of log.jsonl (None: it can): an object with an integer step ≥ 0,
+    an evaluation's record with its results as an object."""
+    if not isinstance(record, dict):
+        return f"is {json.dumps(record)}, not a record (a JSON object with its step)"
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return "has no step" if step is None else f"has step {json.dumps(step)}; a step is an integer, 0 or more"
+    if "eval" in record and not isinstance(record["eval"], dict):
+        return "has an eval that is not a JSON object"
+    return None
 
 
 def keep_log_before(path, step) -> list[dict]:
@@ -288,16 +337,6 @@ def keep_log_before(path, step) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------
 # SIGINT and SIGTERM: stop at once and save, but never between an update and its record
-
-
-class Interrupted(Exception):
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def raise_interrupted(signum, frame):
-    raise Interrupted(signum)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 import countdown
+import mathtask
 from checkpoint import CheckpointError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -129,7 +130,7 @@ class Settings:
     eval_rate: float | None = setting(None, "ε for evaluation (default: the final training ε)", EVAL)
     eval_batch: int = setting(64, "rollouts per evaluation batch", EVAL, at_least(1))
     save_every: int = setting(50, "checkpoint every N steps (0: only at the end)", EVAL, at_least(0))
-    eval_samples: int = setting(4, "pass@1 over this many sampled completions per held-out problem, tokens at the "
+    eval_samples: int | None = setting(4, "pass@1 over this many sampled completions per held-out problem, tokens at the "
                                 "rollouts' sampling, evictions greedy top-K (§5.1); 0: greedy tokens only", EVAL,
                                 at_least(0))
     eval_temperature: float | None = setting(None, "eval.py: sampling temperature", EVAL, positive, cli=False)
@@ -180,7 +181,8 @@ def saved(c: Settings) -> dict:
 
 
 def read_ngc_json(model_dir: str) -> dict:
-    """A checkpoint's ngc.json ({} without one), or a CheckpointError with a one-line message."""
+    """A checkpoint's ngc.json ({} without one), every key a saved setting and every value one it
+    accepts, or a CheckpointError with a one-line message naming the file, the key and what it accepts."""
     path = os.path.join(model_dir, "ngc.json")
     if not os.path.exists(path):
         return {}
@@ -189,12 +191,52 @@ def read_ngc_json(model_dir: str) -> dict:
             extra = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete it")
-    unknown = set(extra) - set(SAVED) if isinstance(extra, dict) else {"<not an object>"}
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(extra).__name__}; it must be an object of train.py's "
+                              f"settings, such as {{\"steps\": 60}}")
+    unknown = set(extra) - set(SAVED)
     if unknown:
         raise CheckpointError(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
-    if extra.get("task") is not None and extra["task"] not in RECIPES:
-        raise CheckpointError(f"{path} names the task {extra['task']!r}; the tasks are {' and '.join(RECIPES)}")
+    for key, value in extra.items():
+        wrong = value_error(FIELDS[key], value)
+        if wrong:
+            raise CheckpointError(f"{path}: {key} is {json.dumps(value)}; it {wrong}")
+    for key in ("prompt", "difficulty"):  # null in a math run's ngc.json; Countdown's problems need them
+        if extra.get("task", "countdown") == "countdown" and key in extra and extra[key] is None:
+            raise CheckpointError(f"{path}: {key} is null; a Countdown run's must be one of "
+                                  f"{', '.join(FIELDS[key].metadata['flag']['choices'])}")
     return extra
+
+
+FIELDS = {f.name: f for f in fields(Settings)}
+KINDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+         "tuple[float, ...]": 'comma-separated numbers, such as "0.9,0.7,0.5"'}
+
+
+def value_error(f, value) -> str | None:
+    """Why `value` (as JSON gives it) cannot be setting f's value, in words after "it" (None: it can):
+    its type, its choices and its check, as settings.py defines them."""
+    kind = f.type.removesuffix(" | None")
+    if value is None:
+        return None if f.type.endswith("| None") else f"must be {KINDS[kind]}, not null"
+    if not of_kind(kind, value):
+        return f"must be {KINDS[kind]}" + (" or null" if f.type.endswith("| None") else "")
+    choices = f.metadata["flag"].get("choices")
+    if choices and value not in choices:
+        return f"must be one of {', '.join(choices)}"
+    rule = f.metadata["check"]
+    return None if rule is None or rule(value) is True else rule(value)
+
+
+def of_kind(kind: str, value) -> bool:
+    if kind == "bool" or isinstance(value, bool):
+        return kind == "bool" and isinstance(value, bool)
+    if kind == "tuple[float, ...]":
+        try:
+            return bool(floats(value)) and not isinstance(value, (int, float))
+        except (TypeError, ValueError):
+            return False
+    return isinstance(value, {"int": int, "float": (int, float), "str": str}[kind])
 
 
 def trained_task(model_dir: str) -> str | None:
@@ -232,6 +274,8 @@ def run_defaults(model_dir: str, task: str | None = None) -> Settings:
 
 def check(c: Settings):
     """A ValueError with a one-line message for the first setting of c that a run cannot use."""
+    if c.out is not None and not c.out.strip():
+        raise ValueError("--out is empty; give the run directory")
     for f in fields(Settings):
         v, rule = getattr(c, f.name), f.metadata["check"]
         if v is not None and rule is not None and rule(v) is not True:
@@ -244,7 +288,7 @@ def check(c: Settings):
             raise ValueError("--interoception writes the budget into Countdown's prompts; --task math has no such tag")
         for path in (c.data, c.eval_data):
             if path and not os.path.isfile(path):
-                raise ValueError(f"no such file: {path}")
+                raise ValueError(f"no such file: {path}{mathtask.demo_hint(path)}")
     if c.blind_tag and not c.interoception:
         raise ValueError("--blind-tag is the control for --interoception (the same per-group ε, the rate hidden); "
                          "add --interoception")

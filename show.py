@@ -40,7 +40,7 @@ import torch
 
 import distributed
 from checkpoint import META_TOKEN, CheckpointError, load, load_config
-from cli import check_output_file, need, parser, pyplot
+from cli import check_output_file, exits, need, parser, pyplot
 from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
@@ -277,6 +277,7 @@ def render_png(problems, runs: dict, path: str):
     save_figure(fig, path, dpi=150)
 
 
+@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--model", required=True, help="the trained checkpoint directory (a run's checkpoint/); its "
@@ -293,10 +294,11 @@ def main(argv=None):
     try:
         if args.problems < 1:
             raise ValueError(f"--problems {args.problems} must be at least 1")
-        if not (args.out or args.survival):
+        if args.out is None and args.survival is None:
             raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
-        for path in filter(None, [args.out, args.png, args.survival]):
-            check_output_file(path)
+        for flag in ("out", "png", "survival"):
+            if getattr(args, flag) is not None:
+                check_output_file(getattr(args, flag), f"--{flag}")
         if args.png:
             need("matplotlib", "--png")
         args.device = distributed.pick_device(args.device)

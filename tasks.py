@@ -51,3 +51,30 @@ def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blin
     if task == "math":
         return mathtask.encode
     return lambda tokenizer, problem: countdown.encode(tokenizer, problem, style, eviction_rate, blind)
+
+
+SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each prompt style with
+
+
+def unknown_words(tokenizer, style: str, eviction_rate=None, blind: bool = False) -> list[str]:
+    """The words of a Countdown prompt in `style` that the tokenizer writes as its unknown token
+    (a word-level tokenizer's <unk>; a byte-level one has none)."""
+    unk = getattr(tokenizer.model, "unk_token", None)
+    text = countdown.PROMPTS[style](SAMPLE, eviction_rate, blind)
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    return [text[a:b] for token, (a, b) in zip(encoding.tokens, encoding.offsets) if unk and token == unk]
+
+
+def check_prompt(c, tokenizer, model_dir: str):
+    """A ValueError when the tokenizer of model_dir cannot spell the run's Countdown prompt style
+    while it spells another: such prompts are mostly <unk>, and evaluate to 0% or train on noise
+    without a word. (A tokenizer that spells no style, a test's random one, is left alone.)"""
+    if c.task != "countdown":
+        return
+    rate = 0.5 if c.interoception else None
+    unknown = unknown_words(tokenizer, c.prompt, rate, c.blind_tag)
+    spelled = [s for s in sorted(countdown.PROMPTS) if not unknown_words(tokenizer, s, rate, c.blind_tag)]
+    if unknown and spelled:
+        raise ValueError(f"the prompt style {c.prompt} has {len(unknown)} words that {model_dir}/tokenizer.json cannot "
+                         f"spell ({', '.join(unknown[:3])}, ...): they would all be one unknown token; this model's "
+                         f"tokenizer spells the styles {', '.join(spelled)}: give one with --prompt")

@@ -765,10 +765,13 @@ def test_bench_checks_every_flag_before_it_runs(flags, message, monkeypatch):
 
 def finished_run(train_ckpt, run_dir, *flags):
     """A finished run in run_dir as train.py leaves it: checkpoint/ngc.json with the settings of
-    `train.py --model train_ckpt FLAGS`, and a log whose last step is the last of --steps."""
+    `train.py --model train_ckpt FLAGS`, trainer.pt at its last step, and a log whose last step is
+    the last of --steps (no final evaluation: these settings have none)."""
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(run_dir), "--overwrite", *flags]))
+    assert not c.eval_every
     (run_dir / "checkpoint").mkdir(parents=True)
     (run_dir / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
+    torch.save({"step": c.steps}, run_dir / "checkpoint" / "trainer.pt")
     (run_dir / "log.jsonl").write_text("".join(json.dumps(dict.fromkeys(STEP_KEYS, 0.0) | {"step": s}) + "\n"
                                                for s in range(c.steps)))
 

@@ -36,7 +36,7 @@ from cli import exits, one_line_errors, parser
 from eval import before_after, eval_line, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from tasks import TASK_REWARD, load_problems, prompt_encoder
+from tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
 
 @dataclass(frozen=True)
 class Mode:
@@ -369,6 +369,7 @@ def setup(argv):
         model, tokenizer = load(c.model, c.device, c.meta_token)  # before the optimizer: g may add a row
         if not model.config.eos_ids:
             raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
+        check_prompt(c, tokenizer, c.model)
     return c, state, model, tokenizer, problems
 
 

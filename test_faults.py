@@ -1,0 +1,393 @@
+"""Faults a researcher meets between runs: files edited by hand (ngc.json, config.json, the shard
+index, log.jsonl), scripts and studies stopped by a signal and run again, and the checks that must
+come before any work. Each test makes the fault happen for real and checks the one line, the exit
+and that nothing was lost."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+import bench
+import eval as evaluation
+import make_tiny
+import mathtask
+import reproduce
+import rundir
+import settings
+import show
+import train
+from checkpoint import CheckpointError, from_pretrained
+from conftest import run_train, write_checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY, TINY_MATH = os.path.join(HERE, "tiny"), os.path.join(HERE, "tiny-math")
+
+
+class Reached(Exception):
+    """Raised by a stand-in for the first thing a script does once every check has passed."""
+
+
+def reached(*args, **kwargs):
+    raise Reached(*args)
+
+
+def one_line_error(run) -> str:
+    with pytest.raises(SystemExit) as err:
+        run()
+    message = err.value.code  # a string: Python prints it to stderr and exits with status 1
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def files_under(path) -> dict:
+    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+# ---------------------------------------------------------------------------------------
+# Files a user edits: one line naming the file, the key and what it accepts, in every script
+
+
+SCRIPTS = {  # each script that reads a model directory, as a user runs it; what it would write goes under out
+    "train": lambda model, out: train.main(["--model", model, "--out", str(out / "run")]),
+    "eval": lambda model, out: evaluation.main(["--model", model, "--out", str(out / "r.jsonl")]),
+    "show": lambda model, out: show.main(["--model", model, "--before", model, "--out", str(out / "f.html")]),
+    "make_tiny": lambda model, out: make_tiny.main(["--eval-only", "--out", model, "--threads", "1",
+                                                    "--train-problems", "64", "--n-test", "4"]),
+    "reproduce": lambda model, out: reproduce.main(["--model", model, "--out", str(out / "results")]),
+    "bench": lambda model, out: bench.main(["--model", model, "--device", "cpu"]),
+}
+NGC_EDITS = [("steps", "60", 'steps is "60"; it must be an integer'),
+             ("steps", 60.5, "steps is 60.5; it must be an integer"),
+             ("eval_every", None, "eval_every is null; it must be an integer, not null"),
+             ("steps", 0, "steps is 0; it must be at least 1"),
+             ("difficulty", "hard", 'difficulty is "hard"; it must be one of paper, tiny'),
+             ("prompt", "fancy", 'prompt is "fancy"; it must be one of plain, tiny, tiny-layouts, tiny-shifted, '
+                                 'tiny-unseen'),
+             ("lr", "1e-3", 'lr is "1e-3"; it must be a number'),
+             ("retention", "0.9;0.5", 'retention is "0.9;0.5"; it must be comma-separated numbers'),
+             ("term_grad_norms", 1, "term_grad_norms is 1; it must be true or false"),
+             ("prompt", None, "prompt is null; a Countdown run's must be one of plain, tiny, tiny-layouts, "
+                              "tiny-shifted, tiny-unseen")]
+CONFIG_EDITS = [("hidden_size", "64", 'hidden_size is "64"; it must be a positive integer'),
+                ("num_hidden_layers", 2.5, "num_hidden_layers is 2.5; it must be a positive integer"),
+                ("vocab_size", None, "vocab_size is null; it must be a positive integer"),
+                ("rms_norm_eps", "1e-6", 'rms_norm_eps is "1e-6"; it must be a positive number'),
+                ("eos_token_id", "1", 'eos_token_id is "1"; it must be a token id, a list of them, or null'),
+                ("tie_word_embeddings", "false", 'tie_word_embeddings is "false"; it must be true or false')]
+
+
+def edited_copy(src, dest, file, key, value):
+    """A copy of checkpoint directory src at dest, with `key` of JSON file `file` set to value."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src, dest)
+    d = json.loads((dest / file).read_text())
+    (dest / file).write_text(json.dumps({**d, key: value}))
+    return str(dest)
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Every script stops at the first thing it does once its checks have passed."""
+    for module, name in ((rundir, "prepare"), (evaluation, "compare"), (show, "trace_rollouts"),
+                         (make_tiny, "report"), (bench, "bench"), (reproduce.subprocess, "Popen")):
+        monkeypatch.setattr(module, name, reached)
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != "bench"])  # bench.py reads no ngc.json
+def test_an_edited_ngc_json_is_one_line_naming_the_key_in_every_script(train_ckpt, tmp_path, nothing_runs, script):
+    out = tmp_path / "out"
+    out.mkdir()
+    for key, value, says in NGC_EDITS + [("stepz", 60, "has unknown keys ['stepz']")]:
+        model = edited_copy(train_ckpt, tmp_path / "model", "ngc.json", key, value)
+        message = one_line_error(lambda: SCRIPTS[script](model, out))
+        assert message.startswith(f"error: {model}/ngc.json") and says in message, (key, value, message)
+        assert list(out.iterdir()) == []
+    with pytest.raises(Reached):  # the control: the file as it was passes every check
+        SCRIPTS[script](edited_copy(train_ckpt, tmp_path / "model", "ngc.json", "steps", 60), out)
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_an_edited_config_json_is_one_line_naming_the_key_in_every_script(train_ckpt, tmp_path, nothing_runs, script):
+    out = tmp_path / "out"
+    out.mkdir()
+    for key, value, says in CONFIG_EDITS:
+        model = edited_copy(train_ckpt, tmp_path / "model", "config.json", key, value)
+        assert one_line_error(lambda: SCRIPTS[script](model, out)) == f"error: {model}/config.json: {says}"
+        assert list(out.iterdir()) == []
+    with pytest.raises(Reached):
+        SCRIPTS[script](edited_copy(train_ckpt, tmp_path / "model", "config.json", "hidden_size", 64), out)
+
+
+@pytest.mark.parametrize("text, says", [("{not json", "is not valid JSON"),
+                                        ('{"metadata": {}}', "has no weight_map of tensor names to shard files"),
+                                        ('{"weight_map": ["model.norm.weight"]}', "has no weight_map")])
+def test_a_broken_shard_index_is_one_line_naming_it(ckpt, tmp_path, text, says):
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")
+    index = model / "model.safetensors.index.json"
+    index.write_text(text)
+    with pytest.raises(CheckpointError) as err:
+        from_pretrained(str(model))
+    assert str(err.value).startswith(f"{index} {says}")
+    assert one_line_error(lambda: evaluation.main(["--model", str(model)])).startswith(f"error: {index} {says}")
+    names = from_pretrained(ckpt).state_dict().keys() - {"lm_head.weight"}
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}))
+    from_pretrained(str(model))  # the control: the index repaired
+
+
+@pytest.fixture(scope="module")
+def small_run(train_ckpt, tmp_path_factory):
+    """A run directory of two steps, a checkpoint after each."""
+    run = tmp_path_factory.mktemp("small_run")
+    run_train(train_ckpt, run, "--steps", "2", "--save-every", "1")
+    return run
+
+
+@pytest.mark.parametrize("line, says", [(b"null", "line 2 is null, not a record (a JSON object with its step)"),
+                                        (b'{"reward": 0.5}', "line 2 has no step"),
+                                        (b'{"step": "1"}', 'line 2 has step "1"; a step is an integer, 0 or more'),
+                                        (b'{"step": 1, "note": "caf\xe9"}', "line 2 is not UTF-8 text (byte 0xe9)")])
+def test_an_edited_log_line_stops_a_resume_in_one_line_naming_it(small_run, tmp_path, line, says):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    first, rest = (run / "log.jsonl").read_bytes().split(b"\n", 1)
+    (run / "log.jsonl").write_bytes(first + b"\n" + line + b"\n" + rest)
+    before = files_under(run)
+    assert one_line_error(lambda: train.main(["--resume", str(run), "--threads", "1"])) == \
+        f"error: {run}/log.jsonl {says}; repair or remove that line"
+    assert files_under(run) == before  # nothing lost, nothing half-written
+
+
+def refuse_lock(real_open):
+    """os.open as it behaves for a lock file this user may not open (root passes any permission bits)."""
+    def open_(path, *args, **kwargs):
+        if os.path.basename(path) == rundir.LOCK:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_open(path, *args, **kwargs)
+    return open_
+
+
+def test_a_lock_that_cannot_be_opened_is_one_line(train_ckpt, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "lock").mkdir(parents=True)
+    fix = "it must be a file this user can write: fix its permissions or remove it"
+    assert one_line_error(lambda: train.main(["--model", train_ckpt, "--out", str(run), "--threads", "1"])) == \
+        f"error: cannot open the run directory's lock {run}/lock (a directory); {fix}"
+    (run / "lock").rmdir()
+    (run / "lock").write_text("")
+    monkeypatch.setattr(os, "open", refuse_lock(os.open))
+    assert one_line_error(lambda: train.main(["--model", train_ckpt, "--out", str(run), "--threads", "1"])) == \
+        f"error: cannot open the run directory's lock {run}/lock (Permission denied); {fix}"
+    assert os.listdir(run) == ["lock"]
+
+
+# ---------------------------------------------------------------------------------------
+# Checks that come before the work
+
+
+@pytest.fixture(scope="module")
+def math_model(tmp_path_factory):
+    """A math run's checkpoint/ as train.py writes it, its held-out file beside it."""
+    root = tmp_path_factory.mktemp("math_model")
+    mathtask.make_demo(str(root / "data"), n_train=4, n_test=3)
+    path = write_checkpoint(root / "checkpoint", seed=2)
+    c = replace(settings.MATH, data=str(root / "data" / "train.jsonl"), eval_data=str(root / "data" / "test.jsonl"),
+                delta=8, block=2, window=3, max_new_tokens=8, eval_max_new_tokens=8)
+    (root / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
+    return path
+
+
+def test_eval_refuses_a_policy_the_model_cannot_use_before_any_rollout(math_model, ckpt, monkeypatch):
+    monkeypatch.setattr(evaluation, "rollout", reached)
+    assert one_line_error(lambda: evaluation.main(["--model", math_model, "--policy", "none", "task-rule"])) == (
+        "error: --policy task-rule keeps the block of a Countdown prompt's target; this evaluation's task is math: "
+        "leave task-rule out")
+    assert one_line_error(lambda: evaluation.main(["--model", ckpt, "--policy", "none", "task-rule"])) == (
+        "error: --policy task-rule keeps the token after 'reach' (the tiny prompt's target); this tokenizer has no "
+        "such token")
+    with pytest.raises(Reached):  # the control: the shipped tiny/ has the word
+        evaluation.main(["--model", TINY, "--policy", "none", "task-rule", "--problems", "1"])
+
+
+def test_an_empty_output_path_is_refused_before_any_work(ckpt, train_ckpt, tmp_path, monkeypatch, nothing_runs):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(make_tiny, "build_tokenizer", reached)  # pretraining would start here
+    cases = [(lambda: evaluation.main(["--model", train_ckpt, "--out", ""]), "--out is empty; give a file name"),
+             (lambda: evaluation.main(["--model", train_ckpt, "--plot", ""]), "--plot is empty; give a file name"),
+             (lambda: show.main(["--model", train_ckpt, "--before", ckpt, "--out", ""]), "--out is empty"),
+             (lambda: make_tiny.main(["--out", "", "--steps", "1"]), "--out is empty"),
+             (lambda: train.main(["--model", train_ckpt, "--out", ""]), "--out is empty; give the run directory"),
+             (lambda: reproduce.main(["--model", train_ckpt, "--out", ""]), "the output directory is empty")]
+    for run, says in cases:
+        assert one_line_error(run).startswith(f"error: {says}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
+    """--prompt plain on tiny/: most of its tokens were <unk>, and it evaluated to 0% without a word."""
+    monkeypatch.setattr(evaluation, "compare", reached)
+    monkeypatch.setattr(rundir, "prepare", reached)
+    says = (f"error: the prompt style plain has 45 words that {TINY}/tokenizer.json cannot spell (Using, the, "
+            f"numbers, ...): they would all be one unknown token; this model's tokenizer spells the styles tiny, "
+            f"tiny-layouts, tiny-shifted, tiny-unseen: give one with --prompt")
+    assert one_line_error(lambda: evaluation.main(["--model", TINY, "--prompt", "plain", "--problems", "1"])) == says
+    assert one_line_error(lambda: train.main(["--model", TINY, "--prompt", "plain", "--out", str(tmp_path / "r")])) \
+        == says
+    with pytest.raises(Reached):  # the control: a layout tiny/ never trained on, but spelled
+        evaluation.main(["--model", TINY, "--prompt", "tiny-unseen", "--problems", "1"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_tiny_eval_only_takes_the_task_of_the_model(monkeypatch):
+    monkeypatch.setattr(make_tiny, "report", reached)
+    monkeypatch.setattr(make_tiny, "from_pretrained", lambda path: None)
+    with pytest.raises(Reached) as r:
+        make_tiny.main(["--eval-only", "--out", TINY_MATH, "--threads", "1"])
+    assert r.value.args[3].run["task"] == "math"
+    assert one_line_error(lambda: make_tiny.main(["--eval-only", "--out", TINY_MATH, "--task", "countdown"])) == (
+        f"error: --out {TINY_MATH} was trained on math (its ngc.json); evaluate it with --task math or without --task")
+
+
+def test_the_math_demo_files_that_are_not_shipped_say_how_to_make_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # tiny-math/ngc.json names data/math-demo/*.jsonl, relative to here
+    make = "the demo set is not shipped: make it with python mathtask.py --make-demo data/math-demo"
+    assert one_line_error(lambda: train.main(["--model", TINY_MATH, "--out", "run"])) == \
+        f"error: no such file: data/math-demo/train.jsonl; {make}"
+    assert one_line_error(lambda: evaluation.main(["--model", TINY_MATH])) == \
+        f"error: data/math-demo/test.jsonl: no such file; {make}"
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------
+# Signals: every script stops with one line and exit code 128 + the signal, writing nothing
+
+
+def marked(module: str, function: str, argv) -> list[str]:
+    """The command running module.main(argv) with `marker` printed as `function` (called inside
+    the work) first starts: the moment to send a signal."""
+    code = (f"import sys, {module} as m\nreal = m.{function}\n"
+            f"def marked(*a, **k):\n    print('marker', flush=True)\n    return real(*a, **k)\n"
+            f"m.{function} = marked\nm.main(sys.argv[1:])")
+    return [sys.executable, "-u", "-c", code, *argv]
+
+
+def wait_for(proc, marker, timeout=120) -> str:
+    """proc's stdout up to the first line holding marker."""
+    seen, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if marker in line or not line:
+            return "".join(seen)
+    raise AssertionError(f"no {marker!r} in {seen}")
+
+
+@pytest.mark.parametrize("script, sig", [("eval", signal.SIGINT), ("show", signal.SIGTERM),
+                                         ("make_tiny", signal.SIGINT), ("bench", signal.SIGTERM)])
+def test_a_signal_stops_every_script_in_one_line(ckpt, train_ckpt, tmp_path, script, sig):
+    out = tmp_path / "out"
+    commands = {  # each with work enough to take many seconds, and the line that says the work has started
+        "eval": (marked("eval", "rollout", ["--model", train_ckpt, "--problems", "200", "--batch-size", "1",
+                                            "--out", str(out)]), "marker"),
+        "show": (marked("show", "rollout", ["--model", ckpt, "--before", ckpt, "--problems", "200",
+                                            "--out", str(out)]), "marker"),
+        "make_tiny": ([sys.executable, "-u", "make_tiny.py", "--out", str(out), "--steps", "100000",
+                       "--train-problems", "2000", "--threads", "1"], "M parameters"),
+        "bench": ([sys.executable, "-u", "bench.py", "--device", "cpu", "--new-tokens", "4096", "--repeat", "9",
+                   "--threads", "1"], "== cpu")}
+    command, marker = commands[script]
+    proc = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        printed = wait_for(proc, marker)
+        proc.send_signal(sig)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, printed + rest + err
+    assert err.strip().splitlines()[-1] == f"{signal.Signals(sig).name}: stopped; no file is half-written", err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------
+# A study stopped and run again
+
+
+def test_a_run_stopped_in_its_final_evaluation_is_resumed_to_log_it(train_ckpt, tmp_path):
+    run = tmp_path / "runs" / "ngc"
+    run_train(train_ckpt, run, "--steps", "2", "--eval-every", "2", "--eval-samples", "0")
+    assert reproduce.finished(str(run))
+    log = run / "log.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:-1]))  # the final eval's record
+    assert not reproduce.finished(str(run))
+    command = reproduce.train_command(str(tmp_path), os.path.join("runs", "ngc"), train_ckpt, 1, [], ["--steps", "2"])
+    assert command[2:] == ["--resume", str(run), "--threads", "1"]  # the flags train.py accepts on a resume
+    run_train(train_ckpt, run, *command[2:])
+    assert reproduce.finished(str(run))
+    assert [(r["step"], "eval" in r) for r in rundir.read_log(str(log))] == [(0, True), (0, False), (1, False),
+                                                                             (2, True)]
+
+
+def test_headline_tables_of_a_smoke_study_have_dashes_for_what_is_not_there(tmp_path, monkeypatch):
+    """No evaluation before training (--eval-every 0) and a full cache that solves nothing: the
+    table says "–" there; it used to raise StopIteration and ZeroDivisionError."""
+    for k in range(2):
+        for name in reproduce.HEADLINE:
+            run_dir = tmp_path / "runs" / reproduce.run_name(name, k)
+            run_dir.mkdir(parents=True)
+            (run_dir / "log.jsonl").write_text(json.dumps({"step": 0, "reward": 0.0}) + "\n")
+    rows = [dict(policy="none", accuracy=0.0, problems=2, length=8.0, rounds=0.0, kv_reduction=1.0),
+            dict(policy="ngc", accuracy=0.0, problems=2, length=8.0, rounds=1.0, kv_reduction=1.5)]
+    monkeypatch.setattr(reproduce, "eval_study", lambda *args: rows)
+    table = reproduce.headline_markdown(reproduce.headline_rows(str(tmp_path), 2))
+    assert "| ngc | 1 | – → 0.0% | – → 0.0% | – | –x → 1.50x |" in table
+    assert "| ngc | mean | – → 0.0% | – → 0.0% | – | –x → 1.50x |" in table
+
+
+def test_a_study_stopped_by_a_signal_continues_with_the_same_command(train_ckpt, tmp_path):
+    """reproduce.py --headline on a random model, SIGINT while its two runs train: it stops them
+    (no train.py left running), says how to go on, and the same command resumes both runs, each
+    step logged once, their first console lines kept, and writes the table."""
+    out = tmp_path / "results"
+    command = [sys.executable, "-u", "reproduce.py", "--headline", "--model", train_ckpt, "--out", str(out),
+               "--jobs", "2", "--problems", "1",
+               "--train-args", "--steps 16 --eval-every 8 --eval-samples 0 --save-every 0"]
+    proc = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [out / "runs" / name for name in reproduce.HEADLINE]
+    try:
+        deadline = time.time() + 180
+        while proc.poll() is None and time.time() < deadline and not all(
+                len(rundir.read_log(str(r / "log.jsonl"))) >= 3 for r in runs):  # step 0's eval and two steps
+            time.sleep(0.05)
+        trainers = [int((r / "lock").read_text()) for r in runs]
+        proc.send_signal(signal.SIGINT)
+        printed, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, printed + err
+    assert err.strip().startswith("SIGINT: stopped; finished runs and evaluations are kept and interrupted runs saved "
+                                  "their step: run the same command to continue (python reproduce.py --headline")
+    assert len(err.strip().splitlines()) == 1, err
+    for pid in trainers:  # no train.py left training
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    first = [(r.with_suffix(".log")).read_text() for r in runs]
+    again = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    for run, before in zip(runs, first):
+        log = rundir.read_log(str(run / "log.jsonl"))
+        assert [r["step"] for r in log if "reward" in r] == list(range(16))
+        assert [r["step"] for r in log if "eval" in r] == [0, 8, 16]
+        console = run.with_suffix(".log").read_text()
+        resumed = f"--resume {run} --threads {reproduce.threads_per_run(2)}"
+        assert console.startswith(before) and resumed in console[len(before):]
+    table = (out / "headline.md").read_text()
+    assert all(f"| {name} | 0 |" in table for name in reproduce.HEADLINE)
