@@ -4,24 +4,42 @@
     python bench.py --model DIR --device cuda --dtype bf16 --batch 64 --new-tokens 1024
     python bench.py --shape r1 --device cuda --batch 32 --new-tokens 1024 --delta 256 --block 32
                                          # random weights in DeepSeek-R1-Distill-Qwen-1.5B's shape
+    python bench.py --model tiny --held-out --hf --batch 64 --delta 24 --block 4 --window 4 --threads 2
+                                         # the shipped model's rollouts as train.py makes them, beside
+                                         # Hugging Face generate (pip install transformers)
 
 Decode: tokens/s and ms per decode step with eviction on and off at the same batch (no EOS,
 so every row decodes --new-tokens tokens), eager and, with --compile, compiled; on CUDA also
 the fraction of the memory-bandwidth bound (weights + alive KV read per step / peak
 bandwidth). Replay: forward+backward of the replay pass (per-layer masks plus the recomputed
 eviction log-probs) against a plain causal forward+backward over the same tokens.
+
+--profile RUN_DIR: where a training run's time went, from its log.jsonl: rollouts, replay
+(forward and backward of every micro-batch), the rest of each step (rewards, clipping, the
+collectives) and the evaluations, in total and per step. Runs logged before the rollout and replay
+times were recorded get their rollout time from the logged tokens/s.
+
+--held-out: the prompts are --model's first --batch held-out problems as its ngc.json prompts them,
+sampled at its temperature and top-k, and a row ends at EOS, as train.py and eval.py roll out (the
+default path: eager, rows that end leave the batch). --hf: also Hugging Face `generate` (a
+DynamicCache, the full cache) on the same prompts, sampling and length cap in the same process,
+and how many times its tokens/s the rollout with eviction decodes.
 """
+import os
 import sys
 import time
 
 import torch
 
 import distributed
-from checkpoint import CheckpointError, from_pretrained, load_config
-from cli import exits, parser
+import rundir
+import settings
+from checkpoint import CheckpointError, from_pretrained, load_config, load_tokenizer
+from cli import exits, need, one_line_errors, parser
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
+from tasks import held_out, prompt_encoder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -43,21 +61,24 @@ def timed(fn, device, repeat=3):
 
 def bench(model, args, device):
     ev = Eviction(delta=args.delta, block=args.block, window=args.window, rate=args.rate)
-    s = Sampling(max_new_tokens=args.new_tokens, temperature=1.0, top_k=50)
+    prompts, s, eos_ids = bench_prompts(model, args)
     g = torch.Generator(device=device).manual_seed(0)
-    V = model.config.vocab_size
-    prompts = torch.randint(0, V, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    new = args.batch * args.new_tokens
+    speed = {}
     for compile in (False, True) if args.compile else (False,):
         for name, e in (("off", None), ("on", ev)):
             reset_memory(device)
-            sec, ro = timed(lambda: rollout(model, prompts, s, e, eos_ids=[], generator=g, compile=compile),
+            sec, ro = timed(lambda: rollout(model, prompts, s, e, eos_ids=eos_ids, generator=g, compile=compile),
                             device, args.repeat)
-            step = sec / args.new_tokens  # prefill and rounds included
+            new = int((ro.lengths - ro.prompt_lens).sum())
+            step = sec / int((ro.lengths - ro.prompt_lens).max())  # prefill and rounds included
+            speed[name, compile] = new / sec
             print(f"decode, eviction {name:3s}, {'compiled' if compile else 'eager   '}: {new / sec:9.0f} tokens/s "
-                  f"{step * 1e3:8.2f} ms/step{bandwidth(model, ro, e, step, args)}   ({sec:.2f} s for {args.batch} x "
-                  f"{args.new_tokens} tokens; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}"
+                  f"{step * 1e3:8.2f} ms/step{bandwidth(model, ro, e, step, args)}   ({sec:.2f} s for {new} tokens "
+                  f"from {args.batch} prompts; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}"
                   f"{memory(device)})")
+    if args.hf:
+        hf_speed = hf_generate(args.model, prompts, s, eos_ids, device, model.lm_head.weight.dtype, args.repeat)
+        print(f"eager rollout with eviction / Hugging Face generate: {speed['on', False] / hf_speed:.2f}x the tokens/s")
     ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g).select(torch.arange(min(args.replay_batch, args.batch)))
 
     def step(causal):
@@ -74,6 +95,72 @@ def bench(model, args, device):
     B, T = ro.tokens.shape
     print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_memory}   causal fwd+bwd: {t_causal * 1e3:8.1f} ms"
           f"{memory(device)}   ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
+
+
+def profile(run_dir):
+    """Print where a run's time went (see --profile), from its log.jsonl."""
+    path = os.path.join(run_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"--profile {run_dir}: no log.jsonl there; give a run directory train.py wrote")
+    log = rundir.read_log(path)
+    steps, evals = [r for r in log if "reward" in r], [r for r in log if "eval" in r]
+    if not steps:
+        raise ValueError(f"{run_dir}/log.jsonl has no step records to profile")
+    if all("rollout_time" in r for r in steps):
+        rollout, replay = sum(r["rollout_time"] for r in steps), sum(r["replay_time"] for r in steps)
+    else:  # an older log: a step's tokens/s is its completion tokens over its rollout's time
+        c = settings.run_defaults(os.path.join(run_dir, "checkpoint"))
+        rollout, replay = sum(r["response_len"] * c.prompts * c.group / r["tokens_per_s"] for r in steps), None
+    total = sum(r["step_time"] for r in steps)
+    rows = [("rollouts", rollout), ("replay fwd+bwd", replay), ("rest of the steps", total - rollout - (replay or 0))]
+    if replay is None:
+        rows = [rows[0], ("replay fwd+bwd and the rest", total - rollout)]
+    print(f"{run_dir}: {len(steps)} steps ({total:.1f} s), {len(evals)} evaluations")
+    for name, sec in rows:
+        print(f"  {name:30s} {sec:7.1f} s  {sec / len(steps):6.2f} s/step")
+    for r in evals:
+        print(f"  evaluation at step {r['step']:<11d} {r['eval_time']:7.1f} s" if "eval_time" in r else
+              f"  evaluation at step {r['step']}: its time was not recorded")
+
+
+def bench_prompts(model, args):
+    """(prompts, sampling, EOS ids): --model's held-out prompts at its run's sampling, ending at EOS
+    (--held-out), or random prompts of --prompt-len tokens that decode --new-tokens each."""
+    if not args.held_out:
+        V = model.config.vocab_size
+        prompts = torch.randint(0, V, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
+        return prompts.tolist(), Sampling(max_new_tokens=args.new_tokens, temperature=1.0, top_k=50), []
+    c = settings.run_defaults(args.model)
+    encode, tokenizer = prompt_encoder(c.task, c.prompt), load_tokenizer(args.model)
+    prompts = [encode(tokenizer, p) for p in held_out(c, args.batch)]
+    return prompts, Sampling(args.new_tokens, c.temperature, c.top_k, c.top_p), model.config.eos_ids
+
+
+def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat) -> float:
+    """Hugging Face generate's tokens/s (a DynamicCache: the full cache) on the same left-padded
+    prompts, sampling and length cap; printed like the rollouts'. A row's tokens are those up to its EOS."""
+    transformers = need("transformers", "bench.py --hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = (torch.arange(width, device=device) >= width - torch.tensor(list(map(len, prompts)), device=device)[:, None])
+    never_ends = not eos_ids
+    eos = eos_ids or [hf.config.eos_token_id or 0]
+
+    @torch.no_grad()
+    def generate():
+        torch.manual_seed(0)
+        out = hf.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=s.temperature,
+                          top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens, pad_token_id=0,
+                          eos_token_id=eos, min_new_tokens=s.max_new_tokens if never_ends else 0)
+        return out[:, width:]
+
+    sec, new = timed(generate, device, repeat)
+    ended = torch.isin(new, torch.tensor(eos, device=device))
+    tokens = int(new.numel() if never_ends else ((ended.cumsum(1) - ended) == 0).sum())  # up to and with EOS
+    print(f"Hugging Face generate, full cache: {tokens / sec:9.0f} tokens/s {sec / new.shape[1] * 1e3:8.2f} ms/step   "
+          f"({sec:.2f} s for {tokens} tokens from {len(prompts)} prompts; transformers {transformers.__version__})")
+    return tokens / sec
 
 
 def bandwidth(model, ro, ev, step_s, args) -> str:
@@ -126,6 +213,12 @@ def check(args) -> list[str]:
         raise ValueError(f"--delta {args.delta} --block {args.block} --window {args.window} --rate {args.rate}: {e}")
     if args.model:
         load_config(args.model)  # a missing or foreign checkpoint: one line, before any device work
+    if (args.held_out or args.hf) and not args.model:
+        raise ValueError("--held-out and --hf read a checkpoint directory: give --model DIR (e.g. --model tiny)")
+    if args.held_out and settings.run_defaults(args.model).task != "countdown":
+        raise ValueError(f"--held-out takes Countdown's held-out problems; {args.model} is not a Countdown model")
+    if args.hf:
+        need("transformers", "bench.py --hf")
     if args.device:
         return [distributed.pick_device(args.device)]
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -150,9 +243,18 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--compile", action="store_true", help="also time rollout(compile=True) (CUDA graphs on CUDA)")
+    p.add_argument("--held-out", action="store_true", help="--model's held-out prompts at its run's sampling, rows "
+                   "ending at EOS, as train.py rolls out (default: random prompts, no EOS)")
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same prompts "
+                   "(needs transformers and --model)")
     p.add_argument("--peak-bandwidth", type=float, default=3.35,
                    help="the device's peak memory bandwidth in TB/s, for the bandwidth bound (default: H100 SXM)")
+    p.add_argument("--profile", metavar="RUN_DIR", help="print where a training run's time went (its log.jsonl) "
+                   "and exit")
     args = p.parse_args(argv)
+    if args.profile:
+        with one_line_errors():
+            return profile(args.profile)
     try:
         devices = check(args)
     except (CheckpointError, ValueError) as e:

@@ -88,7 +88,7 @@ def sampled(model):
 # The keys of a step record in log.jsonl, in order (train.step_gradients writes them; a test there
 # checks it), for the tests that write logs by hand.
 STEP_KEYS = ["step", "reward", "accuracy", "eps", "response_len", "rounds", "L_token", "L_mem", "grad_norm",
-             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "tokens_per_s", "zero_adv_groups",
+             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "rollout_time", "replay_time", "tokens_per_s", "zero_adv_groups",
              "sampled_logprob"]
 TRAIN_DEFAULTS = dict(difficulty="tiny", train_problems=64, eval_problems=4, prompts=2, group=4, max_new_tokens=24,
                       temperature=1.0, top_k=0, delta=8, block=2, window=3, retention="0.75,0.5", stage_steps=1,
@@ -167,7 +167,7 @@ def one_round(c, block, rate, policy, prompt=None):
     e = Eviction(delta=64, block=block, window=q.shape[2], rate=rate, **how)
     prompt = prompt or (kpos[:, :2], torch.tensor([2]))
     state = SimpleNamespace(cache=SimpleNamespace(layers=[layer]), window=window, eviction=e, rates=torch.tensor([rate]),
-                            generator=None, record=record, tokens=prompt[0], prompt_lens=prompt[1])
+                            generator=None, record=record, tokens=prompt[0], prompt_lens=prompt[1], cache_row=torch.tensor([0]))
     ngc.eviction_round(state, torch.tensor([True]))
     kept, _, logps, _ = record.tensors()
     survivors = kept_keys(alive, kept[:, 0, 0], block)  # the rest are gone, the survivors moved to the front

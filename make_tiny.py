@@ -84,7 +84,6 @@ TINY_RUN = dict(
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
     delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
     lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
-    term_grad_norms=True,
 )
 # The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set
 # written by `python mathtask.py --make-demo data/math-demo`. Prompts are 29-33 tokens and full-cache
@@ -94,7 +93,7 @@ MATH_RUN = dict(
     steps=60, prompts=16, group=8, max_new_tokens=128, temperature=1.0, top_k=0, top_p=1.0, min_length=0,
     delta=32, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
     lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
-    term_grad_norms=True, eval_max_new_tokens=128, eval_samples=None,  # eval.py: greedy, as for tiny/
+    eval_max_new_tokens=128, eval_samples=None,  # eval.py: greedy, as for tiny/
 )
 MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
     # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report

@@ -195,6 +195,7 @@ class LayerCache:
         self.size = capacity  # S; a round reads all S slots, the dead ones masked by their alive flag
         self.tight = tight
         self.span = 0 if tight else capacity  # S' <= S: the slots attention reads; every alive entry lies below
+        self.span_floor = 0  # the most entries a row that left (keep_rows) held: S' never drops below it
 
     def read(self, qpos):
         """The keys and values (B, Hkv, S', D) of the first S' = span slots, and what each of the T
@@ -208,7 +209,10 @@ class LayerCache:
         slots, in order; padding writes back what its slot holds. Slots are taken modulo S, so the
         T slots of a row are distinct (T <= S) even where padding runs past the end."""
         n = valid.sum(1, keepdim=True)
-        rank = torch.where(valid, valid.cumsum(1) - 1, n + (~valid).cumsum(1) - 1)  # (B, T): valid ones first
+        if valid.shape[1] == 1:  # decode: the one token goes to slot fill, or writes back what it holds
+            rank = torch.zeros_like(n)
+        else:
+            rank = torch.where(valid, valid.cumsum(1) - 1, n + (~valid).cumsum(1) - 1)  # (B, T): valid ones first
         B, Hkv = k.shape[:2]
         row, head = torch.arange(B, device=k.device)[:, None], torch.arange(Hkv, device=k.device)[:, None]
         slot = (self.fill[:, None] + rank) % self.size  # (B, T)
@@ -237,7 +241,16 @@ class LayerCache:
         self.fill[rows] = keep.sum(1)
         self.alive[rows] = torch.arange(self.size, device=keep.device) < self.fill[rows, None]
         if self.tight:
-            self.span = int(self.fill.max())  # a host sync, once per round
+            self.span = max(int(self.fill.max()), self.span_floor)  # a host sync, once per round
+
+    def keep_rows(self, rows):
+        """Keep only batch rows `rows` (N,), in that order (rows that ended leave); eager only. Attention
+        goes on reading as many slots as the rows that left held, so that the rows that stay compute
+        with the slot count, and round as, they would have beside them."""
+        left = torch.ones_like(self.alive[:, 0]).index_fill_(0, rows, False)
+        self.span_floor = max(self.span_floor, int(torch.where(left, self.fill, 0).max()))
+        self.k, self.v, self.pos, self.alive, self.fill = (t[rows] for t in (self.k, self.v, self.pos, self.alive,
+                                                                             self.fill))
 
     def check(self):
         if (self.fill > self.size).any():
@@ -249,6 +262,10 @@ class KVCache:
     def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype, device, tight: bool = False):
         self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype, device, tight)
                        for _ in range(cfg.num_hidden_layers)]
+
+    def keep_rows(self, rows):
+        for c in self.layers:
+            c.keep_rows(rows)
 
     def alive_counts(self):
         """(B, L) number of alive entries per row and layer."""

@@ -155,8 +155,11 @@ class QueryWindow:
     def advance(self, pos, valid):
         """Before a forward: which w of (window + new tokens) are the newest real tokens."""
         cat_valid, cat_pos = torch.cat([self.valid, valid], 1), torch.cat([self.pos, pos], 1)
-        order = torch.arange(cat_valid.shape[1], device=pos.device).expand_as(cat_valid)
-        self.idx.copy_(torch.where(cat_valid, order, -1).topk(self.w, dim=1).indices.sort(1).values)  # (B, w)
+        if valid.shape[1] == 1:  # decode: a valid token pushes the oldest out (valid entries are the newest)
+            self.idx.copy_(torch.arange(self.w, device=pos.device) + valid.long())  # (B, w)
+        else:
+            order = torch.arange(cat_valid.shape[1], device=pos.device).expand_as(cat_valid)
+            self.idx.copy_(torch.where(cat_valid, order, -1).topk(self.w, dim=1).indices.sort(1).values)  # (B, w)
         self.valid.copy_(cat_valid.gather(1, self.idx))
         self.pos.copy_(cat_pos.gather(1, self.idx))
 
@@ -164,6 +167,11 @@ class QueryWindow:
         B, H, _, D = q.shape
         both = torch.cat([self.q[layer], q.to(self.q[layer].dtype)], dim=2)
         self.q[layer].copy_(both.gather(2, self.idx[:, None, :, None].expand(-1, H, -1, D)))
+
+    def keep_rows(self, rows):
+        """Keep only batch rows `rows` (N,), in that order (rows that ended leave)."""
+        self.q = [q[rows] for q in self.q]
+        self.pos, self.valid, self.idx = self.pos[rows], self.valid[rows], self.idx[rows]
 
     def buffers(self):
         return [*self.q, self.pos, self.valid, self.idx]
@@ -295,6 +303,11 @@ class RolloutState:
         self.fed = torch.zeros(B, dtype=torch.long, device=device)  # (B,) tokens each row's cache has taken
         self.dtype, self.cache, self.window, self.step = dtype, cache, window, step  # dtype: the cache's and logits'
         self.record = Recorder(B, model.config.num_hidden_layers, device)
+        # Rows that end leave the batch the model decodes (eager only: a captured step has fixed shapes).
+        self.can_drop = not compile
+        self.live = None  # (B',) the batch row of each cache row; None: every row, in order
+        self.cache_row = torch.arange(B, device=device)  # (B,) each batch row's cache row while it is live
+        self.final_alive = torch.zeros(B, model.config.num_hidden_layers, dtype=torch.long, device=device)  # (B, L)
 
 
 def prefill(s: RolloutState):
@@ -345,13 +358,49 @@ def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
         n_new += active
         hit_eos |= active & torch.isin(tok, eos)
         active &= ~hit_eos & (n_new < M)
-        if t == M - 1 or (eos.numel() and not active.any()):  # a host sync, needless without EOS ids
+        if t == M - 1:
             break
-        logits = s.step(s.model, s.cache, s.window, tok[:, None], s.fed[:, None], active[:, None])
+        if eos.numel():  # a host sync, needless without EOS ids
+            going = int(active.sum())
+            if going == 0:
+                break
+            if s.can_drop:
+                drop_ended_rows(s, active, going)
+        if s.live is None:
+            logits = s.step(s.model, s.cache, s.window, tok[:, None], s.fed[:, None], active[:, None])
+        else:
+            live = s.live
+            out = s.step(s.model, s.cache, s.window, tok[live, None], s.fed[live, None], active[live, None])
+            logits = logits.index_copy(0, live, out)  # ended rows keep stale logits: their samples are never used
         s.fed += active
         if ev and t % ev.delta in phases:
             eviction_round(s, due[t % ev.delta] & active)
     return new, new_logprobs, n_new, hit_eos
+
+
+ROW_STEP = 16  # the decoded batch shrinks in steps of this many rows
+
+
+def drop_ended_rows(s: RolloutState, active, going: int):
+    """Once ROW_STEP rows have ended, the cache and query window keep only the rows still going,
+    padded with ended ones to a multiple of ROW_STEP (so that each shrink pays for its copy). A
+    row's tokens, log-probs and evictions do not depend on which rows share its batch: bit for bit
+    on one thread (a test), up to float rounding where a CPU kernel splits its work over threads
+    by batch size."""
+    live = torch.arange(len(active), device=active.device) if s.live is None else s.live
+    size = min(len(live), -(-going // ROW_STEP) * ROW_STEP)
+    if size == len(live):
+        return
+    still = active[live]  # (B',)
+    stay = still | ((~still).cumsum(0) <= size - going)  # the rows going, then the first ended ones as padding
+    s.cache.check()  # an overflow is an error before a row leaves, too
+    s.final_alive[live[~stay]] = s.cache.alive_counts()[~stay]
+    kept = stay.nonzero().flatten()
+    s.cache.keep_rows(kept)
+    if s.window is not None:
+        s.window.keep_rows(kept)
+    s.live = live[kept]
+    s.cache_row[s.live] = torch.arange(size, device=active.device)
 
 
 def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
@@ -364,8 +413,10 @@ def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
     tokens = s.tokens.scatter_(1, at, torch.where(done, new, 0))
     logprobs = torch.zeros_like(tokens, dtype=torch.float32).scatter_(1, at, torch.where(done, new_logprobs, 0.0))
     kept, n_rounds, evict_logprobs, before = s.record.tensors()
+    alive = s.cache.alive_counts()  # (B', L)
+    final = alive if s.live is None else s.final_alive.index_copy(0, s.live, alive)  # (B, L)
     # Alive entries only grow between rounds, so a row holds the most just before a round or at the end.
-    held = torch.cat([before.sum(2), s.cache.alive_counts().sum(1, keepdim=True)], 1)  # (B, R + 1)
+    held = torch.cat([before.sum(2), final.sum(1, keepdim=True)], 1)  # (B, R + 1)
     T = int(lengths.max())
     t = torch.arange(T, device=device)
     forced = (t >= P[:, None]) & (t < lengths[:, None])  # (B, T): the completions
@@ -380,13 +431,14 @@ def eviction_round(s: RolloutState, fired):
     cache, window, ev, rows = s.cache, s.window, s.eviction, fired.nonzero().flatten()
     if len(rows) == 0:
         return
-    assert window.valid[rows].all(), "an eviction round needs w scored queries (δ > w)"
-    qpos = window.pos[rows]  # (N, w) positions of the w newest tokens
+    in_cache = s.cache_row[rows]  # (N,) the rows' places in the cache and window
+    assert window.valid[in_cache].all(), "an eviction round needs w scored queries (δ > w)"
+    qpos = window.pos[in_cache]  # (N, w) positions of the w newest tokens
     sigmas, logps, before = [], [], []
     for layer, c in enumerate(cache.layers):
-        alive, keys, kpos = c.alive[rows], c.k.index_select(0, rows), c.pos[rows]  # (N, S), (N, Hkv, S, D)
+        alive, keys, kpos = c.alive[in_cache], c.k.index_select(0, in_cache), c.pos[in_cache]  # (N, S), (N, Hkv, S, D)
         seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal, alive keys only
-        psi = attention_scores(window.q[layer][rows], keys, seen).mean(1)  # ψ_t: mean over heads and w queries, §4.2
+        psi = attention_scores(window.q[layer][in_cache], keys, seen).mean(1)  # ψ_t: mean over heads and w queries, §4.2
         logits, exists = log_block_logits(psi, alive, ev.block)  # x_j = log s_j, s_j = block mean of ψ (§4.2)
         ranking = logits
         if ev.score is not None:  # a baseline: the plain block mean of its own per-key score (may be < 0)
@@ -395,7 +447,7 @@ def eviction_round(s: RolloutState, fired):
         K = keep_count(exists.sum(1), s.rates[rows])  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, s.generator)  # σ (N, Kmax), §4.3
         logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
-        c.evict(rows, kept_keys(alive, sigma, ev.block))  # the survivors move to the front, the rest are gone
+        c.evict(in_cache, kept_keys(alive, sigma, ev.block))  # the survivors move to the front, the rest are gone
         sigmas.append(sigma), before.append(alive.sum(1))
     s.record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))
 

@@ -111,7 +111,7 @@ LIMIT = {"steps120": ["--steps", "120", "--eval-every", "30"], "lr1e-4": ["--lr"
 
 
 HEADLINE = ["ngc", "token-only"]
-EVERY_30 = ["--eval-every", "30"]
+EVERY_30 = ["--eval-every", "30", "--term-grad-norms"]  # the diagnosis tables show both terms' gradient norms
 DIAGNOSE = {"ngc-120": ["--steps", "120", *EVERY_30], "mem-only": ["--mode", "mem-only", "--steps", "120", *EVERY_30],
             "token-only": ["--mode", "token-only", "--steps", "120", *EVERY_30],
             "t09-k50": ["--temperature", "0.9", "--top-k", "50", *EVERY_30],

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import baselines
+import model as model_module
 import eval as evaluation
 import ngc
 import settings
@@ -226,6 +227,46 @@ def test_a_sequence_does_not_depend_on_its_batch(model):
     other = rollout(model, [prompts[2]], s, Eviction(delta=10, block=2, window=3, rate=0.8, greedy=True),
                     eos_ids=[EOS])
     assert other.kept.shape[3] != batch.kept.shape[3] or not torch.equal(other.kept[0], batch.kept[2])
+
+
+ROLLOUT_FIELDS = ("tokens", "lengths", "logprobs", "forced", "kept", "n_rounds", "evict_logprobs", "kv_before_round",
+                  "peak_kv", "eos")
+
+
+@pytest.mark.parametrize("ev", [EV, None], ids=["evicting", "full cache"])
+def test_rows_that_end_leave_the_decoded_batch_and_change_nothing(model, monkeypatch, ev):
+    """Rows that hit EOS leave the batch the model decodes (ngc.drop_ended_rows); every other
+    row's tokens, log-probs, evictions and KV counts are those of a rollout where none leaves."""
+    prompts = prompts_of([5, 17, 9, 3, 11, 7] * 8)
+    s = Sampling(max_new_tokens=60, temperature=1.0, top_k=0)
+
+    drop = ngc.drop_ended_rows
+
+    def run():  # the rollout, and the batch sizes it decoded at after rows left
+        sizes = set()
+        monkeypatch.setattr(ngc, "drop_ended_rows", lambda st, *a: (drop(st, *a), st.live is None or sizes.add(len(st.live))))
+        return rollout(model, prompts, s, ev, eos_ids=[EOS], generator=torch.Generator().manual_seed(3)), sizes
+
+    monkeypatch.setattr(ngc, "ROW_STEP", 10**9)  # no row ever leaves
+    whole, sizes = run()
+    assert sizes == set()
+    monkeypatch.setattr(ngc, "ROW_STEP", 8)
+    shrunk, sizes = run()
+    assert len(sizes) >= 2 and all(n % 8 == 0 for n in sizes), sizes  # the batch did shrink, in steps of 8
+    for name in ROLLOUT_FIELDS:
+        a, b = getattr(whole, name), getattr(shrunk, name)
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=0, atol=1e-6), name
+    # Negative control: a cache whose keys and values, once rows leave, sit in another row than the
+    # rollout thinks: those rows decode from other rows' entries.
+    keep_rows = model_module.LayerCache.keep_rows
+
+    def keep_swapped(c, rows):
+        keep_rows(c, rows)
+        c.k, c.v = c.k.flip(0), c.v.flip(0)
+
+    monkeypatch.setattr(model_module.LayerCache, "keep_rows", keep_swapped)
+    swapped, _ = run()
+    assert not torch.equal(swapped.tokens, whole.tokens)
 
 
 # ---------------------------------------------------------------------------------------

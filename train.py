@@ -145,6 +145,7 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     diag = TermGradNorms(params) if c.term_grad_norms else None
     l_token_sum, l_mem_sum = 0.0, 0.0 if mode.eviction_loss else None
     learn = torch.nonzero(adv).flatten()
+    learn = learn[ro.lengths[learn].argsort(stable=True)]  # rollouts of like length together: less padding to replay
     chunks = [(rows, adv[rows]) for rows in learn.split(c.micro_batch)] if len(learn) else []
     chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many on every process
     for rows, a in chunks:
@@ -205,7 +206,9 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
     reward = torch.where(ro.lengths.cpu() < c.min_length, 0.0, correct)  # Appendix A.1 penalty
     adv = group_advantages(reward, G).to(device)
+    t_replay = time.perf_counter()
     losses = backward(model, ro, adv, c, amp)
+    t_replay = time.perf_counter() - t_replay
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.clip).item()
 
     n_new = (ro.lengths - ro.prompt_lens).float()
@@ -218,8 +221,8 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
             "response_len": m["response_len"], "rounds": m["rounds"], "L_token": losses["L_token"],
             "L_mem": losses["L_mem"], "grad_norm": grad_norm, "grad_norm_token": losses["grad_norm_token"],
             "grad_norm_mem": losses["grad_norm_mem"], "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
-            "tokens_per_s": m["tokens_per_s"], "zero_adv_groups": m["zero_adv_groups"],
-            "sampled_logprob": m["sampled_logprob"]}
+            "rollout_time": t_rollout, "replay_time": t_replay, "tokens_per_s": m["tokens_per_s"],
+            "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
 
 
 def make_optimizer(model, c, state=None):
@@ -261,13 +264,14 @@ def main(argv=None, reward_fn=None):
     evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
 
     def run_eval():
+        t0 = time.perf_counter()
         with amp, distributed.whole_model(model):
             r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn, c.eval_batch,
                          progress=interactive, meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None,
                          compile=c.compile, sampling=Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p),
                          samples=c.eval_samples, seed=c.seed)
         evals.append(r)
-        log({"step": run.step, "eval": r})
+        log({"step": run.step, "eval": r, "eval_time": time.perf_counter() - t0})
         say(eval_line(run.step, r, eval_ev.rate))
 
     t_start = time.time()
