@@ -156,7 +156,7 @@ def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat)
         return out[:, width:]
 
     sec, new = timed(generate, device, repeat)
-    ended = torch.isin(new, torch.tensor(eos, device=device))
+    ended = torch.isin(new, torch.tensor(eos, device=device)).long()
     tokens = int(new.numel() if never_ends else ((ended.cumsum(1) - ended) == 0).sum())  # up to and with EOS
     print(f"Hugging Face generate, full cache: {tokens / sec:9.0f} tokens/s {sec / new.shape[1] * 1e3:8.2f} ms/step   "
           f"({sec:.2f} s for {tokens} tokens from {len(prompts)} prompts; transformers {transformers.__version__})")

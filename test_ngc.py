@@ -233,7 +233,8 @@ ROLLOUT_FIELDS = ("tokens", "lengths", "logprobs", "forced", "kept", "n_rounds",
                   "peak_kv", "eos")
 
 
-@pytest.mark.parametrize("ev", [EV, None], ids=["evicting", "full cache"])
+@pytest.mark.parametrize("ev", [EV, None, replace(EV, greedy=True, score=baselines.keydiff)],
+                         ids=["evicting", "full cache", "a baseline"])
 def test_rows_that_end_leave_the_decoded_batch_and_change_nothing(model, monkeypatch, ev):
     """Rows that hit EOS leave the batch the model decodes (ngc.drop_ended_rows); every other
     row's tokens, log-probs, evictions and KV counts are those of a rollout where none leaves."""
