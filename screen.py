@@ -39,7 +39,7 @@ import settings
 import tasks
 import train
 from checkpoint import load_config
-from cli import Exit, exits, make_output_dir, one_line_errors, parser
+from cli import Exit, Interrupted, exits, make_output_dir, one_line_errors, parser
 from files import recover_swap, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -107,7 +107,7 @@ def check_comparable(model, c):
 
 def eval_argv(model, c) -> list[str]:
     """eval.py's flags for the baselines on the untrained model: the run's held-out problems, samples and layout."""
-    return ["--model", os.path.abspath(model), "--policy", "task-rule", "random", "--eviction-rate", str(RATE),
+    return ["--model", os.path.relpath(model), "--policy", "task-rule", "random", "--eviction-rate", str(RATE),
             "--problems", str(c.eval_problems), "--samples", str(c.eval_samples), "--prompt", c.prompt,
             "--delta", str(c.delta), "--block", str(c.block), "--window", str(c.window)]
 
@@ -179,8 +179,8 @@ def child(cmd, log_path):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
+        except Interrupted as e:  # the child saves its step, then this ends
+            proc.send_signal(e.signum)
             proc.wait()
             raise
     if code:
@@ -283,10 +283,10 @@ def main(argv=None):
             rows.append(row(v))
             write_jsonl(os.path.join(args.out, "screen.jsonl"), rows)
             write_text(os.path.join(args.out, "screen.md"), f"# One-factor screen\n\n{markdown(rows)}")
-    except KeyboardInterrupt:
+    except Interrupted as e:
         print("interrupted: finished runs are kept, a run in progress saved its step; the same command continues",
               file=sys.stderr)
-        raise Exit(130) from None
+        raise Exit(128 + e.signum) from None
     print(f"wrote {os.path.join(args.out, 'screen.md')}")
 
 
