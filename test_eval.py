@@ -445,9 +445,9 @@ def test_reproduce_diagnosis_averages_the_training_log_between_evaluations(tmp_p
     assert second["reward"] == pytest.approx(0.05) and third["reward"] == pytest.approx(0.25)
     assert second["zero_adv_groups"] == pytest.approx(0.25) and third["grad_norm_mem"] == pytest.approx(3.5)
     assert rows[4]["grad_norm_mem"] is None and rows[4]["reward"] == pytest.approx(0.05)
-    assert rows[0]["flags"] == "--steps 120 --eval-every 30"
+    assert rows[0]["flags"] == "--steps 120 --eval-every 30 --term-grad-norms"
     table = reproduce.diagnosis_markdown(rows, [])
-    assert "| ngc-120 | `--steps 120 --eval-every 30` | 4 | 90.0% | 40.0% | 2.00x | 0.250 | 0.25 | 0.000 | 3.500 |" in table
+    assert "| ngc-120 | `--steps 120 --eval-every 30 --term-grad-norms` | 4 | 90.0% | 40.0% | 2.00x | 0.250 | 0.25 | 0.000 | 3.500 |" in table
 
 
 def test_reproduce_headline_puts_each_seed_s_step_0_beside_its_final_evaluation(tmp_path, monkeypatch):
