@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,9 +19,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import eval as evaluation
+import mathtask
 import rundir
 import settings
-import tasks
 import ngc
 import train
 
@@ -62,6 +63,43 @@ def model(ckpt):
 def prompts_of(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, TINY_MODEL["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------------------------
+# The scripts' checks: a stand-in for the work they reach, their one-line errors, the files they leave
+
+
+class Reached(Exception):
+    """Raised by a stand-in for the first thing a script does once every check has passed."""
+
+
+def reached(*args, **kwargs):
+    raise Reached(*args)
+
+
+def one_line_error(run) -> str:
+    with pytest.raises(SystemExit) as err:
+        run()
+    message = err.value.code  # a string: Python prints it to stderr and exits with status 1
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def files_under(path) -> dict:
+    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def math_run(tmp_path_factory):
+    """A math run's checkpoint/ as train.py writes it: every saved setting in ngc.json, task math
+    with no Countdown prompt or difficulty (null), the held-out file it names beside it."""
+    root = tmp_path_factory.mktemp("math_run")
+    mathtask.make_demo(str(root / "data"), n_train=4, n_test=3)
+    path = write_checkpoint(root / "checkpoint", seed=2)
+    c = replace(settings.MATH, data=str(root / "data" / "train.jsonl"), eval_data=str(root / "data" / "test.jsonl"),
+                delta=8, block=2, window=3, max_new_tokens=8, eval_max_new_tokens=8)
+    (root / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
+    return path
 
 
 # ---------------------------------------------------------------------------------------

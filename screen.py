@@ -27,7 +27,6 @@ settings is refused. Ctrl-C lets the running child save its step, then exits 130
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys

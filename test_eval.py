@@ -19,9 +19,7 @@ import bench
 import countdown as cd
 import eval as evaluation
 import make_tiny
-import mathtask
 import reproduce
-import rundir
 import settings
 import show
 import tasks
@@ -30,7 +28,8 @@ import train
 from checkpoint import load_tokenizer
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, visibility
-from conftest import EV, STEP_KEYS, TINY_MODEL, TRAIN_DEFAULTS, prompts_of, run_train, write_checkpoint
+from conftest import (EV, STEP_KEYS, TINY_MODEL, TRAIN_DEFAULTS, Reached, files_under, one_line_error, prompts_of, reached,
+                      run_train, write_checkpoint)
 
 
 # ---------------------------------------------------------------------------------------
@@ -599,39 +598,6 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
 # ---------------------------------------------------------------------------------------
 # The helper scripts off the happy path: every input checked before anything is created; a
 # failure is one line `error: ...` and exit status 1 (sys.exit with a message), never a traceback
-
-
-class Reached(Exception):
-    """Raised by a stand-in for the first thing a script does once every check has passed."""
-
-
-def reached(*args, **kwargs):
-    raise Reached(*args)
-
-
-def one_line_error(run) -> str:
-    with pytest.raises(SystemExit) as err:
-        run()
-    message = err.value.code  # a string: Python prints it to stderr and exits with status 1
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
-    return message
-
-
-def files_under(path) -> dict:
-    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
-
-
-@pytest.fixture(scope="module")
-def math_run(tmp_path_factory):
-    """A math run's checkpoint/ as train.py writes it: every saved setting in ngc.json, task math
-    with no Countdown prompt or difficulty (null), the held-out file it names beside it."""
-    root = tmp_path_factory.mktemp("math_run")
-    mathtask.make_demo(str(root / "data"), n_train=4, n_test=3)
-    path = write_checkpoint(root / "checkpoint", seed=2)
-    c = replace(settings.MATH, data=str(root / "data" / "train.jsonl"), eval_data=str(root / "data" / "test.jsonl"),
-                delta=8, block=2, window=3, max_new_tokens=8, eval_max_new_tokens=8)
-    (root / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
-    return path
 
 
 @pytest.fixture(scope="module")

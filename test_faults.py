@@ -10,44 +10,21 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 
 import bench
 import eval as evaluation
 import make_tiny
-import mathtask
 import reproduce
 import rundir
-import settings
 import show
 import train
 from checkpoint import CheckpointError, from_pretrained
-from conftest import run_train, write_checkpoint
+from conftest import Reached, files_under, one_line_error, reached, run_train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY, TINY_MATH = os.path.join(HERE, "tiny"), os.path.join(HERE, "tiny-math")
-
-
-class Reached(Exception):
-    """Raised by a stand-in for the first thing a script does once every check has passed."""
-
-
-def reached(*args, **kwargs):
-    raise Reached(*args)
-
-
-def one_line_error(run) -> str:
-    with pytest.raises(SystemExit) as err:
-        run()
-    message = err.value.code  # a string: Python prints it to stderr and exits with status 1
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
-    return message
-
-
-def files_under(path) -> dict:
-    return {str(p): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,21 +170,9 @@ def test_a_lock_that_cannot_be_opened_is_one_line(train_ckpt, tmp_path, monkeypa
 # Checks that come before the work
 
 
-@pytest.fixture(scope="module")
-def math_model(tmp_path_factory):
-    """A math run's checkpoint/ as train.py writes it, its held-out file beside it."""
-    root = tmp_path_factory.mktemp("math_model")
-    mathtask.make_demo(str(root / "data"), n_train=4, n_test=3)
-    path = write_checkpoint(root / "checkpoint", seed=2)
-    c = replace(settings.MATH, data=str(root / "data" / "train.jsonl"), eval_data=str(root / "data" / "test.jsonl"),
-                delta=8, block=2, window=3, max_new_tokens=8, eval_max_new_tokens=8)
-    (root / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
-    return path
-
-
-def test_eval_refuses_a_policy_the_model_cannot_use_before_any_rollout(math_model, ckpt, monkeypatch):
+def test_eval_refuses_a_policy_the_model_cannot_use_before_any_rollout(math_run, ckpt, monkeypatch):
     monkeypatch.setattr(evaluation, "rollout", reached)
-    assert one_line_error(lambda: evaluation.main(["--model", math_model, "--policy", "none", "task-rule"])) == (
+    assert one_line_error(lambda: evaluation.main(["--model", math_run, "--policy", "none", "task-rule"])) == (
         "error: --policy task-rule keeps the block of a Countdown prompt's target; this evaluation's task is math: "
         "leave task-rule out")
     assert one_line_error(lambda: evaluation.main(["--model", ckpt, "--policy", "none", "task-rule"])) == (
