@@ -241,8 +241,7 @@ def make_optimizer(model, c, state=None):
 @exits  # a RunStopped (a signal, divergence, a failed save) ends the process with its status
 def main(argv=None, reward_fn=None):
     c, state, model, tokenizer, (train, test) = setup(argv)
-    device = torch.device(c.device)
-    distributed.start(device)  # under torchrun; every process has checked its arguments, none has written
+    distributed.start(device := torch.device(c.device))  # under torchrun; every process has checked its arguments
     master = distributed.rank_and_world()[0] == 0  # the one process that prints, logs and saves
     if c.fsdp:
         distributed.shard(model)
