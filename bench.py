@@ -112,9 +112,8 @@ def profile(run_dir):
         c = settings.run_defaults(os.path.join(run_dir, "checkpoint"))
         rollout, replay = sum(r["response_len"] * c.prompts * c.group / r["tokens_per_s"] for r in steps), None
     total = sum(r["step_time"] for r in steps)
-    rows = [("rollouts", rollout), ("replay fwd+bwd", replay), ("rest of the steps", total - rollout - (replay or 0))]
-    if replay is None:
-        rows = [rows[0], ("replay fwd+bwd and the rest", total - rollout)]
+    rows = [("rollouts", rollout)] + ([("replay fwd+bwd and the rest", total - rollout)] if replay is None else
+                                      [("replay fwd+bwd", replay), ("rest of the steps", total - rollout - replay)])
     print(f"{run_dir}: {len(steps)} steps ({total:.1f} s), {len(evals)} evaluations")
     for name, sec in rows:
         print(f"  {name:30s} {sec:7.1f} s  {sec / len(steps):6.2f} s/step")

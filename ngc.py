@@ -366,12 +366,9 @@ def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
                 break
             if s.can_drop:
                 drop_ended_rows(s, active, going)
-        if s.live is None:
-            logits = s.step(s.model, s.cache, s.window, tok[:, None], s.fed[:, None], active[:, None])
-        else:
-            live = s.live
-            out = s.step(s.model, s.cache, s.window, tok[live, None], s.fed[live, None], active[live, None])
-            logits = logits.index_copy(0, live, out)  # ended rows keep stale logits: their samples are never used
+        live = slice(None) if s.live is None else s.live  # the rows the cache holds
+        out = s.step(s.model, s.cache, s.window, tok[live, None], s.fed[live, None], active[live, None])
+        logits = out if s.live is None else logits.index_copy(0, s.live, out)  # ended rows' logits are never used
         s.fed += active
         if ev and t % ev.delta in phases:
             eviction_round(s, due[t % ev.delta] & active)
