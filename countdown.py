@@ -177,10 +177,26 @@ def layouts_prompt(problem, eviction_rate=None, blind=False, unseen=False):
 def unseen_layouts_prompt(problem, eviction_rate=None, blind=False):
     return layouts_prompt(problem, eviction_rate, blind, unseen=True)
 
+def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
+    """One prompt body shifted by whole blocks of 4: 8 filler dots, 0 or 8 of them before the body and
+    the rest after it (a function of the problem), so every layout has the same length and its blocks
+    the same contents, and only the target's block index changes (1 or 3). unseen: 4 before and 4
+    after, a layout never used in training (block 2) at the same length, so rounds fire at the same
+    tokens. The rate tag as in layouts_prompt."""
+    before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)
+    body = f"Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
+    text = "<bos>" + " ." * before + f" {body}" + " ." * (8 - before)
+    if eviction_rate is not None:
+        text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
+    return text
+
+def unseen_shift_prompt(problem, eviction_rate=None, blind=False):
+    return shift_prompt(problem, eviction_rate, blind, unseen=True)
+
 PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
            "tiny-shifted": tiny_shifted_prompt, "tiny-layouts": layouts_prompt,
-           "tiny-unseen": unseen_layouts_prompt}
-SHIFTED = {"tiny": "tiny-shifted", "tiny-layouts": "tiny-unseen"}  # a training prompt -> its layouts never trained on
+           "tiny-unseen": unseen_layouts_prompt, "tiny-shift": shift_prompt, "tiny-shift-unseen": unseen_shift_prompt}
+SHIFTED = {"tiny": "tiny-shifted", "tiny-layouts": "tiny-unseen", "tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL}  # --difficulty name -> preset
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):

@@ -103,8 +103,9 @@ MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not wr
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
          "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>"]
-LAYOUT_WORDS = ["none"] + [f"{n}%" for n in range(101)] + ["-%"]  # --prompt tiny-layouts: a failed search's
-# answer, and the budget tag's rate as one token of its own
+LAYOUT_WORDS = ["none"] + [f"{n}%" for n in range(101)] + ["-%"]  # --prompt tiny-layouts and tiny-shift: a
+# failed search's answer, and the budget tag's rate as one token of its own
+TAGGED = ("tiny-layouts", "tiny-shift")  # the prompts with LAYOUT_WORDS and the blind tag `-%`
 
 # ---------------------------------------------------------------------------------------
 # Search traces
@@ -120,17 +121,18 @@ def numbers(nums) -> str:
     return "[ " + " ".join(map(str, sorted(nums, reverse=True))) + " ]"
 
 
-def trace(problem, restate: float = 0.0, rng=None, slip: float = 0.0) -> str:
+def trace(problem, restate: float = 0.0, rng=None, slip: float = 0.0, bare_back: bool = False) -> str:
     """The depth-first search trace for a 3-number problem, answer included: deterministic, or
     with restate > 0, each `[ ... ]` followed by `reach <target>` with that probability (rng).
     With slip > 0, a leaf that reaches the target is judged `no` with that probability and the
-    search goes on; a search that finds no `yes` ends in `<answer> none </answer>`."""
+    search goes on; a search that finds no `yes` ends in `<answer> none </answer>`. bare_back: a
+    dead end returns with `back` alone, so the next move reads the numbers from the first `[ ... ]`."""
     nums = sorted(problem.nums, reverse=True)
     assert len(nums) == 3, "traces are written for 3 numbers"
 
-    def state(nums) -> str:
+    def state(nums, bare=False) -> str:
         restated = restate and rng.random() < restate
-        return numbers(nums) + (f" reach {problem.target}" if restated else "")
+        return ("back" if bare else numbers(nums)) + (f" reach {problem.target}" if restated else "")
 
     out = [state(nums)]
     for i, j in [(0, 1), (0, 2), (1, 2)]:
@@ -147,7 +149,7 @@ def trace(problem, restate: float = 0.0, rng=None, slip: float = 0.0) -> str:
                 inner = f"( {a} {op} {b} )"
                 expr = f"{inner} {op2} {c}" if v >= c else f"{c} {op2} {inner}"
                 return " ".join(out + [f"{op2} {w} yes <answer> {expr} </answer>"])
-            out.append(f"back {state(nums)}")
+            out.append(state(nums, bare=True) if bare_back else f"back {state(nums)}")
     if slip:
         return " ".join(out + ["<answer> none </answer>"])
     raise ValueError(f"{problem} has no solution")
@@ -169,9 +171,10 @@ def check_trace(problem, text: str) -> bool:
             if words[k] == "reach":  # a restatement of the target (make_tiny.py --restate)
                 if int(take(2)[1]) != problem.target:
                     return False
-            elif words[k] in ("[", "back"):  # the start, or a return to it
+            elif words[k] in ("[", "back"):  # the start, or a return to it (with the numbers, or bare)
                 k += words[k] == "back"
-                if take(len(start) + 2) != numbers(start).split():
+                bare = words[k - 1] == "back" and words[k: k + 1] != ["["]
+                if not bare and take(len(start) + 2) != numbers(start).split():
                     return False
                 nums = list(start)
             elif words[k] in ("+", "*", "-", "/") and nums is not None and len(nums) == 2:  # a leaf
@@ -256,18 +259,18 @@ def split_problems(seed: int, n_test: int, n_train: int = 300_000):
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
-def countdown_example(tok, problem, rng, restate=0.0, slip=0.0, prompt="tiny"):
+def countdown_example(tok, problem, rng, restate=0.0, slip=0.0, prompt="tiny", bare_back=False):
     """(prompt ids, completion ids). Half the prompts carry a random budget tag so that train.py
     --interoception starts from a model that has read it. With restate None (--restate per-trace),
     each trace draws how often it restates the target: the tag's rate where the tag has one (the
     stricter the budget, the more it restates), else uniform in [0, 1]. A fixed restate: the same
     probability for every trace, and the tag says nothing."""
     rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
-    blind = prompt == "tiny-layouts" and rate is not None and rng.random() < 0.5  # the control's tag, `-%`
+    blind = prompt in TAGGED and rate is not None and rng.random() < 0.5  # the control's tag, `-%`
     if restate is None:
         restate = rng.random() if rate is None or blind else rate
     text = cd.PROMPTS[prompt](problem, rate, blind)
-    return tok.encode(text).ids, tok.encode(trace(problem, restate, rng, slip)).ids
+    return tok.encode(text).ids, tok.encode(trace(problem, restate, rng, slip, bare_back)).ids
 
 
 def math_example(tok, problem, rng):
@@ -384,7 +387,11 @@ def main(argv=None):
                          "earlier models, which never slip)")
     ap.add_argument("--prompt", choices=sorted(cd.SHIFTED), default="tiny-layouts",
                     help="Countdown prompt: tiny-layouts (default, tiny/: 8 layouts, the rate tag in tokens of its "
-                         "own) or tiny (one layout, the earlier models)")
+                         "own), tiny-shift (one body shifted by whole blocks: 2 layouts of one length) or tiny (one "
+                         "layout, the earlier models)")
+    ap.add_argument("--back", choices=["numbers", "bare"], default="numbers",
+                    help="Countdown: a dead end returns with `back [ ... ]` restating the numbers (default), or with "
+                         "`back` alone (bare), so the numbers must be read from far back")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
@@ -399,7 +406,7 @@ def main(argv=None):
         if args.eval_only and args.task == "countdown":  # evaluate a model as its ngc.json prompts it
             args.prompt = read_ngc_json(args.out).get("prompt", args.prompt)
         if args.task == "countdown":  # the prompt style decides the vocabulary, the prompts and ngc.json's
-            task = replace(task, words=WORDS + LAYOUT_WORDS * (args.prompt == "tiny-layouts"),
+            task = replace(task, words=WORDS + LAYOUT_WORDS * (args.prompt in TAGGED),
                            encode=lambda t, p: t.encode(cd.PROMPTS[args.prompt](p)).ids,
                            run=dict(task.run, prompt=args.prompt))
         check_flags(args)
@@ -432,7 +439,8 @@ def main(argv=None):
                             lr=args.lr, betas=(0.9, 0.95))
     example = task.example
     if args.task == "countdown":
-        example = functools.partial(task.example, restate=args.restate, slip=args.slip, prompt=args.prompt)
+        example = functools.partial(task.example, restate=args.restate, slip=args.slip, prompt=args.prompt,
+                                    bare_back=args.back == "bare")
     rng, t0, seen = random.Random(args.seed), time.time(), 0
     bar = tqdm(range(args.steps), desc="pretrain")
     for step in bar:
@@ -514,7 +522,7 @@ def check_flags(args):
         raise ValueError(f"--slip {args.slip}: a slipped search may end in `<answer> none </answer>`, which only "
                          f"--prompt tiny-layouts' vocabulary has; add --slip 0 or drop --prompt tiny")
     if building and args.prompt == "tiny" and args.restate is None:
-        raise ValueError("--restate per-trace reads the rate tag of --prompt tiny-layouts; give --restate a "
+        raise ValueError("--restate per-trace reads the rate tag of --prompt tiny-layouts or tiny-shift; give --restate a "
                          "probability with --prompt tiny")
     if args.task == "math" and (args.restate or args.slip):
         raise ValueError("--restate and --slip shape Countdown's traces; leave them out for --task math")

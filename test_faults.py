@@ -45,13 +45,13 @@ NGC_EDITS = [("steps", "60", 'steps is "60"; it must be an integer'),
              ("eval_every", None, "eval_every is null; it must be an integer, not null"),
              ("steps", 0, "steps is 0; it must be at least 1"),
              ("difficulty", "hard", 'difficulty is "hard"; it must be one of paper, tiny'),
-             ("prompt", "fancy", 'prompt is "fancy"; it must be one of plain, tiny, tiny-layouts, tiny-shifted, '
-                                 'tiny-unseen'),
+             ("prompt", "fancy", 'prompt is "fancy"; it must be one of plain, tiny, tiny-layouts, tiny-shift, '
+                                 'tiny-shift-unseen, tiny-shifted, tiny-unseen'),
              ("lr", "1e-3", 'lr is "1e-3"; it must be a number'),
              ("retention", "0.9;0.5", 'retention is "0.9;0.5"; it must be comma-separated numbers'),
              ("term_grad_norms", 1, "term_grad_norms is 1; it must be true or false"),
              ("prompt", None, "prompt is null; a Countdown run's must be one of plain, tiny, tiny-layouts, "
-                              "tiny-shifted, tiny-unseen")]
+                              "tiny-shift, tiny-shift-unseen, tiny-shifted, tiny-unseen")]
 CONFIG_EDITS = [("hidden_size", "64", 'hidden_size is "64"; it must be a positive integer'),
                 ("num_hidden_layers", 2.5, "num_hidden_layers is 2.5; it must be a positive integer"),
                 ("vocab_size", None, "vocab_size is null; it must be a positive integer"),
@@ -202,7 +202,7 @@ def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(rundir, "prepare", reached)
     says = (f"error: the prompt style plain has 45 words that {TINY}/tokenizer.json cannot spell (Using, the, "
             f"numbers, ...): they would all be one unknown token; this model's tokenizer spells the styles tiny, "
-            f"tiny-layouts, tiny-shifted, tiny-unseen: give one with --prompt")
+            f"tiny-layouts, tiny-shift, tiny-shift-unseen, tiny-shifted, tiny-unseen: give one with --prompt")
     assert one_line_error(lambda: evaluation.main(["--model", TINY, "--prompt", "plain", "--problems", "1"])) == says
     assert one_line_error(lambda: train.main(["--model", TINY, "--prompt", "plain", "--out", str(tmp_path / "r")])) \
         == says

@@ -158,6 +158,41 @@ def test_layouts_vary_the_targets_position_and_keep_unseen_ones_out_of_training(
     assert [i for i, (a, b) in enumerate(zip(tagged, blind)) if a != b] == [len(tagged) - 2]
 
 
+def test_shift_layouts_move_the_targets_block_and_keep_every_block_and_length():
+    """tiny-shift: one body shifted by whole blocks of 4, so the target's block index is 1 or 3 in
+    training and 2 in tiny-shift-unseen, every layout has the same length (rounds fire at the same
+    tokens), the target's block has the same contents in every layout and the next one starts with the
+    last number."""
+    tok = build_tokenizer(make_tiny.WORDS + make_tiny.LAYOUT_WORDS)
+    blocks = {}
+    for q in cd.generate(300, 2, cd.SMALL):
+        for style in ("tiny-shift", "tiny-shift-unseen"):
+            ids = tok.encode(cd.PROMPTS[style](q)).ids
+            assert tok.token_to_id("<unk>") not in ids and len(ids) == 18
+            words = cd.PROMPTS[style](q).split()
+            at = words.index("reach") + 1  # the target
+            blocks.setdefault(style, set()).add(at // 4)
+            block, after = words[at - at % 4: at - at % 4 + 4], words[at - at % 4 + 4: at - at % 4 + 6]
+            assert block == [str(q.target), "with", *map(str, q.nums[:2])] and after == [str(q.nums[2]), "."], words
+    assert blocks == {"tiny-shift": {1, 3}, "tiny-shift-unseen": {2}}
+    tagged, blind = (tok.encode(cd.shift_prompt(cd.Problem((3, 5, 2), 16), 0.5, b)).ids for b in (False, True))
+    assert tok.decode(tagged[-3:]) == "<eviction_rate> 50% </eviction_rate>" and len(tagged) == len(blind)
+
+
+def test_bare_back_returns_without_the_numbers_and_still_replays():
+    """make_tiny.py --back bare: a dead end returns with `back` alone (restated target or not), the
+    search is otherwise the same, and check_trace replays it; a wrong move after a bare back fails."""
+    p = cd.Problem((8, 7, 1), 63)
+    full, bare = trace(p), trace(p, bare_back=True)
+    assert bare == full.replace("back [ 8 7 1 ]", "back") and "back [" not in bare and bare.count("back") == 3
+    assert check_trace(p, bare) and check_trace(p, full)
+    assert not check_trace(p, bare.replace("back 8 - 7 = 1", "back 8 - 7 = 2"))  # negative control
+    rng = random.Random(5)
+    for q in cd.generate(300, 6, cd.SMALL):
+        t = trace(q, 0.25, rng, bare_back=True)
+        assert check_trace(q, t) and cd.reward(t, q) == 1.0, (q, t)
+
+
 def test_make_tiny_evaluates_a_model_as_its_ngc_json_prompts_it(tmp_path, monkeypatch):
     """--eval-only reads the prompt style from the model's ngc.json: an earlier model (--prompt tiny)
     is evaluated on its own one layout, the shipped one on tiny-layouts (the control)."""
