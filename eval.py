@@ -296,7 +296,8 @@ def main(argv=None):
                    "pass@k; 0: greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' "
                    "sampling, 32 for math at T=0.6, top-p 0.95)")
     p.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="countdown: another prompt layout than the "
-                   "run's (layouts never used in training: tiny-unseen for tiny/, tiny-shifted for the earlier models)")
+                   "run's (layouts never used in training: tiny-unseen for tiny/, tiny-shifted for the earlier models, "
+                   "tiny-shift-unseen for models built with --prompt tiny-shift)")
     p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "
                    "ε evaluated), blind (the tag without the rate) or a rate in [0, 1] whatever ε is evaluated "
                    "(default: the run's; with --interoception, rate): does the model read the tag?")

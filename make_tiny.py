@@ -23,6 +23,12 @@ loses. tiny/ is built so that RL has reasoning to teach as well as memory to man
   8 layouts; countdown's tiny-unseen layouts (4-7 dots) are kept out of training for the test.
   The tag's rate is one token of its own (`<eviction_rate> 50% </eviction_rate>`).
 
+Two more options of the screen (RESULTS §0, `results/screen/builds/`): --prompt tiny-shift moves
+one prompt body by whole blocks (8 filler dots, 0 or 8 of them first), so the target's block
+index changes while every block keeps its contents and the prompt its length (tiny-shift-unseen:
+4 and 4, for the test); --back bare returns from a dead end with `back` alone, so the next move
+reads the numbers from far back.
+
     prompt:     <bos> . . Countdown : reach 16 with 3 5 2 .
     completion: [ 5 3 2 ] reach 16 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back [ 5 3 2 ] ...
 
