@@ -179,8 +179,8 @@ def unseen_layouts_prompt(problem, eviction_rate=None, blind=False):
 
 def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
     """One prompt body shifted by whole blocks of 4: 8 filler dots, 0 or 8 of them before the body and
-    the rest after it (a function of the problem), so every layout has the same length and its blocks
-    the same contents, and only the target's block index changes (1 or 3). unseen: 4 before and 4
+    the rest after it (a function of the problem), so every layout has the same length and the
+    target's block the same contents, and only its block index changes (1 or 3). unseen: 4 before and 4
     after, a layout never used in training (block 2) at the same length, so rounds fire at the same
     tokens. The rate tag as in layouts_prompt."""
     before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)

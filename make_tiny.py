@@ -526,12 +526,12 @@ def check_flags(args):
     building = args.task == "countdown" and not args.eval_only  # the traces to pretrain on
     if building and args.prompt == "tiny" and args.slip:
         raise ValueError(f"--slip {args.slip}: a slipped search may end in `<answer> none </answer>`, which only "
-                         f"--prompt tiny-layouts' vocabulary has; add --slip 0 or drop --prompt tiny")
+                         f"the vocabulary of --prompt tiny-layouts and tiny-shift has; add --slip 0 or drop --prompt tiny")
     if building and args.prompt == "tiny" and args.restate is None:
-        raise ValueError("--restate per-trace reads the rate tag of --prompt tiny-layouts or tiny-shift; give --restate a "
-                         "probability with --prompt tiny")
-    if args.task == "math" and (args.restate or args.slip):
-        raise ValueError("--restate and --slip shape Countdown's traces; leave them out for --task math")
+        raise ValueError("--restate per-trace reads the rate tag of --prompt tiny-layouts or tiny-shift; give "
+                         "--restate a probability with --prompt tiny")
+    if args.task == "math" and (args.restate or args.slip or args.back != "numbers"):
+        raise ValueError("--restate, --slip and --back shape Countdown's traces; leave them out for --task math")
 
 
 def check_out(out: str):

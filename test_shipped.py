@@ -212,8 +212,9 @@ def test_make_tiny_evaluates_a_model_as_its_ngc_json_prompts_it(tmp_path, monkey
     (["--restate", "1.5"], "--restate 1.5 must lie in [0, 1]"), (["--restate", "often"], "argument --restate"),
     (["--slip", "1"], "--slip 1.0 must lie in [0, 1)"),
     (["--prompt", "tiny"], "--slip 0.5: a slipped search"), (["--prompt", "tiny", "--slip", "0"], "--restate per-trace"),
-    (["--task", "math", "--restate", "0.2"], "--restate and --slip shape Countdown's traces"),
-    (["--task", "math", "--slip", "0.2"], "--restate and --slip shape Countdown's traces")])
+    (["--task", "math", "--restate", "0.2"], "--restate, --slip and --back shape Countdown's traces"),
+    (["--task", "math", "--slip", "0.2"], "--restate, --slip and --back shape Countdown's traces"),
+    (["--task", "math", "--back", "bare"], "--restate, --slip and --back shape Countdown's traces")])
 def test_make_tiny_refuses_traces_it_cannot_write(tmp_path, flags, message):
     with pytest.raises(SystemExit) as err:
         make_tiny.main(["--out", str(tmp_path / "t"), "--steps", "1", *flags])
