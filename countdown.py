@@ -170,9 +170,14 @@ def layouts_prompt(problem, eviction_rate=None, blind=False, unseen=False):
     dots = " ." * (k % 4 + 4 * unseen)
     goal, given = f"reach {problem.target}", "with " + " ".join(map(str, problem.nums))
     text = f"<bos>{dots} Countdown : " + (f"{goal} {given}" if k // 4 % 2 == 0 else f"{given} {goal}") + " ."
-    if eviction_rate is not None:
-        text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
-    return text
+    return text + rate_tag(eviction_rate, blind)
+
+def rate_tag(eviction_rate=None, blind=False):
+    """The budget tag of the tiny-layouts and tiny-shift prompts, its rate one token of its own (`50%`;
+    blind: `-%`, the same length); empty without a rate."""
+    if eviction_rate is None:
+        return ""
+    return f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
 
 def unseen_layouts_prompt(problem, eviction_rate=None, blind=False):
     return layouts_prompt(problem, eviction_rate, blind, unseen=True)
@@ -182,13 +187,10 @@ def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
     the rest after it (a function of the problem), so every layout has the same length and the
     target's block the same contents, and only its block index changes (1 or 3). unseen: 4 before and 4
     after, a layout never used in training (block 2) at the same length, so rounds fire at the same
-    tokens. The rate tag as in layouts_prompt."""
+    tokens."""
     before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)
     body = f"Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
-    text = "<bos>" + " ." * before + f" {body}" + " ." * (8 - before)
-    if eviction_rate is not None:
-        text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
-    return text
+    return "<bos>" + " ." * before + f" {body}" + " ." * (8 - before) + rate_tag(eviction_rate, blind)
 
 def unseen_shift_prompt(problem, eviction_rate=None, blind=False):
     return shift_prompt(problem, eviction_rate, blind, unseen=True)

@@ -136,15 +136,14 @@ def trace(problem, restate: float = 0.0, rng=None, slip: float = 0.0, bare_back:
     nums = sorted(problem.nums, reverse=True)
     assert len(nums) == 3, "traces are written for 3 numbers"
 
-    def state(nums, bare=False) -> str:
-        restated = restate and rng.random() < restate
-        return ("back" if bare else numbers(nums)) + (f" reach {problem.target}" if restated else "")
+    def reach() -> str:  # the target restated, with probability restate
+        return f" reach {problem.target}" if restate and rng.random() < restate else ""
 
-    out = [state(nums)]
+    out = [numbers(nums) + reach()]
     for i, j in [(0, 1), (0, 2), (1, 2)]:
         a, b, c = nums[i], nums[j], nums[3 - i - j]
         for op, v in moves(a, b):
-            out.append(f"{a} {op} {b} = {v} {state([v, c])}")
+            out.append(f"{a} {op} {b} = {v} {numbers([v, c])}{reach()}")
             x, y = max(v, c), min(v, c)
             for op2, w in moves(x, y):
                 if w > MAX_NUM:
@@ -155,7 +154,7 @@ def trace(problem, restate: float = 0.0, rng=None, slip: float = 0.0, bare_back:
                 inner = f"( {a} {op} {b} )"
                 expr = f"{inner} {op2} {c}" if v >= c else f"{c} {op2} {inner}"
                 return " ".join(out + [f"{op2} {w} yes <answer> {expr} </answer>"])
-            out.append(state(nums, bare=True) if bare_back else f"back {state(nums)}")
+            out.append("back" + ("" if bare_back else f" {numbers(nums)}") + reach())
     if slip:
         return " ".join(out + ["<answer> none </answer>"])
     raise ValueError(f"{problem} has no solution")
@@ -179,8 +178,7 @@ def check_trace(problem, text: str) -> bool:
                     return False
             elif words[k] in ("[", "back"):  # the start, or a return to it (with the numbers, or bare)
                 k += words[k] == "back"
-                bare = words[k - 1] == "back" and words[k: k + 1] != ["["]
-                if not bare and take(len(start) + 2) != numbers(start).split():
+                if words[k: k + 1] == ["["] and take(len(start) + 2) != numbers(start).split():
                     return False
                 nums = list(start)
             elif words[k] in ("+", "*", "-", "/") and nums is not None and len(nums) == 2:  # a leaf

@@ -64,8 +64,8 @@ class Settings:
     threads: int | None = setting(None, "CPU threads for torch (saved: a resume with as many is bit-exact)", RUN,
                                   at_least(1))
     compile: bool = setting(False, "capture the decode step with torch.compile (CUDA graphs on CUDA): eager's "
-                            "rollouts up to float rounding; far faster on CUDA, while on the CPU its compiles cost more than a 60-step "
-                            "run saves (docs/speed.md)", RUN, saved=False, action="store_true")
+                            "rollouts up to float rounding; far faster on CUDA, while on the CPU its compiles cost "
+                            "more than a 60-step run saves (docs/speed.md)", RUN, saved=False, action="store_true")
     fsdp: bool = setting(False, "under torchrun: shard the model, gradients and optimizer state across the "
                          "processes (FSDP2) instead of a whole copy each", RUN, saved=False, action="store_true")
     # The task and its problems

@@ -172,7 +172,8 @@ def test_shift_layouts_move_the_targets_block_and_keep_every_block_and_length():
             words = cd.PROMPTS[style](q).split()
             at = words.index("reach") + 1  # the target
             blocks.setdefault(style, set()).add(at // 4)
-            block, after = words[at - at % 4: at - at % 4 + 4], words[at - at % 4 + 4: at - at % 4 + 6]
+            first = at - at % 4  # the target block's first position
+            block, after = words[first: first + 4], words[first + 4: first + 6]
             assert block == [str(q.target), "with", *map(str, q.nums[:2])] and after == [str(q.nums[2]), "."], words
     assert blocks == {"tiny-shift": {1, 3}, "tiny-shift-unseen": {2}}
     tagged, blind = (tok.encode(cd.shift_prompt(cd.Problem((3, 5, 2), 16), 0.5, b)).ids for b in (False, True))
