@@ -33,12 +33,21 @@ class Difficulty:
     n_nums: tuple[int, ...] = (3, 4)          # how many input numbers (chosen uniformly)
     num_range: tuple[int, int] = (1, 99)      # inclusive range of each input number
     target_range: tuple[int, int] = (10, 100) # inclusive range of the target
-    held_out: int = 1024                      # the held-out set's size (the paper's)
+    held_out: int = 1024                      # the held-out stream's problems (the paper's size)
+    backtracks: bool = False                  # only problems whose search must go back (see backtracks)
 
 PAPER = Difficulty()  # Countdown-Tasks-3to4-like: 3-4 numbers in 1..99, targets 10..100
 SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100),
                    held_out=500)  # the tiny models' problems; tiny/ was pretrained on none of its 500 held out
+SMALL_BACK = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100), held_out=500,
+                        backtracks=True)  # SMALL's problems whose search goes back: 278 of its 500 held out
 HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
+
+def backtracks(p) -> bool:
+    """Whether a depth-first search over 3 numbers whose first move adds the two largest must go back:
+    no operation on that sum and the third number (+, *, -, exact /) reaches the target."""
+    a, b, c = sorted(p.nums, reverse=True)
+    return all(w != p.target for w in _ops(max(a + b, c), min(a + b, c)))
 
 def _key(p):
     """A problem's identity: sorted numbers and target."""
@@ -71,7 +80,7 @@ def _target(nums, rng, lo, hi):
     return vals[0]
 
 def _stream(rng, difficulty):
-    """An endless stream of solvable problems."""
+    """An endless stream of solvable problems (all of the preset's sizes and ranges, whether or not they backtrack)."""
     (lo, hi), r = difficulty.num_range, rng.random
     while True:
         k = rng.choice(difficulty.n_nums)
@@ -98,14 +107,19 @@ def _take(stream, n, skip=frozenset(), unique=False, patience=50_000):
         out.append(p)
     return out
 
+def _problems(rng, difficulty):
+    """The preset's problems: its stream, less those that do not backtrack where it asks for backtracking."""
+    return (p for p in _stream(rng, difficulty) if not difficulty.backtracks or backtracks(p))
+
 def generate(n, seed, difficulty=PAPER):
     """n problems, reproducible from seed, every one solvable (repeats possible)."""
-    return list(itertools.islice(_stream(random.Random(seed), difficulty), n))
+    return list(itertools.islice(_problems(random.Random(seed), difficulty), n))
 
 def held_out(difficulty=PAPER):
-    """The held-out set: the first difficulty.held_out distinct problems of the HELD_OUT_SEED stream,
-    one set for every seed."""
-    return _take(_stream(random.Random(HELD_OUT_SEED), difficulty), difficulty.held_out, unique=True)
+    """The held-out set: of the first difficulty.held_out distinct problems of the HELD_OUT_SEED stream,
+    those of the preset (with backtracks, a subset of the same held-out problems), one set for every seed."""
+    first = _take(_stream(random.Random(HELD_OUT_SEED), difficulty), difficulty.held_out, unique=True)
+    return [p for p in first if not difficulty.backtracks or backtracks(p)]
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
     """(train, test) at the paper's sizes. Test is the first n_test problems of the held-out set,
@@ -113,10 +127,10 @@ def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True)
     whole held-out set. Train is distinct too when unique (SMALL has only a few thousand distinct
     problems: use unique=False there). With seed = HELD_OUT_SEED, train is the stream after the
     held-out set, as make_tiny.py pretrained tiny/."""
-    if n_test > difficulty.held_out:
-        raise ValueError(f"--eval-problems {n_test}: the held-out set has {difficulty.held_out} problems")
     test = held_out(difficulty)
-    train = _take(_stream(random.Random(seed), difficulty), n_train, skip={_key(p) for p in test}, unique=unique)
+    if n_test > len(test):
+        raise ValueError(f"--eval-problems {n_test}: the held-out set has {len(test)} problems")
+    train = _take(_problems(random.Random(seed), difficulty), n_train, skip={_key(p) for p in test}, unique=unique)
     return train, test[:n_test]
 
 # -----------------------------------------------------------------------------
@@ -199,7 +213,7 @@ PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt,  # prompt style -> (proble
            "tiny-shifted": tiny_shifted_prompt, "tiny-layouts": layouts_prompt,
            "tiny-unseen": unseen_layouts_prompt, "tiny-shift": shift_prompt, "tiny-shift-unseen": unseen_shift_prompt}
 SHIFTED = {"tiny": "tiny-shifted", "tiny-layouts": "tiny-unseen", "tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
-DIFFICULTIES = {"paper": PAPER, "tiny": SMALL}  # --difficulty name -> preset
+DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK}  # --difficulty name -> preset
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
     """A problem's prompt token ids in the given style (with the budget tag if rate given)."""

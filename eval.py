@@ -298,6 +298,8 @@ def main(argv=None):
     p.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="countdown: another prompt layout than the "
                    "run's (layouts never used in training: tiny-unseen for tiny/, tiny-shifted for the earlier models, "
                    "tiny-shift-unseen for models built with --prompt tiny-shift)")
+    p.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES), help="countdown: another problem preset's "
+                   "held-out set than the run's (tiny-back: the tiny problems whose search goes back)")
     p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "
                    "ε evaluated), blind (the tag without the rate) or a rate in [0, 1] whatever ε is evaluated "
                    "(default: the run's; with --interoception, rate): does the model read the tag?")
@@ -331,13 +333,14 @@ def main(argv=None):
         given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
         if given and c.task != "math":
             raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")
-        for flag in ("prompt", "tag"):
+        for flag in ("prompt", "difficulty", "tag"):
             if getattr(args, flag) is not None and c.task != "countdown":
                 raise ValueError(f"--{flag} is for --task countdown; this evaluation's task is {c.task}")
         if "task-rule" in args.policy and c.task != "countdown":
             raise ValueError(f"--policy task-rule keeps the block of a Countdown prompt's target; this evaluation's "
                              f"task is {c.task}: leave task-rule out")
         c = replace(c, eval_data=args.eval_data or c.eval_data, prompt=args.prompt or c.prompt,
+                    difficulty=args.difficulty or c.difficulty,
                     question_field=args.question_field or c.question_field,
                     answer_field=args.answer_field or c.answer_field,
                     **{k: getattr(args, k) for k in ("delta", "block", "window") if getattr(args, k) is not None})

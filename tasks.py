@@ -35,7 +35,7 @@ def held_out(c, n: int | None = None) -> list:
     if c.task == "math" and not c.eval_data:  # a missing file: mathtask.load's message names it
         raise ValueError("--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet)")
     if c.task == "countdown" and n is not None:
-        size = countdown.DIFFICULTIES[c.difficulty].held_out
+        size = len(countdown.held_out(countdown.DIFFICULTIES[c.difficulty]))
         if n > size:
             raise ValueError(f"--problems {n}: the held-out set has {size} problems")
         c = replace(c, eval_problems=n)

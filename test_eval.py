@@ -525,6 +525,24 @@ def test_cli_evaluates_another_layout_than_the_runs(train_ckpt, monkeypatch):
     assert seen == [None, run, run] and run != (9, 3, 2)
 
 
+def test_cli_evaluates_another_problem_preset_than_the_runs(train_ckpt, monkeypatch):
+    """--difficulty evaluates on that preset's held-out problems (tiny-back: the tiny ones that backtrack);
+    without it, on the run's (the control)."""
+    seen = []
+
+    def spy(model, tokenizer, problems, *args, **kw):
+        seen.append(list(problems))
+        raise Reached
+
+    monkeypatch.setattr(evaluation, "roll_out_and_score", spy)
+    for flags in ([], ["--difficulty", "tiny-back"]):
+        with pytest.raises(Reached):
+            evaluation.main(["--model", train_ckpt, "--problems", "5"] + flags)
+    run, back = seen
+    assert back == cd.held_out(cd.SMALL_BACK)[:5] != run
+    assert all(cd.backtracks(p) for p in back) and not all(cd.backtracks(p) for p in run)
+
+
 @pytest.mark.parametrize("tag, written", [("0.25", (0.25, False)), ("rate", (0.5, False)), ("blind", (0.5, True)),
                                           (None, (None, False))])
 def test_eval_tag_writes_the_budget_tag_it_is_given(train_ckpt, monkeypatch, tag, written):

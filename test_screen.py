@@ -164,3 +164,11 @@ def test_ctrl_c_lets_the_training_child_save_then_ends_in_one_line_with_130(mini
     assert "saved step" in (tmp_path / "runs" / "a-ngc.log").read_text()
     assert rundir.load_trainer_state(str(run))["step"] >= 2
     rundir.check_free(str(run))  # the child has ended: nothing holds the run directory
+
+
+def test_the_baselines_are_evaluated_on_the_runs_problem_preset(mini, tmp_path):
+    """A variant trained on another preset than its model's ngc.json (--difficulty tiny-back) has its
+    untrained baselines evaluated on that preset's held-out problems; one on the model's own passes none."""
+    own, back = (screen.eval_argv(mini, screen.resolve(mini, flags, str(tmp_path / "run")))
+                 for flags in ([], ["--difficulty", "tiny-back"]))
+    assert back == own + ["--difficulty", "tiny-back"] and "--difficulty" not in own

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 import countdown as cd
 import mathtask as mt
 import settings
-from countdown import PAPER, SMALL, Problem
+from countdown import PAPER, SMALL, SMALL_BACK, Problem
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,7 +98,8 @@ def test_difficulty_names_draw_their_presets_problems_to_both_ends_of_each_range
     targets 10..100) and tiny the tiny models' (3 numbers in 1..15), through the path train.py
     takes (tasks.load_problems), and every end of each range is reached."""
     import tasks
-    expected = {"paper": ({3, 4}, (1, 99), (10, 100)), "tiny": ({3}, (1, 15), (10, 100))}
+    expected = {"paper": ({3, 4}, (1, 99), (10, 100)), "tiny": ({3}, (1, 15), (10, 100)),
+                "tiny-back": ({3}, (1, 15), (10, 100))}
     assert set(cd.DIFFICULTIES) == set(expected)
     for name, (sizes, nums, targets) in expected.items():
         c = replace(settings.COUNTDOWN, difficulty=name, seed=0, train_problems=5000, eval_problems=0)
@@ -145,6 +146,34 @@ def test_tiny_splits_disjoint_even_with_repeats():
     # SMALL has only a few thousand distinct problems: asking for more distinct ones fails loudly
     with pytest.raises(RuntimeError):
         cd.splits(seed=0, n_train=20_000, n_test=16, difficulty=SMALL, unique=True)
+
+
+def test_backtracks_is_whether_the_search_goes_back_after_its_first_move():
+    """The traces' depth-first search first adds the two largest numbers; a problem backtracks unless
+    that sum and the third number reach the target in one operation. By hand for 4 12 7: 12 + 7 = 19,
+    then 23, 76 and 15 (19 / 4 is not exact); 20 = (12 - 7) * 4 and 88 = 12 * 7 + 4 need other first
+    moves. The same verdict as a `back` in make_tiny.py's traces on every tiny held-out problem."""
+    import make_tiny
+    p = lambda target: Problem((4, 12, 7), target)
+    assert [cd.backtracks(p(t)) for t in (23, 76, 15)] == [False] * 3
+    assert cd.backtracks(p(20)) and cd.backtracks(p(88))
+    assert cd.backtracks(Problem((2, 3, 10), 50))  # 10 * (3 + 2), while 10 + 3 = 13 reaches 15, 26 and 11
+    verdicts = [(cd.backtracks(q), "back" in make_tiny.trace(q, bare_back=True)) for q in cd.held_out(SMALL)]
+    assert all(mine == trace for mine, trace in verdicts) and 0 < sum(v for v, _ in verdicts) < len(verdicts)
+
+
+def test_tiny_back_holds_out_the_tiny_problems_that_backtrack_and_trains_on_none_of_tinys():
+    """--difficulty tiny-back: its held-out set is the tiny held-out problems that backtrack (so a model
+    pretrained on tiny's training split has seen none of them), its training problems all backtrack and
+    hold no tiny held-out problem."""
+    key = lambda p: (tuple(sorted(p.nums)), p.target)
+    small, back = cd.held_out(SMALL), cd.held_out(SMALL_BACK)
+    assert back == [p for p in small if cd.backtracks(p)] and len(back) == 278
+    train, test = cd.splits(seed=0, n_train=5000, n_test=200, difficulty=SMALL_BACK, unique=False)
+    assert test == back[:200] and all(cd.backtracks(p) for p in train)
+    assert not {key(p) for p in train} & {key(p) for p in small}
+    with pytest.raises(ValueError, match="held-out set has 278"):
+        cd.splits(seed=0, n_train=10, n_test=279, difficulty=SMALL_BACK, unique=False)
 
 
 # ---------------------------------------------------------------------------------------
