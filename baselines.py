@@ -92,6 +92,17 @@ def task_rule(marker: int):
     return score
 
 
+def number_rule(is_number):
+    """Countdown's rule with the numbers: keep the blocks holding the prompt's numbers (its target and the
+    numbers it gives: the tokens where is_number (V,) bool is True), then the newest blocks (greedy=True)."""
+    def score(psi, keys, alive, at):
+        P = at.prompts.shape[1]
+        in_prompt = at.key_pos < at.prompt_lens[:, None]  # (N, S)
+        number = is_number[at.prompts].gather(1, at.key_pos.clamp(max=P - 1))  # (N, S): the key's token is a number
+        return pinned_then_newest(alive, alive & in_prompt & number)
+    return score
+
+
 @torch.no_grad()
 def future_attention(model, reference: Rollout):
     """Per layer, (B, T + 1, T): row t is the attention that the queries at positions < t of the

@@ -13,6 +13,7 @@ Policies:
     random                 K blocks uniformly at random
     random-prompt          the prompt's blocks, then random completion blocks (Random Attention, 2026)
     task-rule              Countdown's hand-written rule: the block holding the target, then the newest
+    number-rule            the same with the numbers: the blocks holding the prompt's target and numbers, then the newest
     oracle                 the blocks the full-cache rollout's next δ tokens attend to most (an upper bar)
     none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
 
@@ -51,6 +52,7 @@ CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None:
     "streamingllm": dict(greedy=True, score=baselines.streamingllm),
     "random": dict(score=baselines.uniform), "random-prompt": dict(score=baselines.random_prompt),
     "task-rule": dict(greedy=True, score=baselines.task_rule),  # bound to the tokenizer's 'reach' (make_eviction)
+    "number-rule": dict(greedy=True, score=baselines.number_rule),  # bound to the tokenizer's numbers (make_eviction)
     "oracle": dict(greedy=True, score=baselines.lookahead),  # bound per batch to a full-cache reference
     "none": None}
 TASK_RULE_MARKER = "reach"  # the tiny prompt's word before the target
@@ -67,6 +69,11 @@ def make_eviction(name, c, rate, tokenizer) -> Eviction | None:
             raise ValueError(f"--policy task-rule keeps the token after '{TASK_RULE_MARKER}' (the tiny prompt's "
                              f"target); this tokenizer has no such token")
         how = {**how, "score": baselines.task_rule(marker)}
+    if how.get("score") is baselines.number_rule:
+        vocab = tokenizer.get_vocab()
+        is_number = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
+        is_number[[i for text, i in vocab.items() if text.isdigit()]] = True
+        how = {**how, "score": baselines.number_rule(is_number)}
     return Eviction(c.delta, c.block, c.window, rate, **how)
 
 
@@ -336,9 +343,10 @@ def main(argv=None):
         for flag in ("prompt", "difficulty", "tag"):
             if getattr(args, flag) is not None and c.task != "countdown":
                 raise ValueError(f"--{flag} is for --task countdown; this evaluation's task is {c.task}")
-        if "task-rule" in args.policy and c.task != "countdown":
-            raise ValueError(f"--policy task-rule keeps the block of a Countdown prompt's target; this evaluation's "
-                             f"task is {c.task}: leave task-rule out")
+        for rule in ("task-rule", "number-rule"):
+            if rule in args.policy and c.task != "countdown":
+                raise ValueError(f"--policy {rule} keeps the block of a Countdown prompt's target; this evaluation's "
+                                 f"task is {c.task}: leave {rule} out")
         c = replace(c, eval_data=args.eval_data or c.eval_data, prompt=args.prompt or c.prompt,
                     difficulty=args.difficulty or c.difficulty,
                     question_field=args.question_field or c.question_field,

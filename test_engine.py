@@ -350,6 +350,20 @@ def test_task_rule_keeps_the_target_block_then_the_newest():
     assert keep(rule, c, 2, 0.5, (torch.tensor([[3, 3, 3, 3, 8, 9]]), torch.tensor([6]))) == [5, 4, 3]
 
 
+def test_number_rule_keeps_the_blocks_of_the_prompts_numbers_then_the_newest():
+    """number-rule: the blocks holding a prompt key whose token is a number, then the newest; a number
+    token in the completion is not pinned."""
+    c = hand_built_cache(S=12, holes=())  # 6 blocks of 2
+    is_number = torch.zeros(12, dtype=torch.bool)
+    is_number[[9, 10]] = True
+    prompt = (torch.tensor([[3, 9, 3, 3, 3, 10, 9]]), torch.tensor([6]))  # numbers at keys 1 and 5: blocks 0 and 2
+    rule = dict(greedy=True, score=baselines.number_rule(is_number))
+    assert keep(rule, c, 2, 0.5, prompt) == [2, 0, 5]  # (pinned blocks rank by their mean: block 2 holds the newer key)
+    assert keep(rule, c, 2, 0.7, prompt) == [2, 0]
+    # Negative control: without number tokens in the prompt, recency alone.
+    assert keep(rule, c, 2, 0.5, (torch.tensor([[3, 3, 3, 3, 3, 3, 9]]), torch.tensor([6]))) == [5, 4, 3]
+
+
 def test_oracle_scores_each_key_by_the_attention_of_the_next_delta_queries(model):
     """oracle: after token t, key s scores the attention that the reference's queries t+1..t+δ paid
     it (mean over heads), summed; computed here query by query from the model's own q and k."""

@@ -502,6 +502,8 @@ def rollouts(model):
         how = dict(evaluation.CLI_POLICIES[policy])
         if policy == "task-rule":  # the target: the token after the second token of the first prompt
             how["score"] = baselines.task_rule(prompts[0][1])
+        if policy == "number-rule":  # the "numbers": the first prompt's tokens
+            how["score"] = baselines.number_rule(torch.isin(torch.arange(model.config.vocab_size), torch.tensor(prompts[0])))
         if policy == "oracle":  # the full-cache reference from the same noise
             ref = rollout(model, prompts, sampling, None, eos_ids=[EOS], generator=torch.Generator().manual_seed(6))
             how["score"] = baselines.lookahead(baselines.future_attention(model, ref), 12)
