@@ -72,7 +72,8 @@ class Settings:
     task: str = setting("countdown", "countdown (generated problems) or math (DAPO-17k from --data, AIME/AMC from "
                         "--eval-data)", choices=["countdown", "math"])
     prompt: str | None = setting("plain", "prompt style", choices=sorted(countdown.PROMPTS))
-    difficulty: str | None = setting("paper", "problem generator preset", choices=sorted(countdown.DIFFICULTIES))
+    difficulty: str | None = setting("paper", "problem generator preset (tiny-back: the tiny problems whose "
+                                 "search must go back)", choices=sorted(countdown.DIFFICULTIES))
     train_problems: int | None = setting(327_680, "training problems (drawn for countdown, the first N of --data)",
                                          check=at_least(1))
     eval_problems: int | None = setting(1024, "held-out problems", EVAL, at_least(1))
