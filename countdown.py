@@ -17,7 +17,7 @@ held-out test problems with 3 and 4 input numbers.
 import itertools
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 # -----------------------------------------------------------------------------
@@ -39,8 +39,7 @@ class Difficulty:
 PAPER = Difficulty()  # Countdown-Tasks-3to4-like: 3-4 numbers in 1..99, targets 10..100
 SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100),
                    held_out=500)  # the tiny models' problems; tiny/ was pretrained on none of its 500 held out
-SMALL_BACK = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100), held_out=500,
-                        backtracks=True)  # SMALL's problems whose search goes back: 278 of its 500 held out
+SMALL_BACK = replace(SMALL, backtracks=True)  # SMALL's problems whose search goes back: 278 of its 500 held out
 HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
 
 def backtracks(p) -> bool:

@@ -73,7 +73,7 @@ class Settings:
                         "--eval-data)", choices=["countdown", "math"])
     prompt: str | None = setting("plain", "prompt style", choices=sorted(countdown.PROMPTS))
     difficulty: str | None = setting("paper", "problem generator preset (tiny-back: the tiny problems whose "
-                                 "search must go back)", choices=sorted(countdown.DIFFICULTIES))
+                                     "search must go back)", choices=sorted(countdown.DIFFICULTIES))
     train_problems: int | None = setting(327_680, "training problems (drawn for countdown, the first N of --data)",
                                          check=at_least(1))
     eval_problems: int | None = setting(1024, "held-out problems", EVAL, at_least(1))
