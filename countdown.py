@@ -106,9 +106,13 @@ def _take(stream, n, skip=frozenset(), unique=False, patience=50_000):
         out.append(p)
     return out
 
+def _in_preset(p, difficulty) -> bool:
+    """Whether a problem of the preset's stream is one of its problems (all are, unless it asks for backtracking)."""
+    return not difficulty.backtracks or backtracks(p)
+
 def _problems(rng, difficulty):
-    """The preset's problems: its stream, less those that do not backtrack where it asks for backtracking."""
-    return (p for p in _stream(rng, difficulty) if not difficulty.backtracks or backtracks(p))
+    """The preset's problems: its stream, less those _in_preset leaves out."""
+    return (p for p in _stream(rng, difficulty) if _in_preset(p, difficulty))
 
 def generate(n, seed, difficulty=PAPER):
     """n problems, reproducible from seed, every one solvable (repeats possible)."""
@@ -118,7 +122,7 @@ def held_out(difficulty=PAPER):
     """The held-out set: of the first difficulty.held_out distinct problems of the HELD_OUT_SEED stream,
     those of the preset (with backtracks, a subset of the same held-out problems), one set for every seed."""
     first = _take(_stream(random.Random(HELD_OUT_SEED), difficulty), difficulty.held_out, unique=True)
-    return [p for p in first if not difficulty.backtracks or backtracks(p)]
+    return [p for p in first if _in_preset(p, difficulty)]
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
     """(train, test) at the paper's sizes. Test is the first n_test problems of the held-out set,

@@ -160,9 +160,10 @@ def plan(out, specs, threads) -> list[Variant]:
             check_flags(spec[2:])
             c = resolve(model, flags, os.path.join(out, "runs", f"{name}-ngc"))
             check_comparable(model, c)
-            path = evals.setdefault(tuple(eval_argv(model, c)), os.path.join(out, "evals", f"{name}-untrained.jsonl"))
+            baselines = eval_argv(model, c)
+            path = evals.setdefault(tuple(baselines), os.path.join(out, "evals", f"{name}-untrained.jsonl"))
             variants.append(Variant(name, model, spec[2:], run(name, model, flags, "ngc", c),
-                                    run(name, model, without_l_mem(flags), "token-only", c), path, eval_argv(model, c)))
+                                    run(name, model, without_l_mem(flags), "token-only", c), path, baselines))
         except ValueError as e:  # CheckpointError too
             raise ValueError(f"variant {name}: {e}") from None
     for r in runs.values():

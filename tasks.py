@@ -34,11 +34,12 @@ def held_out(c, n: int | None = None) -> list:
     Countdown's held-out set has more), or a one-line ValueError."""
     if c.task == "math" and not c.eval_data:  # a missing file: mathtask.load's message names it
         raise ValueError("--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet)")
-    if c.task == "countdown" and n is not None:
-        size = len(countdown.held_out(countdown.DIFFICULTIES[c.difficulty]))
-        if n > size:
-            raise ValueError(f"--problems {n}: the held-out set has {size} problems")
-        c = replace(c, eval_problems=n)
+    if c.task == "countdown":  # one set for every seed, of which a run evaluates the first eval_problems
+        test = countdown.held_out(countdown.DIFFICULTIES[c.difficulty])
+        flag, k = ("--eval-problems", c.eval_problems) if n is None else ("--problems", n)
+        if k > len(test):
+            raise ValueError(f"{flag} {k}: the held-out set has {len(test)} problems")
+        return test[:k]
     _, test = load_problems(replace(c, train_problems=0, data=None))
     if n is not None and n > len(test):
         raise ValueError(f"--problems {n}: the run's test split has {len(test)} problems")
