@@ -179,7 +179,7 @@ def tiny_shifted_prompt(problem, eviction_rate=None, blind=False):
     return tiny_prompt(problem, eviction_rate, blind).replace("<bos>", "<bos>" + dots, 1)
 
 def layouts_prompt(problem, eviction_rate=None, blind=False, unseen=False):
-    """The prompt of tiny/ (make_tiny.py --prompt tiny-layouts) in one of 8 layouts, a function of
+    """The prompt of tiny-slip/ (make_tiny.py --prompt tiny-layouts) in one of 8 layouts, a function of
     the problem: 0-3 filler dots after BOS, and the target before or after the numbers, so that the
     target sits anywhere in positions 4-11. unseen: 4-7 dots, layouts never used in training (the
     target in positions 8-15). The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
@@ -200,11 +200,11 @@ def unseen_layouts_prompt(problem, eviction_rate=None, blind=False):
     return layouts_prompt(problem, eviction_rate, blind, unseen=True)
 
 def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
-    """One prompt body shifted by whole blocks of 4: 8 filler dots, 0 or 8 of them before the body and
-    the rest after it (a function of the problem), so every layout has the same length and the
-    target's block the same contents, and only its block index changes (1 or 3). unseen: 4 before and 4
-    after, a layout never used in training (block 2) at the same length, so rounds fire at the same
-    tokens."""
+    """The prompt of tiny/ (make_tiny.py --prompt tiny-shift): one body shifted by whole blocks of 4.
+    8 filler dots, 0 or 8 of them before the body and the rest after it (a function of the
+    problem), so every layout has the same length and the target's block the same contents, and
+    only its block index changes (1 or 3). unseen: 4 before and 4 after, a layout never used in
+    training (block 2) at the same length, so rounds fire at the same tokens."""
     before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)
     body = f"Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
     return "<bos>" + " ." * before + f" {body}" + " ." * (8 - before) + rate_tag(eviction_rate, blind)

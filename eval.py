@@ -303,8 +303,8 @@ def main(argv=None):
                    "pass@k; 0: greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' "
                    "sampling, 32 for math at T=0.6, top-p 0.95)")
     p.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="countdown: another prompt layout than the "
-                   "run's (layouts never used in training: tiny-unseen for tiny/, tiny-shifted for the earlier models, "
-                   "tiny-shift-unseen for models built with --prompt tiny-shift)")
+                   "run's (layouts never used in training: tiny-shift-unseen for tiny/, tiny-unseen for tiny-slip/, "
+                   "tiny-shifted for the one-layout models)")
     p.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES), help="countdown: another problem preset's "
                    "held-out set than the run's (tiny-back: the tiny problems whose search goes back)")
     p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "

@@ -1,43 +1,42 @@
 """Build the tiny reasoners shipped in tiny/ (Countdown) and tiny-math/ (word problems): traces,
 a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on the CPU.
 
-    python make_tiny.py                      # rebuild tiny/ (about 20 minutes on 2 cores)
+    python make_tiny.py                      # rebuild tiny/ (about 25 minutes on one core)
     python make_tiny.py --steps 300 --out runs/tiny-smoke
-    python make_tiny.py --prompt tiny --restate 0.25 --slip 0 --threads 1 --out tiny-restate  # RESULTS §R's model
-    python make_tiny.py --prompt tiny --restate 0 --slip 0 --threads 1 --out tiny-plain        # RESULTS §1-9's
+    python make_tiny.py --prompt tiny-layouts --slip 0.5 --restate per-trace --back numbers --threads 2 --out tiny-slip
+                                             # the tiny/ shipped before (RESULTS §0's first rows)
+    python make_tiny.py --prompt tiny --back numbers --out tiny-restate               # RESULTS §R's model
+    python make_tiny.py --prompt tiny --back numbers --restate 0 --out tiny-plain     # RESULTS §1-9's
     python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
 
 Countdown: the model learns to write a depth-first search, Stream-of-Search style. The target
 is given in the prompt, and every leaf's yes/no needs it, so a KV-cache policy that evicts it
-loses. tiny/ is built so that RL has reasoning to teach as well as memory to manage:
+loses. tiny/ is built so that what a cache must keep is more than the one fact a hand-written
+rule knows about:
 
-* Slips (--slip 0.5): a leaf that reaches the target is judged `no` with probability 0.5 and the
-  search goes on; a search that never says `yes` answers `none`. The pretrained model imitates
-  this, so it solves only part of the problems with sampled tokens, and what it must learn (say
-  `yes` when the leaf is the target) needs the target, which eviction can take away.
-* Verbosity per trace (--restate per-trace): after each `[ ... ]` the trace restates the target
-  (`reach <target>`) with a probability the trace draws, so reinforcement can move how much the
-  model writes for eviction. Under a budget tag with rate ε the probability is ε (the stricter
-  the budget, the more it restates); untagged and blind-tagged traces draw it uniformly.
-* Layouts (--prompt tiny-layouts): 0-3 filler dots and the target before or after the numbers,
-  8 layouts; countdown's tiny-unseen layouts (4-7 dots) are kept out of training for the test.
-  The tag's rate is one token of its own (`<eviction_rate> 50% </eviction_rate>`).
+* A bare `back` (--back bare): a dead end returns with `back` alone, so the move after it reads
+  the numbers left from far back in the trace. A rule that keeps the target's block (and the
+  newest) solves few of the problems whose search goes back (train.py's --difficulty tiny-back,
+  tiny/'s default run), while the full cache solves nearly all of them.
+* Shifted layouts (--prompt tiny-shift): one prompt body, 0 or 8 filler dots before it, so the
+  target's block index changes while every block keeps its contents and the prompt its length
+  (tiny-shift-unseen: 4 and 4, the same length, for the layout test). The budget tag's rate is
+  one token of its own (`<eviction_rate> 50% </eviction_rate>`).
+* Restating (--restate 0.25): after each `[ ... ]` the trace restates the target (`reach
+  <target>`) with probability 0.25.
 
-Two more options of the screen (RESULTS §0, `results/screen/builds/`): --prompt tiny-shift moves
-one prompt body by whole blocks (8 filler dots, 0 or 8 of them first), so the target's block
-index changes while every block keeps its contents and the prompt its length (tiny-shift-unseen:
-4 and 4, for the test); --back bare returns from a dead end with `back` alone, so the next move
-reads the numbers from far back.
-
-    prompt:     <bos> . . Countdown : reach 16 with 3 5 2 .
-    completion: [ 5 3 2 ] reach 16 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back [ 5 3 2 ] ...
+    prompt:     <bos> Countdown : reach 13 with 3 5 2 . . . . . . . . .
+    completion: [ 5 3 2 ] reach 13 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back 5 * 3 = 15 ...
 
 `[ ... ]` states the numbers left, largest first. A move `a op b = v` picks two of them
 (pairs in order, larger first, ops + * - /, / only when exact); with two numbers x >= y
 left, each leaf `op w` is x op y, judged yes (w is the target) or no (leaves above 999
-are skipped). A dead end returns with `back [ ... ]` restating the numbers. The earlier models
-(--prompt tiny --slip 0) never slip and have one layout: tiny-restate (--restate 0.25) and
-tiny-plain (--restate 0), whose results are RESULTS §R and §1-9.
+are skipped). Earlier models return with `back [ ... ]` restating the numbers (--back numbers).
+tiny-slip (the tiny/ shipped before) slips: a leaf reaching the target is judged `no` with
+probability 0.5 (--slip) and a search that never says `yes` answers `none`; it draws how often
+a trace restates per trace (--restate per-trace) and has 8 layouts (--prompt tiny-layouts). The
+models before it (--prompt tiny --back numbers) have one layout and never slip: tiny-restate
+(--restate 0.25) and tiny-plain (--restate 0), whose results are RESULTS §R and §1-9.
 
 Math (--task math): the word problems of mathtask.py's demo set, prompted exactly as
 `train.py --task math` prompts them (mathtask.encode: the question, then R1's instruction; this
@@ -52,8 +51,8 @@ policy that evicts the question loses here too:
                 90 + 30 + 10 = 130 , 130 + 3 = 133 . \boxed { 133 } <eos>
 
 With the same flags (--seed, --steps, --threads, ...), the same torch and the same kind of CPU,
-it writes the same files byte for byte. tiny/ is `python make_tiny.py` with every default, run
-with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine; tiny-math/ is
+it writes the same files byte for byte. tiny/ is `python make_tiny.py` with every default (one
+thread), run with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine; tiny-math/ is
 `python make_tiny.py --task math` the same way.
 """
 import argparse
@@ -84,12 +83,13 @@ from ngc import Eviction, Sampling
 from settings import read_ngc_json
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
-# lengths scaled to its traces (prompts of 10-13 tokens, full-cache completions ~150 before training, capped at 256).
+# lengths scaled to its traces (prompts of 18 tokens, full-cache completions ~110 on the problems that go back,
+# capped at 256); the problems, the normaliser and lr chosen by the screen (RESULTS.md §S.4).
 TINY_RUN = dict(
-    task="countdown", prompt="tiny-layouts", difficulty="tiny", train_problems=20_000, eval_problems=200, seed=0,
+    task="countdown", prompt="tiny-shift", difficulty="tiny-back", train_problems=20_000, eval_problems=200, seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
-    delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6,
-    lr=3e-5, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
+    delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6, mem_norm="joint",
+    lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
 )
 # The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set
 # written by `python mathtask.py --make-demo data/math-demo`. Prompts are 29-33 tokens and full-cache
@@ -104,7 +104,7 @@ MATH_RUN = dict(
 MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
     # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
-    threads=1, max_new_tokens=MATH_RUN["max_new_tokens"], slip=0.0)
+    max_new_tokens=MATH_RUN["max_new_tokens"], slip=0.0, restate=0.0, back="numbers")
 MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
@@ -368,7 +368,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps; the lr schedule spans them")
     ap.add_argument("--minutes", type=float, default=0, help="stop early after this many minutes (0 = never); "
                     "an early stop makes the result depend on the machine's speed")
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the bits of the result depend on it)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; the bits of the result depend on it)")
     ap.add_argument("--batch", type=int, default=64, help="examples per optimizer step")
     ap.add_argument("--micro", type=int, default=16, help="examples per forward pass (length-sorted)")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine to 10%%)")
@@ -381,21 +381,21 @@ def main(argv=None):
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
     ap.add_argument("--max-new-tokens", type=int, default=TINY_RUN["max_new_tokens"],
                     help="completion cap of the held-out evaluation (default: the run's, ngc.json)")
-    ap.add_argument("--restate", type=restate_flag, default=None, metavar="P|per-trace",
+    ap.add_argument("--restate", type=restate_flag, default=0.25, metavar="P|per-trace",
                     help="Countdown: the probability that a trace restates the target (`reach N`) after each "
-                         "`[ ... ]`; per-trace (default, tiny/): each trace draws its own, the tag's rate where the "
-                         "prompt has one. 0.25: the restate model of RESULTS §R, 0: the plain model of §1-9")
-    ap.add_argument("--slip", type=float, default=0.5,
+                         "`[ ... ]` (default 0.25, tiny/); per-trace: each trace draws its own, the tag's rate where "
+                         "the prompt has one (tiny-slip/); 0: the plain model of RESULTS §1-9")
+    ap.add_argument("--slip", type=float, default=0.0,
                     help="Countdown: the probability that a leaf reaching the target is judged `no` and the search "
-                         "goes on, so the model is only partly competent before RL (default 0.5, tiny/; 0: the "
-                         "earlier models, which never slip)")
-    ap.add_argument("--prompt", choices=sorted(cd.SHIFTED), default="tiny-layouts",
-                    help="Countdown prompt: tiny-layouts (default, tiny/: 8 layouts, the rate tag in tokens of its "
-                         "own), tiny-shift (one body shifted by whole blocks: 2 layouts of one length) or tiny (one "
-                         "layout, the earlier models)")
-    ap.add_argument("--back", choices=["numbers", "bare"], default="numbers",
-                    help="Countdown: a dead end returns with `back [ ... ]` restating the numbers (default), or with "
-                         "`back` alone (bare), so the numbers must be read from far back")
+                         "goes on (default 0, tiny/; 0.5: tiny-slip/, only partly competent before RL)")
+    ap.add_argument("--prompt", choices=sorted(cd.SHIFTED), default="tiny-shift",
+                    help="Countdown prompt: tiny-shift (default, tiny/: one body shifted by whole blocks, 2 layouts "
+                         "of one length, the rate tag in tokens of its own), tiny-layouts (tiny-slip/: 8 layouts) or "
+                         "tiny (one layout, the earlier models)")
+    ap.add_argument("--back", choices=["numbers", "bare"], default="bare",
+                    help="Countdown: a dead end returns with `back` alone (default, tiny/), so the next move reads "
+                         "the numbers from far back, or with `back [ ... ]` restating them (numbers: every earlier "
+                         "model)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")

@@ -1,19 +1,18 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
-    python reproduce.py                 # everything, one seed, into results/reason/
+    python reproduce.py                 # everything, one seed, into results/back/
     python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
     python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --limit         # and the limit study: three changes to the default recipe
     python reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
-    python reproduce.py --seeds 3 --ablation-seeds 1 --samples 1 --problems 200 --jobs 2 --out results/reason
-                                        # RESULTS §0's run
+    python reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
 
 It trains six runs from tiny/ with its defaults (tiny/ngc.json), once per seed (`train.py --seed k`:
 its own training and held-out problems, rollouts and evictions; with --data-seed fixed, only its
 own rollouts and evictions, so the spread across seeds is training's alone), each only if
 OUT/runs/<name>[-seed<k>] has not finished yet (a run directory saved with other settings than this
 command's, say other --train-args, is refused before anything trains), then evaluates them with
-eval.py on the held-out problems (OUT is --out: results/reason, the shipped tiny/'s folder, unless
+eval.py on the held-out problems (OUT is --out: results/back, the shipped tiny/'s folder, unless
 given; results/README.md says which folder holds which model):
 
     ngc                  the method                          train.py
@@ -27,16 +26,18 @@ given; results/README.md says which folder holds which model):
 and writes OUT/evals/<study>-seed<k>.jsonl (eval.py's rows), OUT/<study>.jsonl and .png
 (over seeds: mean pass@1, its standard deviation across seeds, and one evaluation's standard
 error over problems), OUT/ngc-vs-heuristics.png, OUT/claims.md and OUT/summary.md. Every
-evaluation is the paper's (§5.1): pass@1 over the run's eval_samples (4) sampled completions per
-problem, evictions greedy top-K, on the one held-out set (500 problems for tiny/, none of them
-trained or pretrained on):
+evaluation is the paper's (§5.1): pass@1 over --samples sampled completions per problem, evictions
+greedy top-K, on the run's one held-out set (tiny/'s: the 278 of tiny's 500 held-out problems whose
+search goes back, none of them trained or pretrained on):
 
     0. claims         the paper's Countdown claims beside this run's numbers and a goal for each
                       (claims.md); the starting model's full cache and untrained NGC scores
     1. baselines      on the no-evict model at ε = 0.5 (Figure 3): SnapKV, KeyDiff, KNorm,
-                      StreamingLLM, random blocks, random-prompt, the task rule, and the oracle
-                      (the blocks the full cache's next δ tokens read most); NGC (greedy top-K)
-                      and the oracle on NGC's model; NGC with greedy tokens (the second column)
+                      StreamingLLM, random blocks, random-prompt, the two task rules (the
+                      target's block, or the prompt's numbers too, then the newest), and the
+                      oracle (the blocks the full cache's next δ tokens read most); NGC (greedy
+                      top-K), the oracle, the rules and random on NGC's model; NGC with greedy
+                      tokens (the second column)
     2. sweep          NGC and the baselines at stricter ε than training saw (0.5 -> 0.8)
     3. ablations      ngc vs token-only vs targeted-dropout at ε = 0.5, with their reward and
                       grad-norm curves (Figure 5)
@@ -44,9 +45,9 @@ trained or pretrained on):
                       strictest tag the groups trained on (0.75) and a stricter one (0.8), plain NGC
                       beside (Figure 6); and the tag check: the interoception model at ε = 0.75 under
                       the tags 0.25 and blind (eval.py --tag): does it read the tag?
-    6. layout shift   NGC and the baselines on prompt layouts never used in training (eval.py
-                      --prompt tiny-unseen for tiny/, tiny-shifted for the earlier models): does NGC
-                      keep what matters or where it sits?
+    6. layout shift   NGC, the untrained model and the baselines on prompt layouts never used in
+                      training (eval.py --prompt tiny-shift-unseen for tiny/: the same length, so
+                      rounds fire at the same tokens): does NGC keep what matters or where it sits?
 
 With --limit it also trains the limit study's recipes (seed 0, OUT/limit/<name>) and writes
 their evaluations during training, beside the default run's, as section 5 and OUT/limit.jsonl:
@@ -98,8 +99,9 @@ RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", 
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
         "interoception-blind": ["--interoception", "--blind-tag"]}
 HEURISTICS = ["snapkv", "keydiff", "knorm", "streamingllm"]
-BARS = ["random", "random-prompt", "task-rule"]  # simple policies that could beat a learned one
-BASELINES = HEURISTICS + BARS
+AGNOSTIC = HEURISTICS + ["random", "random-prompt"]  # the baselines that know nothing of the task
+RULES = ["task-rule", "number-rule"]  # hand-written for Countdown's prompt: simple policies that could beat a learned one
+BASELINES = AGNOSTIC + RULES
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
 STRONGEST = ["task-rule", "random", "keydiff"]  # the baselines of the seed-0 sweeps (the strongest on tiny/)
@@ -127,6 +129,13 @@ def seeded_runs(names, seeds: int) -> dict:
     """{dir under out: train.py flags} for each of RUNS' `names` at seeds 0..seeds-1."""
     return {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
             for k in range(seeds) for name in names}
+
+
+def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int) -> dict:
+    """The studies' runs: ngc and no-evict at `seeds` seeds, the two ablations at `ablation_seeds`,
+    the interoception pair at `interoception_seeds` (0: none)."""
+    return {**seeded_runs(["ngc", "no-evict"], seeds), **seeded_runs(ABLATIONS[:2], ablation_seeds),
+            **seeded_runs(ABLATIONS[2:], interoception_seeds)}
 
 
 def wall_time(t0) -> str:
@@ -528,30 +537,41 @@ def claims_markdown(studies) -> str:
 
     before, trained = at("untrained", "none", 0.0), at("baselines", "none", 0.0)
     ngc, full, greedy = at("ngc", "ngc"), at("ngc", "none", 0.0), at("greedy", "ngc")
-    best, own_best, oracle = best_baseline(studies["baselines"]), best_baseline(studies["ngc"]), at("ngc", "oracle")
+    both = studies["baselines"] + studies["ngc"]  # each baseline on the no-evict model and on NGC's own
+    best, rule = best_of(both, AGNOSTIC), best_of(both, RULES)
+    own_best, oracle = best_of(studies["ngc"], BASELINES), at("ngc", "oracle")
     gap = (ngc["accuracy"] - own_best["accuracy"]) / max(oracle["accuracy"] - own_best["accuracy"], 1e-9)
     token, dropout = at("token-only", "ngc"), at("targeted-dropout", "ngc")
     tried = sorted({r["eviction_rate"] for r in studies["sweep-baselines"]})
     margin = {e: at("sweep", "ngc", e)["accuracy"] - max(r["accuracy"] for r in studies["sweep-baselines"]
                                                           if r["eviction_rate"] == e) for e in tried}
     rows = [("the model learns to reason", "R1 near 0 → trained",
-             "full cache before training ≤ 70%; no-evict training adds ≥ 15 points",
+             "full cache before training ≤ 75%; no-evict training adds ≥ 15 points",
              f"full cache before training {cell(before)}, after no-evict training {cell(trained)} "
              f"({100 * (trained['accuracy'] - before['accuracy']):+.1f} points)",
-             before["accuracy"] <= 0.7 and trained["accuracy"] - before["accuracy"] >= 0.15),
+             before["accuracy"] <= 0.75 and trained["accuracy"] - before["accuracy"] >= 0.15),
             ("NGC keeps the reasoning under a smaller peak cache", "49.6% at 2.4×",
              "NGC at ε = 0.5 ≥ 70% of the no-evict model's full cache, at ≥ 2×",
-             f"{cell(ngc)} at {ngc['kv_reduction']:.2f}× ({ratio(ngc, trained):.0%} of {cell(trained)}; NGC's own "
-             f"full cache {cell(full)}; untrained scores {cell(at('untrained', 'ngc'))}); greedy tokens {cell(greedy)}",
+             f"{cell(ngc)} at {ngc['kv_reduction']:.2f}× ({ratio(ngc, trained):.0%} of {cell(trained)}; untrained "
+             f"{cell(at('untrained', 'ngc'))}); greedy tokens {cell(greedy)}",
              ratio(ngc, trained) >= 0.7 and ngc["kv_reduction"] >= 2),
-            ("NGC beats every baseline", "2.3× the next best (49.6% vs 21.2%)", "≥ 2× the best of all baselines",
-             f"best baseline {best['policy']} {cell(best)} on the no-evict model: NGC is {ratio(ngc, best):.1f}× it; "
-             f"on NGC's own model the best is {own_best['policy']} {cell(own_best)}, and NGC closes {gap:.0%} of the "
-             f"gap from it to the oracle there ({cell(oracle)})", ratio(ngc, best) >= 2),
+            ("training NGC keeps the full cache's reasoning", "(not stated)",
+             "NGC's own full cache at least the starting model's",
+             f"{cell(full)} against {cell(before)} before training", full["accuracy"] >= before["accuracy"]),
+            ("NGC beats every baseline", "2.3× the next best (49.6% vs 21.2%)",
+             "≥ 2× the best task-agnostic baseline (heuristics, random, random-prompt) on either model",
+             f"best {best['policy']} {cell(best)} on {model_of(best)}: NGC is {ratio(ngc, best):.1f}× it; "
+             f"on NGC's own model the best baseline is {own_best['policy']} {cell(own_best)}, and NGC closes "
+             f"{gap:.0%} of the gap from it to the oracle there ({cell(oracle)})", ratio(ngc, best) >= 2),
+            ("NGC beats a hand-written rule", "(no such baseline)",
+             "above the best task rule (task-rule, number-rule) on either model by more than 2 SE",
+             f"best {rule['policy']} {cell(rule)} on {model_of(rule)}: NGC "
+             f"{100 * (ngc['accuracy'] - rule['accuracy']):+.1f} points (2 SE = {100 * two_se(ngc, rule):.1f})",
+             ngc["accuracy"] - rule["accuracy"] > two_se(ngc, rule)),
             ("the token policy learns to write for eviction", "token-only 35.7% (72% of NGC)",
-             "token-only ≥ 50% of NGC and ≥ 3× targeted dropout",
+             "token-only below NGC and ≥ 3× targeted dropout",
              f"token-only {cell(token)}: {ratio(token, ngc):.0%} of NGC, {ratio(token, dropout):.1f}× targeted dropout",
-             ratio(token, ngc) >= 0.5 and ratio(token, dropout) >= 3),
+             token["accuracy"] < ngc["accuracy"] and ratio(token, dropout) >= 3),
             ("off-policy training fails", "targeted dropout 2.5%", "targeted dropout far below token-only (≤ ⅓ of it)",
              f"targeted dropout {cell(dropout)}", ratio(dropout, token) <= 1 / 3),
             interoception_claim(studies, at, cell),
@@ -565,23 +585,35 @@ def claims_markdown(studies) -> str:
                      + [f"| {a} | {b} | {g} | {c} | {met[m]} |" for a, b, g, c, m in rows])
 
 
-def best_baseline(rows):
-    """The row of the strongest baseline among rows (the oracle is not one)."""
-    return max((r for r in rows if r["policy"] in BASELINES), key=lambda r: r["accuracy"])
+def best_of(rows, policies):
+    """The row of the strongest of these policies among rows."""
+    return max((r for r in rows if r["policy"] in policies), key=lambda r: r["accuracy"])
+
+
+def model_of(row) -> str:
+    return "the no-evict model" if row["run"] == "no-evict" else "NGC's own model"
+
+
+def two_se(a, b) -> float:
+    """2 SE of the difference of two evaluations' pass@1 (each one evaluation's SE over problems)."""
+    return 2 * (a["accuracy_se"] ** 2 + b["accuracy_se"] ** 2) ** 0.5
 
 
 def layout_claim(studies, at, cell, kept):
-    """The layout row: NGC on prompt layouts never trained on, as a fraction of the full cache there
-    (kept: the same fraction on the training layouts)."""
+    """The layout row: NGC on prompt layouts never trained on (of the training prompts' length, so
+    rounds fire at the same tokens), as a fraction of the full cache there (kept: the same fraction
+    on the training layouts), and against the untrained model's NGC scores there."""
     claim, paper, goal = ("what NGC keeps, not where it sits", "(R1's prompts vary)",
-                          "on layouts never trained on, NGC at ε = 0.5 keeps ≥ 70% of the full cache there")
+                          "on layouts never trained on, NGC at ε = 0.5 keeps ≥ 70% of the full cache there, "
+                          "above the untrained model's score there")
     if "shifted-ngc" not in studies:
         return claim, paper, goal, "not measured (the model's prompt has one layout)", None
-    s_ngc, s_full = at("shifted-ngc", "ngc"), at("shifted-ngc", "none", 0.0)
-    s_best = best_baseline(studies["shifted-baselines"])
+    s_ngc, s_full, s_before = at("shifted-ngc", "ngc"), at("shifted-ngc", "none", 0.0), at("shifted-untrained", "ngc")
+    s_best = best_of(studies["shifted-baselines"], BASELINES)
     share = s_ngc["accuracy"] / max(s_full["accuracy"], 1e-9)
     return (claim, paper, goal, f"NGC {cell(s_ngc)} of a full cache's {cell(s_full)} ({share:.0%}; training layouts "
-            f"{kept:.0%}); best baseline there {s_best['policy']} {cell(s_best)}", share >= 0.7)
+            f"{kept:.0%}); untrained {cell(s_before)}; best baseline there {s_best['policy']} {cell(s_best)}",
+            share >= 0.7 and s_ngc["accuracy"] > s_before["accuracy"])
 
 
 def interoception_claim(studies, at, cell):
@@ -594,12 +626,11 @@ def interoception_claim(studies, at, cell):
     e = INTERO_SWEEP[-1]
     tagged, blind = at("interoception", "ngc", e), at("interoception-blind", "ngc", e)
     lift = tagged["accuracy"] - blind["accuracy"]
-    two_se = 2 * (tagged["accuracy_se"] ** 2 + blind["accuracy_se"] ** 2) ** 0.5
     same = [at("interoception", "ngc", TAG_CHECK)] + [at(f"tag-{t}", "ngc", TAG_CHECK) for t in ("0.25", "blind")]
     reads = ", ".join(f"tag {t} {cell(r)} (length {r['length']:.0f})" for t, r in zip([f"{TAG_CHECK:g}", "0.25", "-"], same))
     return (claim, paper, goal, f"ε = {e:g}: {cell(tagged)} vs blind {cell(blind)} ({100 * lift:+.1f} points, "
-            f"2 SE = {100 * two_se:.1f}); the same model at ε = {TAG_CHECK:g} under three tags: {reads}",
-            lift >= 0.05 and lift > two_se)
+            f"2 SE = {100 * two_se(tagged, blind):.1f}); the same model at ε = {TAG_CHECK:g} under three tags: {reads}",
+            lift >= 0.05 and lift > two_se(tagged, blind))
 
 
 @exits  # a training run that fails ends the script with one line
@@ -616,20 +647,21 @@ def main(argv=None):
 def run_studies(argv=None):
     """The studies of the module docstring (main adds what SIGINT and SIGTERM do)."""
     p = parser(__doc__)
-    p.add_argument("--out", default=os.path.join("results", "reason"),
-                   help="directory for runs/, *.jsonl, *.png and summary.md (default: results/reason)")
+    p.add_argument("--out", default=os.path.join("results", "back"),
+                   help="directory for runs/, *.jsonl, *.png and summary.md (default: results/back, tiny/'s)")
     p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
     p.add_argument("--no-interoception", action="store_true", help="leave out the interoception runs and section 4 "
                    "(the two slowest runs)")
-    p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation and interoception runs (default: "
-                   "--seeds)")
+    p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation runs (default: --seeds)")
+    p.add_argument("--interoception-seeds", type=int, help="seeds of the interoception pair (default: "
+                   "--ablation-seeds)")
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2, "
                    "for the CPU's budget; eval.py's default is the run's 4)")
-    p.add_argument("--problems", type=int, default=500, help="held-out problems per evaluation (default 500: tiny/'s "
-                   "whole held-out set)")
+    p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's whole held-out "
+                   "set, 278 for tiny/)")
     p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
                                                          "their evaluations during training")
     p.add_argument("--headline", action="store_true", help="train only the default run and token-only, "
@@ -638,7 +670,8 @@ def run_studies(argv=None):
                                                             "diag/ under --out")
     args = p.parse_args(argv)
     args.ablation_seeds = args.ablation_seeds or args.seeds
-    for flag in ("jobs", "seeds", "ablation_seeds", "problems", "samples"):
+    args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
+    for flag in ("jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems", "samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             sys.exit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
     extra = args.train_args.split()
@@ -647,8 +680,7 @@ def run_studies(argv=None):
     elif args.headline:
         runs = seeded_runs(HEADLINE, args.seeds)
     else:
-        ablations = ABLATIONS[:2] if args.no_interoception else ABLATIONS
-        runs = {**seeded_runs(["ngc", "no-evict"], args.seeds), **seeded_runs(ablations, args.ablation_seeds)}
+        runs = study_runs(args.seeds, args.ablation_seeds, 0 if args.no_interoception else args.interoception_seeds)
         if args.limit:
             runs.update({limit_dir(name): flags for name, flags in LIMIT.items()})
     try:
@@ -684,7 +716,7 @@ def run_studies(argv=None):
                                  "heuristics, random, random-prompt, the task rule) and the oracle", "no-evict",
                                  ["none", *BASELINES, "oracle"], [0.5])
     studies["ngc"] = study("baselines-ngc", "1. NGC on its own model, with the oracle and the strongest simple "
-                           "baselines there", "ngc", ["none", "ngc", "oracle", "task-rule", "random"], [0.5])
+                           "baselines there", "ngc", ["none", "ngc", "oracle", *RULES, "random"], [0.5])
     studies["greedy"] = study("greedy", "1. Greedy tokens (the second column): NGC on its model", "ngc",
                               ["none", "ngc"], [0.5], ["--samples", "0"])
     sweep = study("sweep", "2. Stricter ε than training saw: NGC (seed 0)", "ngc", ["ngc"], SWEEP, seeds=1)
@@ -700,15 +732,15 @@ def run_studies(argv=None):
         curves(args.out, ["ngc", "token-only", "targeted-dropout"], few, os.path.join(args.out, "ablations.png"))
     if not args.no_interoception:
         plain = study("interoception-ngc", "4. Plain NGC at the interoception rates", "ngc", ["ngc"], INTERO_SWEEP,
-                      seeds=few)
+                      seeds=args.interoception_seeds)
         intero = study("interoception", "4. Budget-aware interoception across ε", "interoception", ["ngc"],
-                       INTERO_SWEEP, seeds=few)
+                       INTERO_SWEEP, seeds=args.interoception_seeds)
         blind = study("interoception-blind", "4. Its control: the same per-group ε, the tag without the rate",
-                      "interoception-blind", ["ngc"], INTERO_SWEEP, seeds=few)
+                      "interoception-blind", ["ngc"], INTERO_SWEEP, seeds=args.interoception_seeds)
         studies["interoception"], studies["interoception-blind"] = intero, blind
         for tag in ("0.25", "blind"):  # does the model read the tag? The same ε, another tag
             studies[f"tag-{tag}"] = study(f"tag-{tag}", f"4. The interoception model at ε = {TAG_CHECK:g} with the "
-                                          f"tag {tag}", "interoception", ["ngc"], [TAG_CHECK], ["--tag", tag], seeds=few)
+                                          f"tag {tag}", "interoception", ["ngc"], [TAG_CHECK], ["--tag", tag], seeds=args.interoception_seeds)
         if have("matplotlib"):
             accuracy_vs_rate({"NGC": plain, "NGC + interoception": intero, "NGC + blind tag (control)": blind},
                              os.path.join(args.out, "interoception-vs-ngc.png"))
@@ -716,6 +748,8 @@ def run_studies(argv=None):
     if unseen:
         studies["shifted-ngc"] = study("shifted-ngc", f"6. Prompt layouts never used in training ({unseen}): NGC",
                                        "ngc", ["none", "ngc"], [0.5], ["--prompt", unseen])
+        studies["shifted-untrained"] = study("shifted-untrained", "6. The same layouts: the starting model",
+                                             UNTRAINED, ["none", "ngc"], [0.5], ["--prompt", unseen], seeds=1)
         studies["shifted-baselines"] = study("shifted-baselines", "6. The same layouts: the strongest baselines on "
                                              "the no-evict model (seed 0)", "no-evict",
                                              ["none", *STRONGEST, "oracle"], [0.5], ["--prompt", unseen], seeds=1)

@@ -29,7 +29,9 @@ completions restate the target (`reach <target>`, the traces of make_tiny.py --r
 rolls out the full cache and, for each rollout that fails under eviction where the full cache
 succeeds, finds the first token where the two greedy completions differ: after how many rounds
 and how many tokens after the last of them, and what the full cache wrote there (a number computed
-after an operator or `=`, a verdict `yes`/`no`, or another token).
+after an operator or `=`, a verdict `yes`/`no`, the first number of a move after a bare `back`,
+which reads the numbers left from far back, a token of the answer, which rewrites the moves that
+reached the target, or another token).
 """
 import html
 import os
@@ -157,8 +159,10 @@ def first_divergence(full, evicted, delta: int):
     if t is None:
         return None
     before, word = a[t - 1].strip(), a[t].strip()
-    kind = ("a computed number" if before in OPERATORS and word.isdigit() else
-            "a verdict" if word in ("yes", "no") else "another token")
+    kind = ("the answer" if "<answer>" in (w.strip() for w in a[P:t]) else  # it rewrites the moves that solved it
+            "a computed number" if before in OPERATORS and word.isdigit() else
+            "a verdict" if word in ("yes", "no") else
+            "a move after `back`" if before == "back" else "another token")  # back's numbers are read from far back
     return (t - 1) // delta, (t - 1) % delta, kind
 
 

@@ -300,19 +300,25 @@ def test_failures_find_where_eviction_first_changes_the_completion():
     def run(completion, correct, prompt=("<bos>", "reach", "7")):  # δ = 4: rounds at 4, 8, 12 tokens
         return dict(tokens=list(prompt) + completion.split(), prompt_len=len(prompt), correct=correct)
     full = [run("5 + 2 = 7 yes", True), run("5 * 2 = 10 no back", True), run("5 + 2 = 9 no back", True),
-            run("5 + 2", False), run("5 + 2 = 7 yes", True)]
+            run("5 + 2", False), run("5 + 2 = 7 yes", True), run("5 + 2 = 9 no back 5 * 2 = 10", True),
+            run("5 + 2 = 7 yes <answer> 5 + 2", True)]
     evicted = [run("5 + 2 = 7 yes", True), run("5 * 2 = 11 no back", False),  # token 7: a computed number
                run("5 + 2 = 9 yes", False),  # token 8, a verdict, written by the query at 7: 3 tokens after round 1
                run("5 + 2", False),  # the full cache fails too
-               run("6 + 2 = 8 no", False)]  # token 3, an operand (a number, not after an operator): before round 1
+               run("6 + 2 = 8 no", False),  # token 3, an operand (a number, not after an operator): before round 1
+               run("5 + 2 = 9 no back 4 * 2 = 8", False),  # token 10, after `back`: 1 token after round 2
+               run("5 + 2 = 7 yes <answer> 5 * 2", False)]  # token 11, an operator of the answer: 2 after round 2
     assert show.first_divergence(full[1], evicted[1], 4) == (1, 2, "a computed number")
     assert show.first_divergence(full[2], evicted[2], 4) == (1, 3, "a verdict")
     assert show.first_divergence(full[4], evicted[4], 4) == (0, 2, "another token")
+    assert show.first_divergence(full[5], evicted[5], 4) == (2, 1, "a move after `back`")
+    assert show.first_divergence(full[6], evicted[6], 4) == (2, 2, "the answer")
     assert show.first_divergence(full[0], evicted[0], 4) is None
     f = show.failures(full, evicted, delta=4)
-    assert f == dict(rollouts=5, wrong=4, full_cache_wrong_too=1, no_divergence=0, rounds_before={"0": 1, "1": 2},
-                     tokens_after_round=[0, 0, 1, 1],
-                     full_cache_wrote={"a computed number": 1, "a verdict": 1, "another token": 1})
+    assert f == dict(rollouts=7, wrong=6, full_cache_wrong_too=1, no_divergence=0,
+                     rounds_before={"0": 1, "1": 2, "2": 2}, tokens_after_round=[0, 1, 2, 1],
+                     full_cache_wrote={"a computed number": 1, "a move after `back`": 1, "a verdict": 1,
+                                       "another token": 1, "the answer": 1})
 
 
 def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch, capsys):
@@ -568,8 +574,9 @@ def test_eval_refuses_a_tag_it_cannot_write(train_ckpt):
 
 
 def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
-    """claims.md: each claim against its goal. The best baseline is the strongest non-oracle policy,
-    NGC's multiple of it, the fraction of the gap from the best baseline to the oracle on NGC's own
+    """claims.md: each claim against its goal. The best task-agnostic baseline and the best task
+    rule are the strongest of each kind on either model, NGC's multiple of the one and its margin
+    over the other in SEs, the fraction of the gap from the best baseline to the oracle on NGC's own
     model that NGC closes; the oracle never counts as a baseline; "met" follows each goal."""
     import reproduce
     row = lambda run, policy, acc, rate=0.5, length=80.0: dict(
@@ -590,23 +597,44 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
                "tag-0.25": [row("i", "ngc", 0.1, reproduce.TAG_CHECK, 70.0)],
                "tag-blind": [row("i", "ngc", 0.12, reproduce.TAG_CHECK, 75.0)],
                "shifted-ngc": [row("ngc", "none", 0.97, 0.0), row("ngc", "ngc", 0.3)],
+               "shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.1)],
                "shifted-baselines": [row("no-evict", "task-rule", 0.35)]}
-    text = reproduce.claims_markdown(studies)
-    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:]}
+
+    def claims(studies):
+        text = reproduce.claims_markdown(studies)
+        return text, {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:]}
+
+    text, lines = claims(studies)
     assert "full cache before training 60.0% ± 1.0, after no-evict training 96.0% ± 1.0 (+36.0 points) | yes" \
         in lines["the model learns to reason"]
     assert "60.0% ± 1.0 at 2.20× (62% of 96.0% ± 1.0;" in text and lines["NGC keeps the reasoning under a smaller " \
                                                                        "peak cache"].endswith("| **no** |")
-    assert "best baseline task-rule 40.0% ± 1.0 on the no-evict model: NGC is 1.5× it" in text
+    assert "98.0% ± 1.0 against 60.0% ± 1.0 before training | yes" in lines["training NGC keeps the full cache's reasoning"]
+    # the best task-agnostic baseline is random on NGC's own model (10%), not the task rule (40-45%)
+    assert "best random 10.0% ± 1.0 on NGC's own model: NGC is 6.0× it" in text
     assert "NGC closes 33% of the gap from it to the oracle there (90.0% ± 1.0)" in text  # (0.6 - 0.45) / (0.9 - 0.45)
+    assert "best task-rule 45.0% ± 1.0 on NGC's own model: NGC +15.0 points (2 SE = 5.7) | yes" in text  # 2 √(2 × 0.02²)
     assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
     assert "targeted dropout 2.0% ± 1.0 | yes" in text
-    assert "ε = 0.8: 20.0% ± 1.0 vs blind 5.0% ± 1.0 (+15.0 points, 2 SE = 5.7)" in text  # 2 √(0.02² + 0.02²)
+    assert "ε = 0.8: 20.0% ± 1.0 vs blind 5.0% ± 1.0 (+15.0 points, 2 SE = 5.7)" in text
     assert "tag 0.75 20.0% ± 1.0 (length 90), tag 0.25 10.0% ± 1.0 (length 70), tag - 12.0% ± 1.0 (length 75) | yes" in text
     assert "ε = 0.6 +30.0 points, ε = 0.7 +25.0 points, ε = 0.8 -5.0 points | **no**" in text  # 0.4 < 0.45 at 0.8
-    assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layouts 61%)" in text
-    # Negative control: were the oracle counted as a baseline, the best would be the oracle itself.
-    assert "best baseline oracle" not in text
+    assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layouts 61%); untrained 10.0% ± 1.0" in text
+    # Negative controls: were the oracle counted as a baseline, the best would be the oracle itself; a rule
+    # within 2 SE of NGC, token-only above NGC, a full cache below the start's and a layout score no better
+    # than untrained each fail their goals.
+    assert "best baseline oracle" not in text and "best oracle" not in text
+    closer = dict(studies, ngc=[r if r["policy"] != "task-rule" else row("ngc", "task-rule", 0.55)
+                                for r in studies["ngc"]])
+    assert "NGC +5.0 points (2 SE = 5.7) | **no**" in claims(closer)[0]
+    above = dict(studies, **{"token-only": [row("t", "ngc", 0.65)]})
+    assert claims(above)[1]["the token policy learns to write for eviction"].endswith("| **no** |")
+    fell = dict(studies, untrained=[row("u", "none", 0.99, 0.0), row("u", "ngc", 0.1)])
+    assert claims(fell)[1]["training NGC keeps the full cache's reasoning"].endswith("| **no** |")
+    kept = dict(studies, **{"shifted-ngc": [row("ngc", "none", 0.4, 0.0), row("ngc", "ngc", 0.3)]})
+    assert claims(kept)[1]["what NGC keeps, not where it sits"].endswith("| yes |")  # 75% of 40%, above 10%
+    unlearned = dict(kept, **{"shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.3)]})
+    assert claims(unlearned)[1]["what NGC keeps, not where it sits"].endswith("| **no** |")
     without = {k: v for k, v in studies.items() if not k.startswith(("interoception", "tag-"))}  # --no-interoception
     assert "not measured (--no-interoception) | - |" in reproduce.claims_markdown(without)
     one_layout = {k: v for k, v in studies.items() if not k.startswith("shifted-")}  # a prompt of one layout
@@ -822,6 +850,16 @@ def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, m
     assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), "--model", train_ckpt,
                                                   f"--train-args={train_args}"])).startswith(f"error: {message}")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
+    import reproduce
+    runs = reproduce.study_runs(3, 2, 1)
+    assert sorted(runs) == sorted(os.path.join("runs", n) for n in [
+        "ngc", "ngc-seed1", "ngc-seed2", "no-evict", "no-evict-seed1", "no-evict-seed2", "token-only",
+        "token-only-seed1", "targeted-dropout", "targeted-dropout-seed1", "interoception", "interoception-blind"])
+    assert runs[os.path.join("runs", "interoception-blind")] == ["--interoception", "--blind-tag", "--seed", "0"]
+    assert not any("interoception" in name for name in reproduce.study_runs(1, 1, 0))  # --no-interoception
 
 
 def test_reproduce_reuses_an_evaluation_only_for_the_same_arguments_after_the_checkpoint(tmp_path):

@@ -196,23 +196,24 @@ def test_bare_back_returns_without_the_numbers_and_still_replays():
 
 def test_make_tiny_evaluates_a_model_as_its_ngc_json_prompts_it(tmp_path, monkeypatch):
     """--eval-only reads the prompt style from the model's ngc.json: an earlier model (--prompt tiny)
-    is evaluated on its own one layout, the shipped one on tiny-layouts (the control)."""
+    is evaluated on its own one layout, the shipped one on tiny-shift (the control)."""
     evaluate = ["--eval-only", "--train-problems", "50", "--n-test", "2"]
     seen = {}
     monkeypatch.setattr(make_tiny, "report", lambda model, tok, test, task, cap: seen.update(
         prompt=tok.decode(task.encode(tok, cd.Problem((3, 5, 2), 16)), skip_special_tokens=False)))
-    _build_small(tmp_path / "old", 0, "--prompt", "tiny", "--slip", "0", "--restate", "0.25")
+    _build_small(tmp_path / "old", 0, "--prompt", "tiny", "--back", "numbers")
     make_tiny.main(["--out", str(tmp_path / "old"), *evaluate])
     assert seen["prompt"] == "<bos> Countdown : reach 16 with 3 5 2 ."
     _build_small(tmp_path / "new", 0)
     make_tiny.main(["--out", str(tmp_path / "new"), *evaluate])
-    assert seen["prompt"] == "<bos> . . Countdown : reach 16 with 3 5 2 ."
+    assert seen["prompt"] == "<bos> Countdown : reach 16 with 3 5 2 . . . . . . . . ."
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--restate", "1.5"], "--restate 1.5 must lie in [0, 1]"), (["--restate", "often"], "argument --restate"),
     (["--slip", "1"], "--slip 1.0 must lie in [0, 1)"),
-    (["--prompt", "tiny"], "--slip 0.5: a slipped search"), (["--prompt", "tiny", "--slip", "0"], "--restate per-trace"),
+    (["--prompt", "tiny", "--slip", "0.5"], "--slip 0.5: a slipped search"),
+    (["--prompt", "tiny", "--restate", "per-trace"], "--restate per-trace"),
     (["--task", "math", "--restate", "0.2"], "--restate, --slip and --back shape Countdown's traces"),
     (["--task", "math", "--slip", "0.2"], "--restate, --slip and --back shape Countdown's traces"),
     (["--task", "math", "--back", "bare"], "--restate, --slip and --back shape Countdown's traces")])
@@ -305,38 +306,49 @@ def test_tokenizer_round_trips_a_trace():
 def test_held_out_set_is_disjoint_from_pretraining_and_from_every_runs_training():
     """One held-out set for every seed: none of its problems is among the 300,000 tiny/ was
     pretrained on (make_tiny.py's split at its defaults) nor among any seed's training problems
-    (train.py's, tasks.load_problems), as a set intersection over canonical problem keys."""
+    (train.py's, tasks.load_problems), as a set intersection over canonical problem keys. The
+    default run evaluates on the problems of it whose search goes back (--difficulty tiny-back)."""
     pretrain, test = split_problems(0, 500)  # make_tiny.py's defaults: --seed 0 --n-test 500
     held, pretrained = {cd._key(p) for p in test}, {cd._key(p) for p in pretrain}
     assert len(held) == len(test) == 500 and not held & pretrained
     shipped = settings.run_defaults(TINY_DIR)
+    assert shipped.difficulty == "tiny-back"
     for seed in (0, 1, 2):
         train, seed_test = tasks.load_problems(replace(shipped, seed=seed))
-        assert seed_test == test[:shipped.eval_problems] and not held & {cd._key(p) for p in train}
+        assert seed_test == [p for p in test if cd.backtracks(p)][:shipped.eval_problems]
+        assert not held & {cd._key(p) for p in train}
     # Negative control: the earlier held-out problems of seed 1 (the first 200 of its own stream)
     # are mostly problems tiny/ was pretrained on, and the check sees it.
     earlier = cd._take(cd._stream(random.Random(1), cd.SMALL), 200, unique=True)
     assert len({cd._key(p) for p in earlier} & pretrained) > 100
 
 
+def _solved(model, tok, problems, sampling, eviction=None):
+    style = settings.run_defaults(TINY_DIR).prompt
+    prompts = [tok.encode(cd.PROMPTS[style](p)).ids for p in problems]
+    out = rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids,
+                  generator=torch.Generator().manual_seed(0))
+    texts = tok.decode_batch(out.completions(), skip_special_tokens=True)
+    return sum(cd.reward(t, p) for t, p in zip(texts, problems))
+
+
 def test_shipped_tiny_model_loads_and_solves():
+    """The full cache solves nearly every held-out problem, greedy or sampled, those whose search
+    goes back too; on these, the untrained model under eviction (NGC's scores, ε = 0.5) solves
+    few: what the default run must learn is what to keep."""
     model, tok = from_pretrained(TINY_DIR), load_tokenizer(TINY_DIR)
     cfg = model.config
     assert cfg.vocab_size == tok.get_vocab_size()
     assert cfg.bos_token_id == tok.token_to_id("<bos>") and cfg.eos_ids == [tok.token_to_id("<eos>")]
     assert sum(os.path.getsize(os.path.join(TINY_DIR, f)) for f in os.listdir(TINY_DIR)) < 8e6
     _, test = split_problems(0, 100, n_train=1)
-    style = settings.run_defaults(TINY_DIR).prompt
-    prompts = [tok.encode(cd.PROMPTS[style](p)).ids for p in test]
-    solved = {}
-    for greedy in (True, False):
-        out = rollout(model, prompts, Sampling(max_new_tokens=256, greedy=greedy), None, eos_ids=cfg.eos_ids,
-                      generator=torch.Generator().manual_seed(0))
-        texts = tok.decode_batch(out.completions(), skip_special_tokens=True)
-        solved[greedy] = sum(cd.reward(t, p) for t, p in zip(texts, test))
-    # Greedy tokens solve most held-out problems; sampled ones, as the model writes its traces, only part:
-    # it slips (a `no` at the target) as its pretraining traces did, which leaves RL reasoning to teach.
-    assert solved[True] >= 75 and 50 <= solved[False] <= 80, solved
+    greedy, sampled = Sampling(max_new_tokens=256, greedy=True), Sampling(max_new_tokens=256)
+    assert _solved(model, tok, test, greedy) >= 90 and _solved(model, tok, test, sampled) >= 90
+    back = [p for p in test if cd.backtracks(p)]
+    run = settings.run_defaults(TINY_DIR)
+    evicted = Eviction(run.delta, run.block, run.window, 0.5, greedy=True)
+    assert len(back) >= 40 and _solved(model, tok, back, greedy) >= 0.9 * len(back)
+    assert _solved(model, tok, back, greedy, evicted) <= 0.2 * len(back)
 
 
 def _build_small(out, seed, *flags):
@@ -370,7 +382,7 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
     assert "ε = 0.5, pass@1 (greedy top-K)" in printed and "peak-KV reduction" in printed
     steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
-    assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny-layouts"
+    assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny-shift"
 
 
 def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
