@@ -27,8 +27,8 @@ and writes OUT/evals/<study>-seed<k>.jsonl (eval.py's rows), OUT/<study>.jsonl a
 (over seeds: mean pass@1, its standard deviation across seeds, and one evaluation's standard
 error over problems), OUT/ngc-vs-heuristics.png, OUT/claims.md and OUT/summary.md. Every
 evaluation is the paper's (§5.1): pass@1 over --samples sampled completions per problem, evictions
-greedy top-K, on the run's one held-out set (tiny/'s: the 278 of tiny's 500 held-out problems whose
-search goes back, none of them trained or pretrained on):
+greedy top-K, on the run's one held-out set (tiny/'s: the first 200 of the 278 of tiny's 500 held-out
+problems whose search goes back, none of them trained or pretrained on):
 
     0. claims         the paper's Countdown claims beside this run's numbers and a goal for each
                       (claims.md); the starting model's full cache and untrained NGC scores
@@ -660,8 +660,8 @@ def run_studies(argv=None):
                    "--ablation-seeds)")
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2, "
                    "for the CPU's budget; eval.py's default is the run's 4)")
-    p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's whole held-out "
-                   "set, 278 for tiny/)")
+    p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems, "
+                   "the first 200 of tiny/'s 278)")
     p.add_argument("--limit", action="store_true", help="also train the limit study's recipes (seed 0) and tabulate "
                                                          "their evaluations during training")
     p.add_argument("--headline", action="store_true", help="train only the default run and token-only, "
