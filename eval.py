@@ -310,7 +310,8 @@ def main(argv=None):
     p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "
                    "ε evaluated), blind (the tag without the rate) or a rate in [0, 1] whatever ε is evaluated "
                    "(default: the run's; with --interoception, rate): does the model read the tag?")
-    p.add_argument("--problems", type=int, default=None, help="held-out problems to use, the first N (default: the run's eval_problems)")
+    p.add_argument("--problems", type=int, default=None, help="held-out problems to use, the first N (default: the "
+                   "run's eval_problems)")
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")

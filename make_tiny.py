@@ -368,7 +368,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps; the lr schedule spans them")
     ap.add_argument("--minutes", type=float, default=0, help="stop early after this many minutes (0 = never); "
                     "an early stop makes the result depend on the machine's speed")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; the bits of the result depend on it)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1; the bits of the result depend on it)")
     ap.add_argument("--batch", type=int, default=64, help="examples per optimizer step")
     ap.add_argument("--micro", type=int, default=16, help="examples per forward pass (length-sorted)")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine to 10%%)")

@@ -100,11 +100,12 @@ RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", 
         "interoception-blind": ["--interoception", "--blind-tag"]}
 HEURISTICS = ["snapkv", "keydiff", "knorm", "streamingllm"]
 AGNOSTIC = HEURISTICS + ["random", "random-prompt"]  # the baselines that know nothing of the task
-RULES = ["task-rule", "number-rule"]  # hand-written for Countdown's prompt: simple policies that could beat a learned one
+RULES = ["task-rule", "number-rule"]  # hand-written for Countdown's prompt: simple rules that could beat NGC
 BASELINES = AGNOSTIC + RULES
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
-STRONGEST = ["task-rule", "random", "keydiff"]  # the baselines of the seed-0 sweeps (the strongest on tiny/)
+STRONGEST = ["task-rule", "random", "keydiff"]  # the seed-0 sweeps' baselines (the strongest on tiny-slip/; on
+# tiny/ KeyDiff is the strongest task-agnostic one, the task rule and random among the rest)
 INTERO_SWEEP = [0.5, 0.75, 0.8]  # the training ε, the strictest tag the groups trained on, and a stricter one
 TAG_CHECK = 0.75  # the tag check's ε: the strictest tag trained on (at 0.8 every policy solves under 1%)
 ABLATIONS = ["token-only", "targeted-dropout", "interoception", "interoception-blind"]
