@@ -324,12 +324,11 @@ def test_held_out_set_is_disjoint_from_pretraining_and_from_every_runs_training(
 
 
 def _solved(model, tok, problems, sampling, eviction=None):
-    style = settings.run_defaults(TINY_DIR).prompt
-    prompts = [tok.encode(cd.PROMPTS[style](p)).ids for p in problems]
-    out = rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids,
-                  generator=torch.Generator().manual_seed(0))
-    texts = tok.decode_batch(out.completions(), skip_special_tokens=True)
-    return sum(cd.reward(t, p) for t, p in zip(texts, problems))
+    """How many problems one rollout each solves, prompted as the shipped run prompts them."""
+    encode = tasks.prompt_encoder("countdown", settings.run_defaults(TINY_DIR).prompt)
+    out = evaluation.roll_out_and_score(model, tok, problems, sampling, eviction, encode,
+                                        generator=torch.Generator().manual_seed(0), batch_size=len(problems))
+    return out["reward"].sum().item()
 
 
 def test_shipped_tiny_model_loads_and_solves():
