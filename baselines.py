@@ -7,14 +7,21 @@ to blocks by the plain mean and keeps the top K blocks (greedy=True), or samples
 with the block means as logits (greedy=False: the random baselines), with NGC's rounds, blocks
 and K and the keys at their original positions; only the score differs. Every score maps
 (ψ (N, S) NGC's attention score, keys (N, Hkv, S, D), alive (N, S), at: ngc.Round) to per-key
-scores (N, S), higher = keep; dead slots are ignored. Used by eval.py only.
+scores (N, S), higher = keep; dead slots are ignored.
+
+POLICIES, at the end, names them for eval.py --policy (its --help lists them) and `build` makes one
+by name; a score that reads something (a token id, the tokenizer's numbers, a reference rollout)
+is bound by its registry line from what eval.py hands every policy (Given). A new baseline is one
+function here and its line in POLICIES.
 """
+from dataclasses import replace
 from functools import partial
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ngc import Rollout, attention_scores
+from ngc import Eviction, Rollout, attention_scores
 
 SNAPKV_KERNEL = 5
 SINKS = 4
@@ -137,3 +144,87 @@ def lookahead(cumulative, delta: int):
         rank = (alive.long().cumsum(1) - 1).float() / alive.shape[1]  # in [0, 1): newer higher
         return paid.gather(1, at.key_pos.clamp(0, T - 1)) + 1e-6 * rank
     return score
+
+
+
+# ---------------------------------------------------------------------------------------
+# The policies by name: what eval.py --policy builds
+
+
+class Given(NamedTuple):
+    """What eval.py hands every policy it builds."""
+    layout: Eviction  # the run's δ, b and w, and the ε evaluated
+    model: object  # the Qwen2 evaluated
+    tokenizer: object  # its tokenizers.Tokenizer
+    task: str  # countdown or math
+    reference: Callable[[], Rollout] | None = None  # rolls out the batch's full cache from the noise the policy's
+    # rollout will draw; None while eval.py checks its flags, before any batch (a binding then only checks)
+
+
+class Policy(NamedTuple):
+    greedy: bool  # keep the top K blocks; False: Gumbel-top-k with the block means as logits
+    score: Callable | None  # the per-key score; None: NGC's own ψ
+    help: str  # its line in eval.py --help
+    bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
+    kind: str = "agnostic"  # reproduce.py's tables: ngc, agnostic (knows nothing of the task), rule (hand-written
+    # for Countdown's prompt) or oracle
+
+
+def build(name: str, given: Given) -> Eviction:
+    """--policy `name` at given.layout's δ, b, w and ε, its score bound to what it reads."""
+    p = POLICIES[name]
+    return replace(given.layout, greedy=p.greedy, score=p.bind(given) if p.bind else p.score)
+
+
+TARGET_MARKER = "reach"  # the tiny prompt's word before the target
+
+
+def countdown_only(name: str, given: Given):
+    if given.task != "countdown":
+        raise ValueError(f"--policy {name} keeps the block of a Countdown prompt's target; this evaluation's task is "
+                         f"{given.task}: leave {name} out")
+
+
+def target_marker(given: Given) -> int:
+    """task-rule's marker: the token id of the word before a Countdown prompt's target."""
+    countdown_only("task-rule", given)
+    marker = given.tokenizer.token_to_id(TARGET_MARKER)
+    if marker is None:
+        raise ValueError(f"--policy task-rule keeps the token after '{TARGET_MARKER}' (the tiny prompt's target); "
+                         f"this tokenizer has no such token")
+    return marker
+
+
+def number_tokens(given: Given):
+    """number-rule's table: (V,) bool, True for the tokenizer's tokens that are a number."""
+    countdown_only("number-rule", given)
+    vocab = given.tokenizer.get_vocab()
+    is_number = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
+    is_number[[i for text, i in vocab.items() if text.isdigit()]] = True
+    return is_number.to(given.model.lm_head.weight.device)  # indexed by the prompts, on the model's device
+
+
+def oracle(given: Given):
+    """lookahead bound to the batch's full-cache rollout, made from the same noise (None: no batch yet)."""
+    if given.reference is None:
+        return None
+    return lookahead(future_attention(given.model, given.reference()), given.layout.delta)
+
+
+POLICIES = {  # --policy name -> Policy, in eval.py --help's order
+    "ngc": Policy(True, None, "greedy top-K blocks on NGC's scores: the paper's evaluation", kind="ngc"),
+    "ngc-sample": Policy(False, None, "Gumbel-top-k blocks, as in training", kind="ngc"),
+    "snapkv": Policy(True, snapkv, "SnapKV: ψ smoothed over 5 neighbouring keys (deterministic, as the next three)"),
+    "keydiff": Policy(True, keydiff, "KeyDiff: the keys least like the mean key"),
+    "knorm": Policy(True, knorm, "KNorm: the keys of lowest norm"),
+    "streamingllm": Policy(True, streamingllm, "StreamingLLM: the 4 attention sinks' blocks, then the newest"),
+    "random": Policy(False, uniform, "K blocks uniformly at random"),
+    "random-prompt": Policy(False, random_prompt, "the prompt's blocks, then random completion blocks (Random "
+                            "Attention, 2026)"),
+    "task-rule": Policy(True, task_rule, "Countdown's hand-written rule: the block holding the target, then the newest",
+                        bind=lambda given: task_rule(target_marker(given)), kind="rule"),
+    "number-rule": Policy(True, number_rule, "the same with the numbers: the blocks holding the prompt's target and "
+                          "numbers, then the newest", bind=lambda given: number_rule(number_tokens(given)), kind="rule"),
+    "oracle": Policy(True, lookahead, "the blocks the full-cache rollout's next δ tokens attend to most (an upper "
+                     "bar)", bind=oracle, kind="oracle"),
+}

@@ -24,17 +24,20 @@ sampled at its temperature and top-k, and a row ends at EOS, as train.py and eva
 default path: eager, rows that end leave the batch). --hf: also Hugging Face `generate` (a
 DynamicCache, the full cache) on the same prompts, sampling and length cap in the same process,
 and how many times its tokens/s the rollout with eviction decodes.
+
+Without --device it times the CPU, then CUDA too if present; --dtype is the weights' dtype here
+(default fp32 on the CPU, bf16 on CUDA); --compile also times the compiled decode beside eager.
 """
 import os
-import sys
 import time
+from dataclasses import replace
 
 import torch
 
 import distributed
 import rundir
 import settings
-from checkpoint import CheckpointError, from_pretrained, load_config, load_tokenizer
+from checkpoint import from_pretrained, load_config, load_tokenizer
 from cli import exits, need, one_line_errors, parser
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
@@ -42,6 +45,8 @@ from replay import replay
 from tasks import held_out, prompt_encoder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BENCH = replace(settings.COUNTDOWN, delta=64, block=8, window=5)  # bench.py's δ, b and w
+SHARED = ["device", "dtype", "threads", "compile", "delta", "block", "window"]  # flags from settings.py
 
 
 def sync(device):
@@ -200,12 +205,14 @@ def memory(device) -> str:
 
 def check(args) -> list[str]:
     """The devices to run on, after every flag is checked: a one-line ValueError or CheckpointError."""
-    for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat", "threads"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least 1")
-    if not args.peak_bandwidth > 0:
-        raise ValueError(f"--peak-bandwidth {args.peak_bandwidth} must be positive (TB/s)")
+    for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat"):
+        why = settings.at_least(1)(getattr(args, flag))
+        if why is not True:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} {why}")
+    settings.check(replace(BENCH, **{k: getattr(args, k) for k in SHARED}))  # --threads, by settings.py's rule
+    why = settings.positive(args.peak_bandwidth)
+    if why is not True:
+        raise ValueError(f"--peak-bandwidth {args.peak_bandwidth} {why} (TB/s)")
     try:
         check_eviction(args.delta, args.block, args.window, args.rate)
     except ValueError as e:
@@ -223,25 +230,20 @@ def check(args) -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
-def main(argv=None):
+def parse_args(argv=None):
+    """bench.py's flags, the settings among them (SHARED) filled from BENCH where not given."""
     p = parser(__doc__)
     p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cpu, then cuda too if present)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default fp32 on cpu, bf16 on cuda")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--delta", type=int, default=64)
-    p.add_argument("--block", type=int, default=8)
-    p.add_argument("--window", type=int, default=5)
-    p.add_argument("--rate", type=float, default=0.5)
-    p.add_argument("--replay-batch", type=int, default=8, help="rollouts per replay forward+backward")
-    p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--compile", action="store_true", help="also time rollout(compile=True) (CUDA graphs on CUDA)")
+    settings.add_flags(p, BENCH, SHARED)
+    p.add_argument("--batch", type=int, default=8, help="prompts rolled out together (default 8)")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt (default 32)")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens each row decodes (at most, with --held-out) "
+                   "(default 256)")
+    p.add_argument("--rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round (default 0.5)")
+    p.add_argument("--replay-batch", type=int, default=8, help="rollouts per replay forward+backward (default 8)")
+    p.add_argument("--repeat", type=int, default=2, help="timed runs of each, after one warm-up (default 2)")
     p.add_argument("--held-out", action="store_true", help="--model's held-out prompts at its run's sampling, rows "
                    "ending at EOS, as train.py rolls out (default: random prompts, no EOS)")
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same prompts "
@@ -251,31 +253,39 @@ def main(argv=None):
     p.add_argument("--profile", metavar="RUN_DIR", help="print where a training run's time went (its log.jsonl) "
                    "and exit")
     args = p.parse_args(argv)
-    if args.profile:
+    for k in SHARED:
+        if getattr(args, k) is None:
+            setattr(args, k, getattr(BENCH, k))
+    return args
+
+
+def bench_model(args, device, dtype):
+    """--model's weights, or a random Qwen2 of --shape, on device in dtype."""
+    if args.model:
         with one_line_errors():
+            return from_pretrained(args.model, dtype=dtype, device=device)
+    if args.shape == "r1":  # Qwen2Config's defaults are DeepSeek-R1-Distill-Qwen-1.5B's shape
+        with torch.device(device):
+            model = Qwen2(Qwen2Config()).to(dtype)
+        return init_weights(model)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return init_weights(Qwen2(cfg)).to(device=device, dtype=dtype)
+
+
+@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
+def main(argv=None):
+    args = parse_args(argv)
+    with one_line_errors():
+        if args.profile:
             return profile(args.profile)
-    try:
         devices = check(args)
-    except (CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     for name in devices:
         device = torch.device(name)
         dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-        if args.model:
-            try:
-                model = from_pretrained(args.model, dtype=dtype, device=device)
-            except CheckpointError as e:
-                sys.exit(f"error: {e}")
-        elif args.shape == "r1":  # Qwen2Config's defaults are DeepSeek-R1-Distill-Qwen-1.5B's shape
-            with torch.device(device):
-                model = Qwen2(Qwen2Config()).to(dtype)
-            init_weights(model)
-        else:
-            cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2)
-            model = init_weights(Qwen2(cfg)).to(device=device, dtype=dtype)
+        model = bench_model(args, device, dtype)
         print(f"== {device.type} {str(dtype).removeprefix('torch.')}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, "
               f"threads {torch.get_num_threads()}, δ={args.delta} b={args.block} w={args.window} ε={args.rate}")
         bench(model, args, device)

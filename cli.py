@@ -1,7 +1,8 @@
 """What every script's command line shares: errors in one line, the exit, optional extras, output paths.
 
-Library code never ends the process: it raises, and a script's main turns the failure into its
-exit here (one_line_errors, or Exit through the exits decorator)."""
+Library code never ends the process: it raises. Every script's main is decorated with `exits`, the
+one way a script ends early: an Exit raised anywhere below it (a bad flag through `parser`, a
+ValueError inside `one_line_errors`, a failed child run) prints one line and exits with 2."""
 import argparse
 import contextlib
 import functools
@@ -12,20 +13,33 @@ import signal
 import sys
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
+def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
     """An ArgumentParser whose errors are one line (no usage dump), with `doc` as its --help text."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    def error(message):
+        raise Exit(f"error: {message}")
+    p.error = error
     return p
 
 
 class Exit(Exception):
-    """A script's end, raised by library code (which never calls sys.exit). `status` is what the
-    process exits with, as for sys.exit: an exit code, or a one-line error (printed; exit code 1)."""
+    """A script's end, raised by library code (which never calls sys.exit) and turned into the
+    process's exit by `exits`. `status`: an exit code, or a one-line error (printed; exit code 2)."""
 
     def __init__(self, status: int | str):
         super().__init__(status)
         self.status = status
+
+
+class Failed(SystemExit):
+    """The SystemExit of a one-line error: exit code 2, str() the line (already printed)."""
+
+    def __init__(self, line: str):
+        super().__init__(2)
+        self.line = line
+
+    def __str__(self):
+        return self.line
 
 
 class Interrupted(BaseException):
@@ -45,8 +59,8 @@ _stopping = []  # the handlers exits replaced, while a decorated main runs
 
 
 def exits(main):
-    """Decorate a script's main: an Exit raised inside it ends the process with its status, and
-    SIGINT (Ctrl-C) or SIGTERM ends it with one line and exit code 130 or 143. Files are written
+    """Decorate a script's main: an Exit raised inside it ends the process with its status (a line:
+    printed, exit code 2), and SIGINT (Ctrl-C) or SIGTERM with one line and exit code 130 or 143. Files are written
     whole or not at all (files.py), so a signal leaves nothing half-written. A main called inside
     another (reproduce.py runs eval.main) leaves the signals to the outer one."""
     @functools.wraps(main)
@@ -57,6 +71,9 @@ def exits(main):
         try:
             return main(*args, **kwargs)
         except Exit as e:
+            if isinstance(e.status, str):
+                print(e.status, file=sys.stderr)
+                raise Failed(e.status) from None
             sys.exit(e.status)
         except Interrupted as e:
             print(f"\n{e}: stopped; no file is half-written", file=sys.stderr)
@@ -69,12 +86,12 @@ def exits(main):
 
 @contextlib.contextmanager
 def one_line_errors():
-    """A ValueError (a CheckpointError is one) raised inside ends the script with 'error: <its
-    message>' (exit code 1): the one-line errors of bad flags and files."""
+    """A ValueError (a CheckpointError is one) raised inside is an Exit 'error: <its message>': the
+    one-line errors of bad flags and files."""
     try:
         yield
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        raise Exit(f"error: {e}") from None
 
 
 def have(module: str) -> bool:

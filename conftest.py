@@ -12,13 +12,12 @@ import math
 import os
 import time
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import eval as evaluation
+import baselines
 import mathtask
 import rundir
 import settings
@@ -80,8 +79,8 @@ def reached(*args, **kwargs):
 def one_line_error(run) -> str:
     with pytest.raises(SystemExit) as err:
         run()
-    message = err.value.code  # a string: Python prints it to stderr and exits with status 1
-    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    message = str(err.value)  # cli.Failed: printed to stderr, exit code 2
+    assert err.value.code == 2 and message.startswith("error: ") and "\n" not in message, message
     return message
 
 
@@ -201,12 +200,12 @@ def one_round(c, block, rate, policy, prompt=None):
     window = ngc.QueryWindow(1, 1, q.shape[2], q.shape[1], q.shape[3], torch.float32, "cpu")
     window.q[0], window.pos, window.valid = q, qpos, torch.ones(qpos.shape, dtype=torch.bool)
     record = ngc.Recorder(1, 1, "cpu")
-    how = evaluation.CLI_POLICIES[policy] if isinstance(policy, str) else policy
-    e = Eviction(delta=64, block=block, window=q.shape[2], rate=rate, **how)
+    layout = Eviction(delta=64, block=block, window=q.shape[2], rate=rate)
+    e = baselines.build(policy, baselines.Given(layout, None, None, "countdown")) if isinstance(policy, str) \
+        else replace(layout, **policy)  # eval.py's construction by name; these policies read no model or tokenizer
     prompt = prompt or (kpos[:, :2], torch.tensor([2]))
-    state = SimpleNamespace(cache=SimpleNamespace(layers=[layer]), window=window, eviction=e, rates=torch.tensor([rate]),
-                            generator=None, record=record, tokens=prompt[0], prompt_lens=prompt[1], cache_row=torch.tensor([0]))
-    ngc.eviction_round(state, torch.tensor([True]))
+    row = torch.tensor([0])
+    record.add(row, *ngc.eviction_round([layer], window, row, torch.tensor([rate]), e, batch=(row, *prompt)))
     kept, _, logps, _ = record.tensors()
     survivors = kept_keys(alive, kept[:, 0, 0], block)  # the rest are gone, the survivors moved to the front
     assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and int(layer.fill) == survivors.sum()

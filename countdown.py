@@ -12,6 +12,9 @@ Problems are generated solvable by construction: sample the numbers, combine the
 at random (non-negative integer intermediates) until one is left, keep it as the
 target if it lands in the target range. The paper uses 327,680 train and 1,024
 held-out test problems with 3 and 4 input numbers.
+
+The tiny models (make_tiny.py) are pretrained on the depth-first search a solver writes,
+Stream-of-Search style: `trace` writes it, `check_trace` replays one.
 """
 
 import itertools
@@ -43,8 +46,8 @@ SMALL_BACK = replace(SMALL, backtracks=True)  # SMALL's problems whose search go
 HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
 
 def backtracks(p) -> bool:
-    """Whether a depth-first search over 3 numbers whose first move adds the two largest must go back:
-    no operation on that sum and the third number (+, *, -, exact /) reaches the target."""
+    """Whether a depth-first search over 3 numbers whose first move adds the two largest (`trace`'s) must
+    go back: no operation on that sum and the third number (+, *, -, exact /) reaches the target."""
     a, b, c = sorted(p.nums, reverse=True)
     return all(w != p.target for w in _ops(max(a + b, c), min(a + b, c)))
 
@@ -162,45 +165,15 @@ def encode_prompt(tokenizer, text):
         text = f"{bos}{user}{text}{assistant}<think>\n"
     return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
 
-def tiny_prompt(problem, eviction_rate=None, blind=False):
-    """The shipped tiny model's prompt (make_tiny.py): BOS, a short preamble, the target, the
-    numbers; the budget tag is split into words for its word-level tokenizer (blind: "-" for
-    the rate, so the tag has as many tokens and the blocks the same boundaries)."""
-    text = f"<bos> Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
-    if eviction_rate is not None:
-        text += f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)} % </eviction_rate>"
-    return text
-
-def tiny_shifted_prompt(problem, eviction_rate=None, blind=False):
-    """The tiny prompt in layouts never used in training: 1 to 6 filler dots after BOS (which many
-    is a function of the problem) move the target from position 4 to 5..10, from the second block
-    of 4 into the second or third. The full cache solves them as well as the training layout."""
-    dots = " ." * (1 + (problem.target + sum(problem.nums)) % 6)
-    return tiny_prompt(problem, eviction_rate, blind).replace("<bos>", "<bos>" + dots, 1)
-
-def layouts_prompt(problem, eviction_rate=None, blind=False, unseen=False):
-    """The prompt of tiny-slip/ (make_tiny.py --prompt tiny-layouts) in one of 8 layouts, a function of
-    the problem: 0-3 filler dots after BOS, and the target before or after the numbers, so that the
-    target sits anywhere in positions 4-11. unseen: 4-7 dots, layouts never used in training (the
-    target in positions 8-15). The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
-    k = 3 * problem.target + sum(problem.nums)
-    dots = " ." * (k % 4 + 4 * unseen)
-    goal, given = f"reach {problem.target}", "with " + " ".join(map(str, problem.nums))
-    text = f"<bos>{dots} Countdown : " + (f"{goal} {given}" if k // 4 % 2 == 0 else f"{given} {goal}") + " ."
-    return text + rate_tag(eviction_rate, blind)
-
 def rate_tag(eviction_rate=None, blind=False):
-    """The budget tag of the tiny-layouts and tiny-shift prompts, its rate one token of its own (`50%`;
-    blind: `-%`, the same length); empty without a rate."""
+    """The budget tag of the tiny-shift prompts, its rate one token of its own (`50%`; blind: `-%`,
+    the same length); empty without a rate."""
     if eviction_rate is None:
         return ""
     return f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
 
-def unseen_layouts_prompt(problem, eviction_rate=None, blind=False):
-    return layouts_prompt(problem, eviction_rate, blind, unseen=True)
-
 def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
-    """The prompt of tiny/ (make_tiny.py --prompt tiny-shift): one body shifted by whole blocks of 4.
+    """The prompt of tiny/ (make_tiny.py): one body shifted by whole blocks of 4.
     8 filler dots, 0 or 8 of them before the body and the rest after it (a function of the
     problem), so every layout has the same length and the target's block the same contents, and
     only its block index changes (1 or 3). unseen: 4 before and 4 after, a layout never used in
@@ -212,10 +185,9 @@ def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
 def unseen_shift_prompt(problem, eviction_rate=None, blind=False):
     return shift_prompt(problem, eviction_rate, blind, unseen=True)
 
-PROMPTS = {"plain": prompt_text, "tiny": tiny_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
-           "tiny-shifted": tiny_shifted_prompt, "tiny-layouts": layouts_prompt,
-           "tiny-unseen": unseen_layouts_prompt, "tiny-shift": shift_prompt, "tiny-shift-unseen": unseen_shift_prompt}
-SHIFTED = {"tiny": "tiny-shifted", "tiny-layouts": "tiny-unseen", "tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
+PROMPTS = {"plain": prompt_text, "tiny-shift": shift_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
+           "tiny-shift-unseen": unseen_shift_prompt}
+SHIFTED = {"tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK}  # --difficulty name -> preset
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
@@ -329,3 +301,82 @@ def reward(completion, problem):
     if evaluate_expression(lhs) != problem.target:
         return 0.0
     return 1.0 if sorted(numbers_in(lhs)) == sorted(problem.nums) else 0.0
+
+# -----------------------------------------------------------------------------
+# search traces: the depth-first search the tiny models learn to write (make_tiny.py pretrains on them)
+
+MAX_LEAF = 999  # larger leaves are not written: the tiny models' vocabulary has the integers 0..999
+
+def moves(a, b):
+    """(op, value) for a >= b, in search order: + * - and / when exact."""
+    out = [("+", a + b), ("*", a * b), ("-", a - b)]
+    return out + [("/", a // b)] if b and a % b == 0 else out
+
+def numbers(nums) -> str:
+    return "[ " + " ".join(map(str, sorted(nums, reverse=True))) + " ]"
+
+def trace(problem, restate: float = 0.0, rng=None) -> str:
+    """The depth-first search trace for a 3-number problem, answer included. A dead end returns with
+    `back` alone, so the next move reads the numbers from the first `[ ... ]`. Deterministic, or with
+    restate > 0, each `[ ... ]` and `back` followed by `reach <target>` with that probability (rng)."""
+    nums = sorted(problem.nums, reverse=True)
+    assert len(nums) == 3, "traces are written for 3 numbers"
+
+    def reach() -> str:  # the target restated, with probability restate
+        return f" reach {problem.target}" if restate and rng.random() < restate else ""
+
+    out = [numbers(nums) + reach()]
+    for i, j in [(0, 1), (0, 2), (1, 2)]:
+        a, b, c = nums[i], nums[j], nums[3 - i - j]
+        for op, v in moves(a, b):
+            out.append(f"{a} {op} {b} = {v} {numbers([v, c])}{reach()}")
+            x, y = max(v, c), min(v, c)
+            for op2, w in moves(x, y):
+                if w > MAX_LEAF:
+                    continue
+                if w != problem.target:
+                    out.append(f"{op2} {w} no")
+                    continue
+                inner = f"( {a} {op} {b} )"
+                expr = f"{inner} {op2} {c}" if v >= c else f"{c} {op2} {inner}"
+                return " ".join(out + [f"{op2} {w} yes <answer> {expr} </answer>"])
+            out.append("back" + reach())
+    raise ValueError(f"{problem} has no solution")
+
+def check_trace(problem, text: str) -> bool:
+    """Re-execute a trace: every move and leaf must be correct arithmetic on the numbers at
+    hand, every verdict right, and the final answer must reach the target."""
+    words, k = text.split(), 0
+    start, nums = sorted(problem.nums, reverse=True), None
+
+    def take(n):
+        nonlocal k
+        k += n
+        return words[k - n: k]
+
+    try:
+        while k < len(words) and words[k] != "<answer>":
+            if words[k] == "reach":  # a restatement of the target
+                if int(take(2)[1]) != problem.target:
+                    return False
+            elif words[k] in ("[", "back"):  # the start, or a return to it
+                k += words[k] == "back"
+                if words[k: k + 1] == ["["] and take(len(start) + 2) != numbers(start).split():
+                    return False
+                nums = list(start)
+            elif words[k] in ("+", "*", "-", "/") and nums is not None and len(nums) == 2:  # a leaf
+                op, w, verdict = take(3)
+                value = dict(moves(max(nums), min(nums))).get(op)
+                if int(w) != value or verdict != ("yes" if value == problem.target else "no"):
+                    return False
+            else:  # a move: a op b = v [ x y ]
+                a, op, b, eq, v = take(5)
+                a, b, v = int(a), int(b), int(v)
+                rest = list(nums)
+                rest.remove(a), rest.remove(b)
+                if eq != "=" or a < b or dict(moves(a, b)).get(op) != v or take(4) != numbers(rest + [v]).split():
+                    return False
+                nums = rest + [v]
+        return reward(" ".join(words[k:]), problem) == 1.0
+    except (ValueError, TypeError, IndexError):
+        return False

@@ -6,27 +6,24 @@
         knorm streamingllm --eviction-rate 0.5      # pass@1..32 at T=0.6, top-p 0.95, 3850 new tokens
     torchrun --nproc_per_node 8 eval.py --model DIR ...      # the problems split across 8 GPUs
 
-Policies:
-    ngc                    greedy top-K blocks on NGC's scores: the paper's evaluation
-    ngc-sample             Gumbel-top-k blocks, as in training
-    snapkv, keydiff, knorm, streamingllm   the heuristics of baselines.py (deterministic)
-    random                 K blocks uniformly at random
-    random-prompt          the prompt's blocks, then random completion blocks (Random Attention, 2026)
-    task-rule              Countdown's hand-written rule: the block holding the target, then the newest
-    number-rule            the same with the numbers: the blocks holding the prompt's target and numbers, then the newest
-    oracle                 the blocks the full-cache rollout's next δ tokens attend to most (an upper bar)
-    none                   the full cache: one row, reported at ε = 0 (reduction 1.0)
-
-The problems are the held-out split of the run's settings (`settings.run_defaults`: the paper's recipe
-for the task, or the checkpoint's ngc.json): Countdown's generated test split, or the math
---eval-data file. A run trained with --meta-token is evaluated with it: g is forced before every
+The policies (--policy, listed at the end of --help) are NGC's and the baselines of baselines.py,
+each built by name there (baselines.POLICIES), and `none`, the full cache. The problems are the
+held-out split of the run's settings (`settings.run_defaults`: the paper's recipe for the task, or
+the checkpoint's ngc.json): Countdown's generated test split, or the math --eval-data file.
+The flags it shares with train.py (settings.py's) default to the run's: --task, --prompt,
+--difficulty, --eval-data, --question-field, --answer-field, --delta, --block and --window, given,
+evaluate another prompt layout (--prompt tiny-shift-unseen: one tiny/ never trained on), problem
+preset, file or δ, b, w than the run's (math fields the run does not name are found: prompt,
+problem or question; reward_model.ground_truth or answer). --device, --dtype and --compile are
+train.py's. A run trained with --meta-token is evaluated with it: g is forced before every
 round of every policy. Tokens are sampled as the paper evaluates (§5.1): with --samples k (the
 run's eval_samples: 4 for Countdown, 32 for math) k completions per problem at the recipe's
 evaluation temperature, top-k and top-p, pass@1 = mean fraction correct (± 1 SE over problems) and
 pass@j = 1 - C(n-c, j)/C(n, j) (n = k samples, c correct) for j = 1, 2, 4, ..., k. Every run
-draws its noise from the same seed. --samples 0: one greedy completion per problem. The peak-KV reduction (§5.1) divides, per problem, the peak KV
-entries of one shared no-eviction run by the peak under the policy (each a mean over the k
-samples), averaged over problems. One JSONL line per policy x rate.
+draws its noise from the same seed. --samples 0: one greedy completion per problem. The peak-KV
+reduction (§5.1) divides, per problem, the peak KV entries of one shared no-eviction run by the
+peak under the policy (each a mean over the k samples), averaged over problems. One JSONL line
+per policy x rate.
 """
 import argparse
 import sys
@@ -39,42 +36,27 @@ from tqdm import tqdm
 import baselines
 import countdown
 import distributed
-from checkpoint import META_TOKEN, CheckpointError, load
-from cli import check_output_file, exits, need, parser, pyplot
+from checkpoint import META_TOKEN, load
+from cli import Exit, check_output_file, exits, need, one_line_errors, parser, pyplot
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
-from settings import run_defaults, trained_task
+from settings import Settings, add_flags, run_defaults, trained_task
 from tasks import TASK_REWARD, check_prompt, held_out, prompt_encoder
 
-CLI_POLICIES = {  # --policy name -> how Eviction chooses the kept blocks (None: the full cache)
-    "ngc": dict(greedy=True), "ngc-sample": dict(greedy=False), "snapkv": dict(greedy=True, score=baselines.snapkv),
-    "keydiff": dict(greedy=True, score=baselines.keydiff), "knorm": dict(greedy=True, score=baselines.knorm),
-    "streamingllm": dict(greedy=True, score=baselines.streamingllm),
-    "random": dict(score=baselines.uniform), "random-prompt": dict(score=baselines.random_prompt),
-    "task-rule": dict(greedy=True, score=baselines.task_rule),  # bound to the tokenizer's 'reach' (make_eviction)
-    "number-rule": dict(greedy=True, score=baselines.number_rule),  # bound to the tokenizer's numbers (make_eviction)
-    "oracle": dict(greedy=True, score=baselines.lookahead),  # bound per batch to a full-cache reference
-    "none": None}
-TASK_RULE_MARKER = "reach"  # the tiny prompt's word before the target
+POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --policy name -> its --help line
+            "none": "the full cache: one row, reported at ε = 0 (reduction 1.0)"}
+MACHINE = ["device", "dtype", "compile"]  # settings.py's flags that eval.py shares with train.py ...
+RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta", "block", "window"]  # ... and
+# those that replace the run's settings
 
 
-def make_eviction(name, c, rate, tokenizer) -> Eviction | None:
-    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError."""
-    how = CLI_POLICIES[name]
-    if how is None:
+def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction | None:
+    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError.
+    reference: a batch's full-cache rollout (baselines.Given)."""
+    if name == "none":
         return None
-    if how.get("score") is baselines.task_rule:
-        marker = tokenizer.token_to_id(TASK_RULE_MARKER)
-        if marker is None:
-            raise ValueError(f"--policy task-rule keeps the token after '{TASK_RULE_MARKER}' (the tiny prompt's "
-                             f"target); this tokenizer has no such token")
-        how = {**how, "score": baselines.task_rule(marker)}
-    if how.get("score") is baselines.number_rule:
-        vocab = tokenizer.get_vocab()
-        is_number = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
-        is_number[[i for text, i in vocab.items() if text.isdigit()]] = True
-        how = {**how, "score": baselines.number_rule(is_number)}
-    return Eviction(c.delta, c.block, c.window, rate, **how)
+    layout = Eviction(c.delta, c.block, c.window, rate)
+    return baselines.build(name, baselines.Given(layout, model, tokenizer, c.task, reference))
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,11 +65,13 @@ def make_eviction(name, c, rate, tokenizer) -> Eviction | None:
 
 @torch.no_grad()
 def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
-                       generator=None, samples=1, batch_size=64, desc=None, compile=False):
+                       generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None):
     """Roll out `samples` completions per problem. Returns rewards, completion lengths, rounds and
     peak KV entries, each (problems, samples), and the completions' texts (problems x samples).
-    encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt). With
-    several processes each rolls out every world-th job and all of them get all the results."""
+    encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt). policy: in
+    place of eviction, policy(reference) -> each batch's Eviction (compare's --policy), reference()
+    rolling out the batch's full cache from the same noise (the oracle reads it). With several
+    processes each rolls out every world-th job and all of them get all the results."""
     encode = encode or countdown.encode
     rank, world = distributed.rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]
@@ -96,11 +80,12 @@ def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, enco
     for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
         chunk = mine[start:start + batch_size]
         prompts = [encode(tokenizer, p) for p in chunk]
-        ev = eviction
-        if eviction is not None and eviction.score is baselines.lookahead:  # the oracle reads a full-cache rollout
+
+        def reference():  # called by policy, before the batch's rollout draws any noise: a copy of it
             noise = None if generator is None else torch.Generator(generator.device).set_state(generator.get_state())
-            ref = rollout(model, prompts, sampling, None, eos_ids=model.config.eos_ids, generator=noise)
-            ev = replace(eviction, score=baselines.lookahead(baselines.future_attention(model, ref), eviction.delta))
+            return rollout(model, prompts, sampling, None, eos_ids=model.config.eos_ids, generator=noise)
+
+        ev = eviction if policy is None else policy(reference)
         ro = rollout(model, prompts, sampling, ev, eos_ids=model.config.eos_ids, generator=generator,
                      progress=desc is not None, compile=compile)
         texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
@@ -187,13 +172,14 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
     device = model.lm_head.weight.device
 
     def run(name, rate):
-        ev = make_eviction(name, c, rate, tokenizer)
+        evicts = name != "none"
         tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
         written = tag if isinstance(tag, float) else rate
-        encode = prompt_encoder(c.task, c.prompt, written if tagged and ev else None, blind)
+        encode = prompt_encoder(c.task, c.prompt, written if tagged and evicts else None, blind)
         gen = torch.Generator(device=device).manual_seed(c.seed)
-        return roll_out_and_score(model, tokenizer, problems, sampling, ev, encode, TASK_REWARD[c.task], gen, n, batch_size,
-                     desc=(f"{name} ε={rate:g}" if ev else "no eviction") if progress else None, compile=compile)
+        return roll_out_and_score(model, tokenizer, problems, sampling, None, encode, TASK_REWARD[c.task], gen, n,
+                                  batch_size, (f"{name} ε={rate:g}" if evicts else "no eviction") if progress else None,
+                                  compile, lambda reference: make_eviction(name, c, rate, model, tokenizer, reference))
 
     ref = run("none", 0.0)
     rows = []
@@ -283,30 +269,17 @@ def tag_flag(text: str):
     return value
 
 
-@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
-def main(argv=None):
+def flags(argv):
+    """eval.py's command line: its own flags, and settings.py's that it shares with train.py."""
     p = parser(__doc__)
+    p.epilog = "policies (--policy):\n" + "\n".join(f"  {name:14s} {text}" for name, text in POLICIES.items())
     p.add_argument("--model", required=True, help="Qwen2 checkpoint directory")
-    p.add_argument("--task", choices=["countdown", "math"], help="default: the checkpoint's ngc.json, else countdown")
-    p.add_argument("--eval-data", help="math: held-out problems, .jsonl or .parquet (default: the run's --eval-data)")
-    p.add_argument("--question-field", help="math: the question's field in --eval-data rows, a.b for nested "
-                   "(default: the run's, else prompt, problem or question)")
-    p.add_argument("--answer-field", help="math: the answer's field, a.b for nested (default: the run's, else "
-                   "reward_model.ground_truth or answer)")
-    p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(CLI_POLICIES))
+    p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(POLICIES) + " (below)")
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
-    p.add_argument("--delta", type=int, help="δ: evaluate another layout than the run's (default: the run's)")
-    p.add_argument("--block", type=int, help="b: block size (default: the run's)")
-    p.add_argument("--window", type=int, help="w: scoring queries (default: the run's)")
     p.add_argument("--samples", type=int, default=None, help="k sampled completions per problem: pass@1 ± 1 SE and "
                    "pass@k; 0: greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' "
                    "sampling, 32 for math at T=0.6, top-p 0.95)")
-    p.add_argument("--prompt", choices=sorted(countdown.PROMPTS), help="countdown: another prompt layout than the "
-                   "run's (layouts never used in training: tiny-shift-unseen for tiny/, tiny-unseen for tiny-slip/, "
-                   "tiny-shifted for the one-layout models)")
-    p.add_argument("--difficulty", choices=sorted(countdown.DIFFICULTIES), help="countdown: another problem preset's "
-                   "held-out set than the run's (tiny-back: the tiny problems whose search goes back)")
     p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "
                    "ε evaluated), blind (the tag without the rate) or a rate in [0, 1] whatever ε is evaluated "
                    "(default: the run's; with --interoception, rate): does the model read the tag?")
@@ -314,67 +287,61 @@ def main(argv=None):
                    "run's eval_problems)")
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--compile", action="store_true", help="capture the decode step with torch.compile (CUDA graphs on CUDA)")
-    args = p.parse_args(argv)
-    try:
-        bad = [x for x in args.policy if x not in CLI_POLICIES]
-        if bad:
-            raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(CLI_POLICIES)}")
-        if args.samples is not None and args.samples < 0:
-            raise ValueError(f"--samples {args.samples} must be at least 0 (0: greedy tokens)")
-        for flag in ("problems", "batch_size"):
-            if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
-        if args.plot:
-            need("matplotlib", "--plot")
-        for flag in ("out", "plot"):
-            if getattr(args, flag) is not None:
-                check_output_file(getattr(args, flag), f"--{flag}")
-        args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
-        trained = trained_task(args.model)
-        if args.task and trained and args.task != trained:  # its recipe has no prompts for the other task
-            raise ValueError(f"{args.model} was trained on {trained} (its ngc.json); evaluate it with --task {trained}")
-        c = run_defaults(args.model, args.task)
-        given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
-        if given and c.task != "math":
-            raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")
-        for flag in ("prompt", "difficulty", "tag"):
-            if getattr(args, flag) is not None and c.task != "countdown":
-                raise ValueError(f"--{flag} is for --task countdown; this evaluation's task is {c.task}")
-        for rule in ("task-rule", "number-rule"):
-            if rule in args.policy and c.task != "countdown":
-                raise ValueError(f"--policy {rule} keeps the block of a Countdown prompt's target; this evaluation's "
-                                 f"task is {c.task}: leave {rule} out")
-        c = replace(c, eval_data=args.eval_data or c.eval_data, prompt=args.prompt or c.prompt,
-                    difficulty=args.difficulty or c.difficulty,
-                    question_field=args.question_field or c.question_field,
-                    answer_field=args.answer_field or c.answer_field,
-                    **{k: getattr(args, k) for k in ("delta", "block", "window") if getattr(args, k) is not None})
-        args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
-        for rate in args.eviction_rate:
-            Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
-        problems = held_out(c, args.problems)
-        model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
-        check_prompt(c, tokenizer, args.model)
-        for name in args.policy:
-            make_eviction(name, c, args.eviction_rate[0], tokenizer)  # the tokenizer has what the policy reads
-    except (CheckpointError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
+    p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
+    add_flags(p, None, MACHINE + RUN)  # RUN: the run's unless given (this docstring)
+    return p.parse_args(argv)
+
+
+def run_settings(args) -> Settings:
+    """The run's settings with the flags given, every flag checked first (a one-line ValueError)."""
+    bad = [x for x in args.policy if x not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
+    if args.samples is not None and args.samples < 0:
+        raise ValueError(f"--samples {args.samples} must be at least 0 (0: greedy tokens)")
+    for flag in ("problems", "batch_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    if args.plot:
+        need("matplotlib", "--plot")
+    for flag in ("out", "plot"):
+        if getattr(args, flag) is not None:
+            check_output_file(getattr(args, flag), f"--{flag}")
+    args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
+    trained = trained_task(args.model)
+    if args.task and trained and args.task != trained:  # its recipe has no prompts for the other task
+        raise ValueError(f"{args.model} was trained on {trained} (its ngc.json); evaluate it with --task {trained}")
+    c = run_defaults(args.model, args.task)
+    given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
+    if given and c.task != "math":
+        raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")
+    for flag in ("prompt", "difficulty", "tag"):
+        if getattr(args, flag) is not None and c.task != "countdown":
+            raise ValueError(f"--{flag} is for --task countdown; this evaluation's task is {c.task}")
+    c = replace(c, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
+    args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
+    for rate in args.eviction_rate:
+        Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
+    return c
+
+
+def evaluate_policies(args, c, model, tokenizer, problems):
+    """compare() on --device in --dtype; under torchrun the problems are split across the processes, and
+    every process gets every row. Returns the rows on the first process, None on the others."""
     device = torch.device(args.device)
-    distributed.start(device)  # under torchrun the problems are split across the processes
+    distributed.start(device)  # after every check: no process fails alone after the rendezvous
+    rank = distributed.rank_and_world()[0]
     bf16 = (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
-                       progress=distributed.rank_and_world()[0] == 0 and sys.stderr.isatty(), compile=args.compile,
-                       tag=args.tag)
-    rank = distributed.rank_and_world()[0]
+                       progress=rank == 0 and sys.stderr.isatty(), compile=bool(args.compile), tag=args.tag)
     distributed.stop()
-    if rank:  # every process holds every row; the first one reports them
-        return
+    return None if rank else rows
+
+
+def write(args, problems, rows):
+    """The table on stdout, the rows to --out and the figure to --plot."""
     print(f"{args.model}: {len(problems)} held-out problems, "
           + (f"{args.samples} samples each" if args.samples else "greedy"))
     print(table(rows))
@@ -384,7 +351,22 @@ def main(argv=None):
         if args.plot:
             plot(rows, args.plot)
     except OSError as e:
-        sys.exit(f"error: could not write {e.filename} ({e.strerror})")
+        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
+
+
+@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
+def main(argv=None):
+    args = flags(argv)
+    with one_line_errors():  # every check before the first rollout
+        c = run_settings(args)
+        problems = held_out(c, args.problems)
+        model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
+        check_prompt(c, tokenizer, args.model)
+        for name in args.policy:
+            make_eviction(name, c, args.eviction_rate[0], model, tokenizer)  # the tokenizer has what the policy reads
+    rows = evaluate_policies(args, c, model, tokenizer, problems)
+    if rows is not None:
+        write(args, problems, rows)
 
 
 if __name__ == "__main__":

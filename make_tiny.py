@@ -2,53 +2,42 @@
 a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on the CPU.
 
     python make_tiny.py                      # rebuild tiny/ (about 25 minutes on one core)
-    python make_tiny.py --steps 300 --out runs/tiny-smoke
-    python make_tiny.py --prompt tiny-layouts --slip 0.5 --restate per-trace --back numbers --threads 2 --out tiny-slip
-                                             # the tiny/ shipped before (RESULTS §0's first rows)
-    python make_tiny.py --prompt tiny --back numbers --out tiny-restate               # RESULTS §R's model
-    python make_tiny.py --prompt tiny --back numbers --restate 0 --out tiny-plain     # RESULTS §1-9's
     python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
+    python make_tiny.py --steps 300 --out runs/tiny-smoke
+    python make_tiny.py --eval-only --out tiny-math    # evaluate a model as a build is evaluated
 
-Countdown: the model learns to write a depth-first search, Stream-of-Search style. The target
-is given in the prompt, and every leaf's yes/no needs it, so a KV-cache policy that evicts it
-loses. tiny/ is built so that what a cache must keep is more than the one fact a hand-written
-rule knows about:
+Countdown: the model learns to write a depth-first search, Stream-of-Search style (countdown.trace).
+The target is given in the prompt, and every leaf's yes/no needs it, so a KV-cache policy that
+evicts it loses. tiny/ is built so that what a cache must keep is more than the one fact a
+hand-written rule knows about:
 
-* A bare `back` (--back bare): a dead end returns with `back` alone, so the move after it reads
-  the numbers left from far back in the trace. A rule that keeps the target's block (and the
-  newest) solves few of the problems whose search goes back (train.py's --difficulty tiny-back,
-  tiny/'s default run), while the full cache solves nearly all of them.
-* Shifted layouts (--prompt tiny-shift): one prompt body, 0 or 8 filler dots before it, so the
-  target's block index changes while every block keeps its contents and the prompt its length
-  (tiny-shift-unseen: 4 and 4, the same length, for the layout test). The budget tag's rate is
-  one token of its own (`<eviction_rate> 50% </eviction_rate>`).
-* Restating (--restate 0.25): after each `[ ... ]` the trace restates the target (`reach
-  <target>`) with probability 0.25.
+* A bare `back`: a dead end returns with `back` alone, so the move after it reads the numbers
+  left from far back in the trace. A rule that keeps the target's block (and the newest) solves
+  few of the problems whose search goes back (train.py's --difficulty tiny-back, tiny/'s default
+  run), while the full cache solves nearly all of them.
+* Shifted layouts (the prompt style tiny-shift): one prompt body, 0 or 8 filler dots before it,
+  so the target's block index changes while every block keeps its contents and the prompt its
+  length (tiny-shift-unseen: 4 and 4, the same length, for the layout test). The budget tag's
+  rate is one token of its own (`<eviction_rate> 50% </eviction_rate>`).
+* Restating: after each `[ ... ]` the trace restates the target (`reach <target>`) with
+  probability RESTATE (0.25).
 
     prompt:     <bos> Countdown : reach 13 with 3 5 2 . . . . . . . . .
     completion: [ 5 3 2 ] reach 13 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back 5 * 3 = 15 ...
 
-`[ ... ]` states the numbers left, largest first. A move `a op b = v` picks two of them
-(pairs in order, larger first, ops + * - /, / only when exact); with two numbers x >= y
-left, each leaf `op w` is x op y, judged yes (w is the target) or no (leaves above 999
-are skipped). Earlier models return with `back [ ... ]` restating the numbers (--back numbers).
-tiny-slip (the tiny/ shipped before) slips: a leaf reaching the target is judged `no` with
-probability 0.5 (--slip) and a search that never says `yes` answers `none`; it draws how often
-a trace restates per trace (--restate per-trace) and has 8 layouts (--prompt tiny-layouts). The
-models before it (--prompt tiny --back numbers) have one layout and never slip: tiny-restate
-(--restate 0.25) and tiny-plain (--restate 0), whose results are RESULTS §R and §1-9.
+The models shipped as tiny/ before it (slipped verdicts, `back [ ... ]`, other prompt layouts:
+RESULTS.md §S, §R and §1-9) are rebuilt by make_tiny.py at commit c2ce23e.
 
 Math (--task math): the word problems of mathtask.py's demo set, prompted exactly as
 `train.py --task math` prompts them (mathtask.encode: the question, then R1's instruction; this
-vocabulary has no chat template). The trace counts a groups of b up to the total, then combines
-it with c in columns (units, tens with the carry or borrow, the two together) and boxes the
-answer. Each count needs a and b from the question and c is first written near the end, so a
-policy that evicts the question loses here too:
+vocabulary has no chat template), and solved step by step (mathtask.demo_trace). Each count
+needs a and b from the question and c is first written near the end, so a policy that evicts
+the question loses here too:
 
     prompt:     A shelf has 8 rows of 12 books. Mia adds 37 more books. How many books are on the shelf?
-                Please reason step by step, and put your final answer within \boxed{}.
+                Please reason step by step, and put your final answer within \\boxed{}.
     completion: 1 : 12 , 2 : 24 , ... , 8 : 96 , so 96 books . 96 + 37 : 6 + 7 = 13 ,
-                90 + 30 + 10 = 130 , 130 + 3 = 133 . \boxed { 133 } <eos>
+                90 + 30 + 10 = 130 , 130 + 3 = 133 . \\boxed { 133 } <eos>
 
 With the same flags (--seed, --steps, --threads, ...), the same torch and the same kind of CPU,
 it writes the same files byte for byte. tiny/ is `python make_tiny.py` with every default (one
@@ -56,15 +45,13 @@ thread), run with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine; tiny-ma
 `python make_tiny.py --task math` the same way.
 """
 import argparse
-import functools
 import json
 import math
 import os
 import random
 import shutil
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -75,7 +62,7 @@ from tqdm import tqdm
 import countdown as cd
 import mathtask
 from checkpoint import from_pretrained, load_tokenizer, save_pretrained
-from cli import exits, make_output_dir, parser
+from cli import Exit, exits, make_output_dir, one_line_errors, parser
 from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
@@ -104,144 +91,18 @@ MATH_RUN = dict(
 MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
     # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
-    max_new_tokens=MATH_RUN["max_new_tokens"], slip=0.0, restate=0.0, back="numbers")
-MAX_NUM = 999  # every integer 0..MAX_NUM is one token; larger leaves are not written
+    max_new_tokens=MATH_RUN["max_new_tokens"])
+RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]`
+MAX_NUM = cd.MAX_LEAF  # every integer 0..MAX_NUM is one token (no trace writes a larger one)
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
-         "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>"]
-LAYOUT_WORDS = ["none"] + [f"{n}%" for n in range(101)] + ["-%"]  # --prompt tiny-layouts and tiny-shift: a
-# failed search's answer, and the budget tag's rate as one token of its own
-TAGGED = ("tiny-layouts", "tiny-shift")  # the prompts with LAYOUT_WORDS and the blind tag `-%`
-
-# ---------------------------------------------------------------------------------------
-# Search traces
-
-
-def moves(a, b):
-    """(op, value) for a >= b, in search order: + * - and / when exact."""
-    out = [("+", a + b), ("*", a * b), ("-", a - b)]
-    return out + [("/", a // b)] if b and a % b == 0 else out
-
-
-def numbers(nums) -> str:
-    return "[ " + " ".join(map(str, sorted(nums, reverse=True))) + " ]"
-
-
-def trace(problem, restate: float = 0.0, rng=None, slip: float = 0.0, bare_back: bool = False) -> str:
-    """The depth-first search trace for a 3-number problem, answer included: deterministic, or
-    with restate > 0, each `[ ... ]` followed by `reach <target>` with that probability (rng).
-    With slip > 0, a leaf that reaches the target is judged `no` with that probability and the
-    search goes on; a search that finds no `yes` ends in `<answer> none </answer>`. bare_back: a
-    dead end returns with `back` alone, so the next move reads the numbers from the first `[ ... ]`."""
-    nums = sorted(problem.nums, reverse=True)
-    assert len(nums) == 3, "traces are written for 3 numbers"
-
-    def reach() -> str:  # the target restated, with probability restate
-        return f" reach {problem.target}" if restate and rng.random() < restate else ""
-
-    out = [numbers(nums) + reach()]
-    for i, j in [(0, 1), (0, 2), (1, 2)]:
-        a, b, c = nums[i], nums[j], nums[3 - i - j]
-        for op, v in moves(a, b):
-            out.append(f"{a} {op} {b} = {v} {numbers([v, c])}{reach()}")
-            x, y = max(v, c), min(v, c)
-            for op2, w in moves(x, y):
-                if w > MAX_NUM:
-                    continue
-                if w != problem.target or (slip and rng.random() < slip):
-                    out.append(f"{op2} {w} no")
-                    continue
-                inner = f"( {a} {op} {b} )"
-                expr = f"{inner} {op2} {c}" if v >= c else f"{c} {op2} {inner}"
-                return " ".join(out + [f"{op2} {w} yes <answer> {expr} </answer>"])
-            out.append("back" + ("" if bare_back else f" {numbers(nums)}") + reach())
-    if slip:
-        return " ".join(out + ["<answer> none </answer>"])
-    raise ValueError(f"{problem} has no solution")
-
-
-def check_trace(problem, text: str) -> bool:
-    """Re-execute a trace: every move and leaf must be correct arithmetic on the numbers at
-    hand, every verdict right, and the final answer must reach the target."""
-    words, k = text.split(), 0
-    start, nums = sorted(problem.nums, reverse=True), None
-
-    def take(n):
-        nonlocal k
-        k += n
-        return words[k - n: k]
-
-    try:
-        while k < len(words) and words[k] != "<answer>":
-            if words[k] == "reach":  # a restatement of the target (make_tiny.py --restate)
-                if int(take(2)[1]) != problem.target:
-                    return False
-            elif words[k] in ("[", "back"):  # the start, or a return to it (with the numbers, or bare)
-                k += words[k] == "back"
-                if words[k: k + 1] == ["["] and take(len(start) + 2) != numbers(start).split():
-                    return False
-                nums = list(start)
-            elif words[k] in ("+", "*", "-", "/") and nums is not None and len(nums) == 2:  # a leaf
-                op, w, verdict = take(3)
-                value = dict(moves(max(nums), min(nums))).get(op)
-                if int(w) != value or verdict != ("yes" if value == problem.target else "no"):
-                    return False
-            else:  # a move: a op b = v [ x y ]
-                a, op, b, eq, v = take(5)
-                a, b, v = int(a), int(b), int(v)
-                rest = list(nums)
-                rest.remove(a), rest.remove(b)
-                if eq != "=" or a < b or dict(moves(a, b)).get(op) != v or take(4) != numbers(rest + [v]).split():
-                    return False
-                nums = rest + [v]
-        return cd.reward(" ".join(words[k:]), problem) == 1.0
-    except (ValueError, TypeError, IndexError):
-        return False
-
-
-# ---------------------------------------------------------------------------------------
-# Word-problem traces (mathtask.py's demo set)
-
-MATH_LAST_STEP = {  # the unit after b -> the last step as (x, op, y), from the total a·b and c
-    "apples": lambda total, c: (total, "-", c), "books": lambda total, c: (total, "+", c),
-    "cents": lambda total, c: (c, "-", total), "marbles": lambda total, c: (total, "/", c)}
+WORDS = (["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
+          "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>", "none"]
+         + [f"{n}%" for n in range(101)] + ["-%"])  # the tag's rate as one token (`-%`: blind). `%` and `none`
+# (the earlier models' tag and failed search) are written no more: they keep tiny/'s vocabulary as shipped
 MATH_WORDS = sorted(  # the demo questions' words without their placeholders, R1's instruction, the traces'
     {w for text, _, _ in mathtask.TEMPLATES for w in text.split()} - {"{n}", "{a}", "{b}", "{c}"}
     | set(mathtask.NAMES) | set(mathtask.INSTRUCTION.split())
     | {":", ",", ".", "so", "+", "-", "/", "=", "\\boxed", "{", "}"})
-
-
-def columns(x, op, y) -> str:
-    """x + y, or x - y for x >= y, in columns: the units (borrowing 10 when they fall short),
-    the tens with the carry or the borrow, then the two put together."""
-    (tx, ux), (ty, uy) = divmod(x, 10), divmod(y, 10)
-    if op == "+":
-        units = ux + uy
-        carry = " + 10" if units >= 10 else ""
-        tens = 10 * (tx + ty) + 10 * (units >= 10)
-        return f"{ux} + {uy} = {units} , {10 * tx} + {10 * ty}{carry} = {tens} , {tens} + {units % 10} = {x + y}"
-    borrow = ux < uy
-    units = ux + 10 * borrow - uy
-    tens = 10 * (tx - ty - borrow)
-    return (f"{ux + 10 * borrow} - {uy} = {units} , {10 * tx}{' - 10' if borrow else ''} - {10 * ty} = {tens} , "
-            f"{tens} + {units} = {x - y}")
-
-
-def math_trace(problem) -> str:
-    """The step-by-step solution of a demo word problem, ending in `\\boxed { N }` (spaced, so
-    that \\boxed, {, N and } are one word each)."""
-    words = problem.question.split()
-    at = [i for i, w in enumerate(words) if w.isdigit()]  # a, b, c in this order
-    if len(at) != 3 or words[at[1] + 1].rstrip(".") not in MATH_LAST_STEP:
-        raise ValueError(f"not one of mathtask.TEMPLATES' word problems: {problem.question!r}")
-    a, b, c = (int(words[i]) for i in at)
-    unit = words[at[1] + 1].rstrip(".")
-    x, op, y = MATH_LAST_STEP[unit](a * b, c)
-    answer = {"+": x + y, "-": x - y, "/": x // y}[op]
-    last = f"{x} / {y} = {answer}" if op == "/" else f"{x} {op} {y} : {columns(x, op, y)}"
-    groups = " , ".join(f"{k} : {k * b}" for k in range(1, a + 1))
-    return f"{groups} , so {a * b} {unit} . {last} . \\boxed {{ {answer} }}"
-
 
 # ---------------------------------------------------------------------------------------
 # Tokenizer, data and model
@@ -263,23 +124,19 @@ def split_problems(seed: int, n_test: int, n_train: int = 300_000):
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
-def countdown_example(tok, problem, rng, restate=0.0, slip=0.0, prompt="tiny", bare_back=False):
-    """(prompt ids, completion ids). Half the prompts carry a random budget tag so that train.py
-    --interoception starts from a model that has read it. With restate None (--restate per-trace),
-    each trace draws how often it restates the target: the tag's rate where the tag has one (the
-    stricter the budget, the more it restates), else uniform in [0, 1]. A fixed restate: the same
-    probability for every trace, and the tag says nothing."""
+def countdown_example(tok, problem, rng):
+    """(prompt ids, completion ids) in tiny/'s prompt style. Half the prompts carry a random budget
+    tag, half of those blind (`-%`), so that train.py --interoception and its control start from a
+    model that has read it; the trace restates the target with probability RESTATE whatever the tag."""
     rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
-    blind = prompt in TAGGED and rate is not None and rng.random() < 0.5  # the control's tag, `-%`
-    if restate is None:
-        restate = rng.random() if rate is None or blind else rate
-    text = cd.PROMPTS[prompt](problem, rate, blind)
-    return tok.encode(text).ids, tok.encode(trace(problem, restate, rng, slip, bare_back)).ids
+    blind = rate is not None and rng.random() < 0.5
+    text = cd.PROMPTS[TINY_RUN["prompt"]](problem, rate, blind)
+    return tok.encode(text).ids, tok.encode(cd.trace(problem, RESTATE, rng)).ids
 
 
 def math_example(tok, problem, rng):
     """(prompt ids, completion ids): the prompt exactly as train.py --task math encodes it."""
-    return mathtask.encode(tok, problem), tok.encode(math_trace(problem)).ids
+    return mathtask.encode(tok, problem), tok.encode(mathtask.demo_trace(problem)).ids
 
 
 def batches(tok, problems, rng, n: int, micro: int, example=countdown_example):
@@ -310,21 +167,6 @@ def tiny_config(tok, d=192, layers=4, heads=4, kv_heads=2, ffn=512) -> Qwen2Conf
 
 
 # ---------------------------------------------------------------------------------------
-# Evaluation
-
-
-def trace_accuracy(model, tok, problems, task, eviction=None, max_new_tokens=400, batch=128, greedy=True):
-    """Accuracy (mean reward; greedy tokens, or pass@1 of one sampled completion at temperature 1
-    from a generator seeded 0), the fraction of completions that are correct traces, and the mean
-    completion length."""
-    sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)
-    out = roll_out_and_score(model, tok, problems, sampling, eviction, encode=task.encode, reward_fn=task.reward,
-                             batch_size=batch, generator=torch.Generator().manual_seed(0))
-    valid = sum(task.valid(p, texts[0]) for p, texts in zip(problems, out["texts"]))
-    return out["reward"].mean().item(), valid / len(problems), out["length"].mean().item()
-
-
-# ---------------------------------------------------------------------------------------
 # The two builds
 
 
@@ -341,26 +183,41 @@ class Task:
 
 
 TASKS = {
-    "countdown": Task(WORDS, split_problems, countdown_example, None,  # encode: from --prompt
-                      cd.reward, check_trace, TINY_RUN, {}),
-    "math": Task(MATH_WORDS, lambda seed, n_test, n_train: mathtask.demo_splits(seed, n_train, n_test),
-                 math_example, mathtask.encode, mathtask.reward, lambda p, text: text == math_trace(p),
+    "countdown": Task(WORDS, split_problems, countdown_example, lambda tok, p: cd.encode(tok, p, TINY_RUN["prompt"]),
+                      cd.reward, cd.check_trace, TINY_RUN, {}),
+    "math": Task(MATH_WORDS, lambda seed, n_test, n_train: mathtask.demo_splits(seed, n_train, n_test), math_example,
+                 mathtask.encode, mathtask.reward, lambda p, text: text == mathtask.demo_trace(p),
                  MATH_RUN, MATH_BUILD),
 }
 
 
-# ---------------------------------------------------------------------------------------
-# Pretraining
-
-
-def lr_at(step, steps, lr, warmup):
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
-
-
-@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
+@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
+    args = parse_args(argv)
+    task = TASKS[args.task]
+    with one_line_errors():  # CheckpointError too
+        check_flags(args)
+        pretraining, test = draw_problems(task, args)
+        if args.eval_only:
+            model, tok = from_pretrained(args.out), load_tokenizer(args.out)
+        else:
+            check_out(args.out)
+            make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if not args.eval_only:
+        tok = build_tokenizer(task.words)
+        model = init_weights(Qwen2(tiny_config(tok, args.d, args.layers, args.heads, ffn=args.ffn)), seed=args.seed)
+        print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(pretraining)} training / "
+              f"{len(test)} held-out problems")
+        pretrain(model, tok, pretraining, task.example, args)
+        save_build(model, tok, task.run, args.out)
+        model, tok = from_pretrained(args.out), load_tokenizer(args.out)  # evaluated as shipped
+    report(model, tok, test, task, args.max_new_tokens)
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """The flags, their defaults the task's (MATH_BUILD for --task math)."""
     ap = parser(__doc__)
     ap.add_argument("--out", default="tiny", help="output directory, replaced whole (written via a temporary dir, "
                     "then renamed); one holding other files than a build's is refused")
@@ -382,105 +239,14 @@ def main(argv=None):
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
     ap.add_argument("--max-new-tokens", type=int, default=TINY_RUN["max_new_tokens"],
                     help="completion cap of the held-out evaluation (default: the run's, ngc.json)")
-    ap.add_argument("--restate", type=restate_flag, default=0.25, metavar="P|per-trace",
-                    help="Countdown: the probability that a trace restates the target (`reach N`) after each "
-                         "`[ ... ]` (default 0.25, tiny/); per-trace: each trace draws its own, the tag's rate where "
-                         "the prompt has one (tiny-slip/); 0: the plain model of RESULTS §1-9")
-    ap.add_argument("--slip", type=float, default=0.0,
-                    help="Countdown: the probability that a leaf reaching the target is judged `no` and the search "
-                         "goes on (default 0, tiny/; 0.5: tiny-slip/, only partly competent before RL)")
-    ap.add_argument("--prompt", choices=sorted(cd.SHIFTED), default="tiny-shift",
-                    help="Countdown prompt: tiny-shift (default, tiny/: one body shifted by whole blocks, 2 layouts "
-                         "of one length, the rate tag in tokens of its own), tiny-layouts (tiny-slip/: 8 layouts) or "
-                         "tiny (one layout, the earlier models)")
-    ap.add_argument("--back", choices=["numbers", "bare"], default="bare",
-                    help="Countdown: a dead end returns with `back` alone (default, tiny/), so the next move reads "
-                         "the numbers from far back, or with `back [ ... ]` restating them (numbers: every earlier "
-                         "model)")
-    ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training (Countdown: "
+                    "prompted as tiny/ is, tiny-shift)")
     ap.add_argument("--task", choices=list(TASKS), default="countdown",
                     help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
-    try:
-        name = chosen_task(argv, ap)
-    except ValueError as e:  # CheckpointError too
-        sys.exit(f"error: {e}")
-    task = TASKS[name]
-    ap.set_defaults(**task.flags, task=name)
-    args = ap.parse_args(argv)
-    try:
-        if args.eval_only and args.task == "countdown":  # evaluate a model as its ngc.json prompts it
-            args.prompt = read_ngc_json(args.out).get("prompt", args.prompt)
-        if args.task == "countdown":  # the prompt style decides the vocabulary, the prompts and ngc.json's
-            task = replace(task, words=WORDS + LAYOUT_WORDS * (args.prompt in TAGGED),
-                           encode=lambda t, p: t.encode(cd.PROMPTS[args.prompt](p)).ids,
-                           run=dict(task.run, prompt=args.prompt))
-        check_flags(args)
-        if args.task == "countdown" and args.n_test > cd.SMALL.held_out:
-            raise ValueError(f"--n-test {args.n_test}: the tiny difficulty's held-out set (countdown.held_out) has "
-                             f"{cd.SMALL.held_out} problems; ask for at most that many")
-        try:
-            train, test = task.splits(args.seed, args.n_test, args.train_problems)
-        except ValueError as e:  # mathtask.demo_splits: train and held-out problems distinct
-            raise ValueError(f"--train-problems {args.train_problems} --n-test {args.n_test}: {e}")
-        if args.eval_only:
-            model, tok = from_pretrained(args.out), load_tokenizer(args.out)
-        else:
-            check_out(args.out)
-            make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
-    except ValueError as e:  # CheckpointError too
-        sys.exit(f"error: {e}")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    if args.eval_only:
-        report(model, tok, test, task, args.max_new_tokens)
-        return
-
-    tok = build_tokenizer(task.words)
-    model = init_weights(Qwen2(tiny_config(tok, args.d, args.layers, args.heads, ffn=args.ffn)), seed=args.seed)
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} training / {len(test)} held-out problems")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    example = task.example
-    if args.task == "countdown":
-        example = functools.partial(task.example, restate=args.restate, slip=args.slip, prompt=args.prompt,
-                                    bare_back=args.back == "bare")
-    rng, t0, seen = random.Random(args.seed), time.time(), 0
-    bar = tqdm(range(args.steps), desc="pretrain")
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        micro = list(batches(tok, train, rng, args.batch, args.micro, example))
-        n_targets = sum(int((y != -100).sum()) for _, y in micro)
-        total = 0.0
-        for x, y in micro:
-            pos = torch.arange(x.shape[1]).expand_as(x)
-            logits = model.logits(model(x, pos))
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum") / n_targets
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        seen += sum(x.numel() for x, _ in micro)
-        bar.set_postfix(loss=f"{total:.4f}", tokens=f"{seen / 1e6:.1f}M")
-        if args.minutes and time.time() - t0 > 60 * args.minutes:
-            print(f"stopping early at step {step + 1} (--minutes {args.minutes})")
-            break
-    print(f"pretraining: {(time.time() - t0) / 60:.1f} min, {seen / 1e6:.1f}M tokens, final loss {total:.4f}")
-
-    tmp = args.out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        save_pretrained(model.to(torch.bfloat16), tmp)  # bf16 on disk keeps the files small
-        tok.save(os.path.join(tmp, "tokenizer.json"))  # inside <out>.tmp/: the swap below makes the whole directory appear at once
-        write_run_defaults(tmp, task.run)
-        swap_in(args.out.rstrip("/"))  # the new directory replaces the old one
-    except OSError as e:  # a full disk: --out is left whole (the previous build, if any)
-        recover_swap(args.out.rstrip("/"))
-        sys.exit(f"error: could not write {args.out} ({e.strerror or e}); nothing half-written is left")
-    report(from_pretrained(args.out), load_tokenizer(args.out), test, task, args.max_new_tokens)  # as shipped
+    with one_line_errors():  # CheckpointError too
+        task = chosen_task(argv, ap)
+    ap.set_defaults(**TASKS[task].flags, task=task)
+    return ap.parse_args(argv)
 
 
 def chosen_task(argv, ap) -> str:
@@ -518,19 +284,6 @@ def check_flags(args):
     if args.heads % 2 or args.d % args.heads or (args.d // args.heads) % 2:
         raise ValueError(f"--d {args.d} --heads {args.heads}: the heads must be a multiple of the 2 key/value heads, "
                          f"and --d a multiple of 2 x --heads (an even head size for RoPE)")
-    if args.restate is not None and not 0 <= args.restate <= 1:
-        raise ValueError(f"--restate {args.restate} must lie in [0, 1] (or be per-trace)")
-    if not 0 <= args.slip < 1:
-        raise ValueError(f"--slip {args.slip} must lie in [0, 1)")
-    building = args.task == "countdown" and not args.eval_only  # the traces to pretrain on
-    if building and args.prompt == "tiny" and args.slip:
-        raise ValueError(f"--slip {args.slip}: a slipped search may end in `<answer> none </answer>`, which only "
-                         f"the vocabulary of --prompt tiny-layouts and tiny-shift has; add --slip 0 or drop --prompt tiny")
-    if building and args.prompt == "tiny" and args.restate is None:
-        raise ValueError("--restate per-trace reads the rate tag of --prompt tiny-layouts or tiny-shift; give "
-                         "--restate a probability with --prompt tiny")
-    if args.task == "math" and (args.restate or args.slip or args.back != "numbers"):
-        raise ValueError("--restate, --slip and --back shape Countdown's traces; leave them out for --task math")
 
 
 def check_out(out: str):
@@ -546,18 +299,81 @@ def check_out(out: str):
                              f"build would delete (it replaces the directory whole); choose another --out")
 
 
-def restate_flag(text: str):
-    """--restate: a probability, or per-trace (None)."""
-    if text == "per-trace":
-        return None
+def draw_problems(task, args):
+    """(pretraining problems, held-out problems), none of the held-out ones among the others; a
+    one-line ValueError when the task cannot draw as many."""
+    if args.task == "countdown" and args.n_test > cd.SMALL.held_out:
+        raise ValueError(f"--n-test {args.n_test}: the tiny difficulty's held-out set (countdown.held_out) has "
+                         f"{cd.SMALL.held_out} problems; ask for at most that many")
     try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a probability nor per-trace")
+        return task.splits(args.seed, args.n_test, args.train_problems)
+    except ValueError as e:  # mathtask.demo_splits: train and held-out problems distinct
+        raise ValueError(f"--train-problems {args.train_problems} --n-test {args.n_test}: {e}")
 
 
-def write_run_defaults(model_dir, run):
-    write_text(os.path.join(model_dir, "ngc.json"), json.dumps(run, indent=1) + "\n")
+# ---------------------------------------------------------------------------------------
+# Pretraining, saving, evaluating
+
+
+def lr_at(step, steps, lr, warmup):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
+
+
+def pretrain(model, tok, problems, example, args):
+    """Next-token prediction on --steps batches of --batch examples: AdamW (weight decay on the
+    matrices), lr_at's schedule, gradients clipped at norm 1; --minutes stops it early."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    rng, t0, seen = random.Random(args.seed), time.time(), 0
+    bar = tqdm(range(args.steps), desc="pretrain")
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        micro = list(batches(tok, problems, rng, args.batch, args.micro, example))
+        loss = backward(model, micro)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        seen += sum(x.numel() for x, _ in micro)
+        bar.set_postfix(loss=f"{loss:.4f}", tokens=f"{seen / 1e6:.1f}M")
+        if args.minutes and time.time() - t0 > 60 * args.minutes:
+            print(f"stopping early at step {step + 1} (--minutes {args.minutes})")
+            break
+    print(f"pretraining: {(time.time() - t0) / 60:.1f} min, {seen / 1e6:.1f}M tokens, final loss {loss:.4f}")
+
+
+def backward(model, micro) -> float:
+    """Accumulate the gradient of one batch's loss, given as micro-batches: the summed cross-entropy
+    of its completion tokens over their count. Returns the loss."""
+    n_targets = sum(int((y != -100).sum()) for _, y in micro)
+    total = 0.0
+    for x, y in micro:
+        pos = torch.arange(x.shape[1]).expand_as(x)
+        logits = model.logits(model(x, pos))
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum") / n_targets
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def save_build(model, tok, run, out):
+    """The four files, written into <out>.tmp/ and swapped in whole: --out is the new build, or (a
+    full disk) the one before it, never half of one."""
+    path = out.rstrip("/")
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_pretrained(model.to(torch.bfloat16), tmp)  # bf16 on disk keeps the files small
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        write_text(os.path.join(tmp, "ngc.json"), json.dumps(run, indent=1) + "\n")
+        swap_in(path)
+    except OSError as e:
+        recover_swap(path)
+        raise Exit(f"error: could not write {out} ({e.strerror or e}); nothing half-written is left")
 
 
 def report(model, tok, test, task, max_new_tokens):
@@ -567,6 +383,17 @@ def report(model, tok, test, task, max_new_tokens):
             acc, valid, length = trace_accuracy(model, tok, test, task, eviction, max_new_tokens, greedy=greedy)
             print(f"{name}, {tokens}:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  "
                   f"({len(test)} held out, at most {max_new_tokens} tokens)")
+
+
+def trace_accuracy(model, tok, problems, task, eviction=None, max_new_tokens=400, batch=128, greedy=True):
+    """Accuracy (mean reward; greedy tokens, or pass@1 of one sampled completion at temperature 1
+    from a generator seeded 0), the fraction of completions that are correct traces, and the mean
+    completion length."""
+    sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)
+    out = roll_out_and_score(model, tok, problems, sampling, eviction, encode=task.encode, reward_fn=task.reward,
+                             batch_size=batch, generator=torch.Generator().manual_seed(0))
+    valid = sum(task.valid(p, texts[0]) for p, texts in zip(problems, out["texts"]))
+    return out["reward"].mean().item(), valid / len(problems), out["length"].mean().item()
 
 
 if __name__ == "__main__":

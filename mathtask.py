@@ -32,7 +32,8 @@ The prompt is the question followed by DeepSeek-R1's recommended instruction for
 INSTRUCTION, in R1's chat template. DAPO's own rows ask for an "Answer: ..." last line
 instead; `load` strips that wrapper so the prompt asks for the \\boxed{} the reward reads.
 
-A CPU-sized demonstration set of arithmetic word problems in DAPO's layout:
+A CPU-sized demonstration set of arithmetic word problems in DAPO's layout, and their worked
+solutions (demo_trace: what tiny-math/ was pretrained on, make_tiny.py --task math):
     python mathtask.py --make-demo data/math-demo
 """
 
@@ -40,11 +41,10 @@ import json
 import os
 import random
 import re
-import sys
 from dataclasses import dataclass
 from fractions import Fraction
 
-from cli import make_output_dir, need, parser
+from cli import Exit, exits, make_output_dir, need, parser
 from countdown import encode_prompt  # the R1 chat template, shared with Countdown
 from files import write_jsonl
 
@@ -302,6 +302,46 @@ def make_demo(out_dir, seed=0, n_train=2000, n_test=200, splits=None):
         write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [dapo_row(p) for p in problems])
     return train, test
 
+# -----------------------------------------------------------------------------
+# the demo set's worked solutions: the traces tiny-math/ was pretrained on (make_tiny.py --task math)
+
+DEMO_LAST_STEP = {  # the unit after b -> the last step as (x, op, y), from the total a·b and c
+    "apples": lambda total, c: (total, "-", c), "books": lambda total, c: (total, "+", c),
+    "cents": lambda total, c: (c, "-", total), "marbles": lambda total, c: (total, "/", c)}
+
+def columns(x, op, y) -> str:
+    """x + y, or x - y for x >= y, in columns: the units (borrowing 10 when they fall short),
+    the tens with the carry or the borrow, then the two put together."""
+    (tx, ux), (ty, uy) = divmod(x, 10), divmod(y, 10)
+    if op == "+":
+        units = ux + uy
+        carry = " + 10" if units >= 10 else ""
+        tens = 10 * (tx + ty) + 10 * (units >= 10)
+        return f"{ux} + {uy} = {units} , {10 * tx} + {10 * ty}{carry} = {tens} , {tens} + {units % 10} = {x + y}"
+    borrow = ux < uy
+    units = ux + 10 * borrow - uy
+    tens = 10 * (tx - ty - borrow)
+    return (f"{ux + 10 * borrow} - {uy} = {units} , {10 * tx}{' - 10' if borrow else ''} - {10 * ty} = {tens} , "
+            f"{tens} + {units} = {x - y}")
+
+def demo_trace(problem) -> str:
+    """The step-by-step solution of a demo word problem: a groups of b counted up to the total, the
+    total combined with c in columns (units, tens with the carry or borrow, the two together), and
+    the answer in `\\boxed { N }` (spaced, so that \\boxed, {, N and } are one word each)."""
+    words = problem.question.split()
+    at = [i for i, w in enumerate(words) if w.isdigit()]  # a, b, c in this order
+    if len(at) != 3 or words[at[1] + 1].rstrip(".") not in DEMO_LAST_STEP:
+        raise ValueError(f"not one of mathtask.TEMPLATES' word problems: {problem.question!r}")
+    a, b, c = (int(words[i]) for i in at)
+    unit = words[at[1] + 1].rstrip(".")
+    x, op, y = DEMO_LAST_STEP[unit](a * b, c)
+    answer = {"+": x + y, "-": x - y, "/": x // y}[op]
+    last = f"{x} / {y} = {answer}" if op == "/" else f"{x} {op} {y} : {columns(x, op, y)}"
+    groups = " , ".join(f"{k} : {k * b}" for k in range(1, a + 1))
+    return f"{groups} , so {a * b} {unit} . {last} . \\boxed {{ {answer} }}"
+
+
+@exits  # bad input: one line, exit code 2
 def main(argv=None):
     ap = parser("Write the demonstration set of arithmetic word problems.")
     ap.add_argument("--make-demo", metavar="DIR", required=True, help="output folder for train.jsonl and test.jsonl")
@@ -311,17 +351,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     for flag in ("train", "test"):
         if getattr(args, flag) < 1:
-            sys.exit(f"error: --{flag} {getattr(args, flag)} must be at least 1")
+            raise Exit(f"error: --{flag} {getattr(args, flag)} must be at least 1")
     try:
         splits = demo_splits(args.seed, args.train, args.test)
     except ValueError as e:
-        sys.exit(f"error: --train {args.train} --test {args.test}: {e}")
+        raise Exit(f"error: --train {args.train} --test {args.test}: {e}") from None
     try:
         train, test = make_demo(args.make_demo, args.seed, args.train, args.test, splits)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    except ValueError as e:  # the folder cannot be made
+        raise Exit(f"error: {e}") from None
     except OSError as e:
-        sys.exit(f"error: could not write {e.filename or args.make_demo} ({e.strerror})")
+        raise Exit(f"error: could not write {e.filename or args.make_demo} ({e.strerror})") from None
     print(f"wrote {len(train)} train and {len(test)} test problems to {args.make_demo}")
 
 

@@ -14,9 +14,8 @@ token at index kδ-1 of every sequence, the last one before a round, is forced t
 sampled (constrained decoding); a prompt's own tokens are never forced. g is then an ordinary
 cache entry that the round may keep or evict.
 
-A Rollout records everything replay needs: tokens, prompt lengths, which tokens were forced, the
-ordered kept blocks σ of every (round, layer), and the settings it was made with (δ, b, w, each
-row's ε, temperature, g).
+A Rollout records everything replay needs: tokens, which were forced, the ordered kept blocks σ of
+every (round, layer), and the settings it was made with.
 """
 import math
 from collections import namedtuple
@@ -31,7 +30,7 @@ from tqdm import tqdm
 from compiled import captured_decode
 from gumbel import (MISSING, block_means, gumbel_topk, keep_count, kept_keys, log_block_logits, ordered_topk,
                     plackett_luce_log_prob)
-from model import KVCache, Qwen2
+from model import KVCache, LayerCache, Qwen2
 
 
 @dataclass
@@ -128,17 +127,26 @@ class Rollout:
 
 
 def attention_scores(q, k, mask):
-    """Mean over query heads of softmax(q·kᵀ/√d) per query row, in fp32 (paper §4.2: A).
-
-    q (N, H, M, D) post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) bool: which keys
-    each query row sees. Query head h reads KV group h // (H / Hkv). Returns (N, M, S); ψ is
-    its mean over the w rows of a round. Rollout and replay both call this."""
+    """Mean over query heads of softmax(q·kᵀ/√d) per query row, in fp32 (paper §4.2: A): q (N, H, M, D)
+    post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) which keys each query row sees. Query head
+    h reads KV group h // (H / Hkv). Returns (N, M, S)."""
     N, H, M, D = q.shape
     Hkv = k.shape[1]
     q = q.float().view(N, Hkv, H // Hkv, M, D)
     att = q @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (N, Hkv, G, M, S)
     att = att.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
     return att.mean(dim=(1, 2))  # (N, M, S)
+
+
+def round_logits(q, k, seen, alive, block: int):
+    """What R rounds per row decide from (the rollout: one; replay: all of a rollout's): q (N, H, R·w, D)
+    each round's w queries, k (N, Hkv, S, D), seen (N, R·w, S) the keys each query sees, alive (N, R, S).
+    Returns ψ (N, R, S), the attention paid to each key averaged over heads and the round's w queries
+    (§4.2), and per block (N, R, nb) the logits x_j = log s_j (s_j: its alive keys' mean ψ) and whether it exists."""
+    N, R, S = alive.shape
+    psi = attention_scores(q, k, seen).view(N, R, -1, S).mean(2)  # (N, R, S)
+    logits, exists = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), block)
+    return psi, logits.view(N, R, -1), exists.view(N, R, -1)
 
 
 class QueryWindow:
@@ -332,7 +340,7 @@ def prefill(s: RolloutState):
         logits[n > 0] = feed(n)[n > 0]
         if ev:
             fired = (n > 0) & is_round_end(s.fed - 1, ev.delta)
-            eviction_round(s, fired)
+            fire_round(s, fired)
     return logits
 
 
@@ -371,7 +379,7 @@ def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
         logits = out if s.live is None else logits.index_copy(0, s.live, out)  # ended rows' logits are never used
         s.fed += active
         if ev and t % ev.delta in phases:
-            eviction_round(s, due[t % ev.delta] & active)
+            fire_round(s, due[t % ev.delta] & active)
     return new, new_logprobs, n_new, hit_eos
 
 
@@ -423,30 +431,38 @@ def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
                    eviction=s.eviction, rates=s.rates)
 
 
-def eviction_round(s: RolloutState, fired):
-    """One eviction round at every layer, for the batch rows where fired (B,) is True (paper §4.1–4.3)."""
-    cache, window, ev, rows = s.cache, s.window, s.eviction, fired.nonzero().flatten()
-    if len(rows) == 0:
-        return
-    in_cache = s.cache_row[rows]  # (N,) the rows' places in the cache and window
+def fire_round(s: RolloutState, fired):
+    """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
+    rows = fired.nonzero().flatten()
+    if len(rows):
+        batch = (rows, s.tokens[rows], s.prompt_lens[rows]) if s.eviction.score is not None else None
+        s.record.add(rows, *eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows], s.eviction,
+                                           s.generator, batch))
+
+
+def eviction_round(layers: list[LayerCache], window: QueryWindow, in_cache, rates, ev: Eviction, generator=None,
+                   batch=None):
+    """One eviction round at every layer for cache rows in_cache (N,) at eviction rates (N,) (§4.1–4.3); batch:
+    their batch rows, prompts and prompt lengths, for a baseline's score. Returns σ of each layer [(N, Kmax)],
+    log p(σ) (N, L) and the alive entries before the round (N, L)."""
     assert window.valid[in_cache].all(), "an eviction round needs w scored queries (δ > w)"
     qpos = window.pos[in_cache]  # (N, w) positions of the w newest tokens
     sigmas, logps, before = [], [], []
-    for layer, c in enumerate(cache.layers):
+    for layer, c in enumerate(layers):
         alive, keys, kpos = c.alive[in_cache], c.k.index_select(0, in_cache), c.pos[in_cache]  # (N, S), (N, Hkv, S, D)
         seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal, alive keys only
-        psi = attention_scores(window.q[layer][in_cache], keys, seen).mean(1)  # ψ_t: mean over heads and w queries, §4.2
-        logits, exists = log_block_logits(psi, alive, ev.block)  # x_j = log s_j, s_j = block mean of ψ (§4.2)
+        psi, logits, exists = round_logits(window.q[layer][in_cache], keys, seen, alive[:, None], ev.block)
+        psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb): the one round
         ranking = logits
         if ev.score is not None:  # a baseline: the plain block mean of its own per-key score (may be < 0)
-            at = Round(rows, layer, kpos, qpos, s.tokens[rows], s.prompt_lens[rows])
+            at = Round(batch[0], layer, kpos, qpos, *batch[1:])
             ranking = torch.where(exists, block_means(ev.score(psi, keys, alive, at), alive, ev.block)[0], MISSING)
-        K = keep_count(exists.sum(1), s.rates[rows])  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
-        sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, s.generator)  # σ (N, Kmax), §4.3
+        K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
+        sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)  # σ (N, Kmax), §4.3
         logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
         c.evict(in_cache, kept_keys(alive, sigma, ev.block))  # the survivors move to the front, the rest are gone
         sigmas.append(sigma), before.append(alive.sum(1))
-    s.record.add(rows, sigmas, torch.stack(logps, 1), torch.stack(before, 1))
+    return sigmas, torch.stack(logps, 1), torch.stack(before, 1)
 
 
 class Recorder:

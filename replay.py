@@ -13,8 +13,8 @@ queries and keys, so L_mem's gradient reaches every q_proj and k_proj.
 """
 import torch
 
-from gumbel import kept_keys, log_block_logits, plackett_luce_log_prob
-from ngc import Eviction, Rollout, attention_scores, round_end
+from gumbel import kept_keys, plackett_luce_log_prob
+from ngc import Eviction, Rollout, round_end, round_logits
 
 NEVER = torch.iinfo(torch.long).max
 
@@ -52,16 +52,12 @@ def visibility(death):
 
 def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     """log p(σ) (B, R) of one layer's rounds, from this pass's q (B, H, T, D), k (B, Hkv, T, D)
-    and visibility mask (B, T, T); kept (B, R, Kmax). The same calls as ngc.eviction_round."""
+    and visibility mask (B, T, T); kept (B, R, Kmax). Scored as the rollout's round scored them."""
     B, R = kept.shape[:2]
-    w = ev.window
     ends = round_end(torch.arange(R, device=q.device), ev.delta)  # the token after which round r fires
-    rows = (ends[:, None] - w + 1 + torch.arange(w, device=q.device)).flatten()  # its w scoring queries
-    probs = attention_scores(q[:, :, rows], k, mask[:, rows])  # (B, R*w, T)
-    psi = probs.view(B, R, w, -1).mean(2)  # (B, R, T)
-    alive = mask[:, ends]  # (B, R, T): the keys alive when round r fired
-    logits, _ = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), ev.block)
-    logp = plackett_luce_log_prob(logits, kept.flatten(0, 1)).view(B, R)
+    rows = (ends[:, None] - ev.window + 1 + torch.arange(ev.window, device=q.device)).flatten()  # its w queries
+    _, logits, _ = round_logits(q[:, :, rows], k, mask[:, rows], mask[:, ends], ev.block)  # alive: (B, R, T)
+    logp = plackett_luce_log_prob(logits.flatten(0, 1), kept.flatten(0, 1)).view(B, R)
     return torch.where(torch.arange(R, device=q.device) < n_rounds[:, None], logp, 0.0)
 
 
@@ -75,8 +71,8 @@ def replay(model, ro: Rollout, causal: bool = False):
     made = ro.eviction  # δ, b, w as the rollout was made
     B, T = ro.tokens.shape
     pos = torch.arange(T, device=ro.tokens.device).expand(B, T)
-    layer_mask, hook, evict_logps = None, None, None
-    if made is not None and not causal and ro.kept.shape[1] > 0:
+    evicted = made is not None and not causal and ro.kept.shape[1] > 0
+    if evicted:
         death = death_times(ro.kept, ro.n_rounds, T, made.delta, made.block)
         per_layer = [None] * death.shape[1]
 
@@ -86,9 +82,8 @@ def replay(model, ro: Rollout, causal: bool = False):
         def hook(layer, q, k, mask):
             per_layer[layer] = round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, made)
 
-    h = model(ro.tokens, pos, layer_mask=layer_mask, qk_hook=hook)
-    if hook is not None:
-        evict_logps = torch.stack(per_layer, dim=2)  # (B, R, L)
+    h = model(ro.tokens, pos, layer_mask=layer_mask if evicted else None, qk_hook=hook if evicted else None)
+    evict_logps = torch.stack(per_layer, dim=2) if evicted else None  # (B, R, L)
     t = torch.arange(1, T, device=pos.device)
     target = (t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None])  # (B, T-1): completion tokens
     target &= ~ro.forced[:, 1:]  # a forced meta-token was not sampled: no log-prob (it stays a key above)

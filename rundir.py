@@ -414,7 +414,7 @@ def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
     """The training loop of `run` runs inside; what stops it ends in RunStopped. SIGINT/SIGTERM
     (Interrupted): the state after run.step steps is saved (not under --fsdp) and the exit code is
     128 + signum. Diverged, a failed save (SaveFailed) or write (OSError): a one-line error (exit
-    code 1) that says which checkpoint is kept. say prints (the first process's tqdm.write). The
+    code 2) that says which checkpoint is kept. say prints (the first process's tqdm.write). The
     run directory's lock is let go when the block ends."""
     with stop_on_signals():
         try:

@@ -23,6 +23,8 @@ All checks come before any work. A rerun of the same command trains nothing twic
 an evaluation at its last step is reused, an interrupted one resumed (train.py --resume), an evaluation
 reused when its arguments are the same (evals/*.argv); a run directory holding a run with other
 settings is refused. Ctrl-C lets the running child save its step, then exits 130.
+
+--threads N is each child's: train.py's --threads, and OMP_NUM_THREADS for eval.py (default: torch's).
 """
 import json
 import os
@@ -31,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import rundir
 import settings
@@ -77,8 +79,8 @@ def split_variants(argv):
 def parse(argv):
     try:
         return train.parse_args(argv)
-    except SystemExit as e:  # train.py's one-line argparse errors
-        raise ValueError(str(e.code).removeprefix("error: ")) from None
+    except Exit as e:  # train.py's one-line argparse errors
+        raise ValueError(str(e.status).removeprefix("error: ")) from None
 
 
 def resolve(model, flags, out) -> settings.Settings:
@@ -264,15 +266,14 @@ def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--out", default=os.path.join("results", "screen"), help="directory for runs/, evals/, "
                    "screen.md and screen.jsonl (default: results/screen)")
-    p.add_argument("--threads", type=int, help="CPU threads of each child, train.py and eval.py (default: torch's)")
+    settings.add_flags(p, None, ["threads"])  # each child's (see above)
     p.add_argument("--variant", metavar="NAME MODEL_DIR [TRAIN_FLAGS ...]", help="a row (see above); repeat it")
     args = p.parse_args(own)
     try:
         with one_line_errors():
             if not specs:
                 raise ValueError("give at least one --variant NAME MODEL_DIR [TRAIN_FLAGS ...]")
-            if args.threads is not None and args.threads < 1:
-                raise ValueError(f"--threads {args.threads} must be at least 1")
+            settings.check(replace(settings.COUNTDOWN, threads=args.threads))  # --threads
             variants = plan(args.out, specs, args.threads)
             make_output_dir(args.out)
         if args.threads:

@@ -125,8 +125,8 @@ class Settings:
                             "/ the step's rollouts) | joint (summed over rounds and layers, / L_token's constant: "
                             "the joint policy's gradient)", OPTIM, choices=["paper", "joint"])
     mem_weight: float = setting(1.0, "W in L = L_token + W · L_mem", OPTIM, positive)
-    term_grad_norms: bool = setting(False, "log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward per micro-batch, "
-                                    "one more gradient copy)", OPTIM)
+    term_grad_norms: bool = setting(False, "log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward and one more "
+                                    "gradient copy per term and micro-batch)", OPTIM)
     # Evaluation and checkpoints
     eval_every: int = setting(50, "held-out evaluation every N steps (0: never)", EVAL, at_least(0))
     eval_rate: float | None = setting(None, "ε for evaluation (default: the final training ε)", EVAL)
@@ -296,16 +296,17 @@ def check(c: Settings):
                          "add --interoception")
 
 
-def add_flags(p, defaults: Settings):
-    """Every setting as a --flag of parser p, in its group, the help of a saved one ending with the
-    default a run would use (`defaults`). Flags default to None: train.resolve fills unset ones."""
+def add_flags(p, defaults: Settings | None, names=None):
+    """Every setting (or those in `names`) as a --flag of parser p, in its group, the help of a saved
+    one ending with the default a run would use (`defaults`; None: no default shown, the script says
+    what it uses). Flags default to None: the script fills unset ones (train.resolve)."""
     groups = {}
     for f in fields(Settings):
-        if not f.metadata["cli"]:
+        if not f.metadata["cli"] if names is None else f.name not in names:
             continue
         group = p if f.metadata["group"] == RUN else groups.setdefault(f.metadata["group"],
                                                                        p.add_argument_group(f.metadata["group"]))
-        kw, default = dict(f.metadata["flag"]), getattr(defaults, f.name)
+        kw, default = dict(f.metadata["flag"]), defaults and getattr(defaults, f.name)
         if "action" not in kw:
             if isinstance(f.default, bool):
                 kw["action"] = argparse.BooleanOptionalAction

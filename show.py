@@ -35,14 +35,14 @@ reached the target, or another token).
 """
 import html
 import os
-import sys
 from collections import Counter
 
 import torch
 
 import distributed
-from checkpoint import META_TOKEN, CheckpointError, load, load_config
-from cli import check_output_file, exits, need, parser, pyplot
+import settings
+from checkpoint import META_TOKEN, load, load_config
+from cli import Exit, check_output_file, exits, need, one_line_errors, parser, pyplot
 from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
@@ -281,8 +281,7 @@ def render_png(problems, runs: dict, path: str):
     save_figure(fig, path, dpi=150)
 
 
-@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
-def main(argv=None):
+def parse_args(argv=None):
     p = parser(__doc__)
     p.add_argument("--model", required=True, help="the trained checkpoint directory (a run's checkpoint/); its "
                    "ngc.json gives the task, problems, δ, b, w and prompts")
@@ -293,42 +292,55 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="the HTML page to write")
     p.add_argument("--png", default=None, help="also a PNG of the same grids (needs matplotlib)")
     p.add_argument("--survival", default=None, help="a JSON file of the target's survival per round (Countdown)")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    args = p.parse_args(argv)
-    try:
-        if args.problems < 1:
-            raise ValueError(f"--problems {args.problems} must be at least 1")
-        if args.out is None and args.survival is None:
-            raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
-        for flag in ("out", "png", "survival"):
-            if getattr(args, flag) is not None:
-                check_output_file(getattr(args, flag), f"--{flag}")
-        if args.png:
-            need("matplotlib", "--png")
-        args.device = distributed.pick_device(args.device)
-        load_config(args.model)  # a missing or foreign checkpoint fails here, before anything is loaded
-        c = run_defaults(args.model)
-        if args.survival and c.task != "countdown":
-            raise ValueError("--survival measures a Countdown target; this run's task is " + c.task)
-        args.before = args.before or BEFORE[c.task]
-        load_config(args.before)
-        before_task = trained_task(args.before)
-        if before_task and before_task != c.task:
-            raise ValueError(f"--before {args.before} was trained on {before_task} (its ngc.json) but --model "
-                             f"{args.model} on {c.task}; compare with a {c.task} model, such as --before "
-                             f"{os.path.relpath(BEFORE[c.task])}")
-        ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
-        problems = held_out(c, args.problems)
-        runs, measures = {}, {}  # measures: --survival's, per model
-        for name, path in (("untrained", args.before), ("trained", args.model)):
-            model, tokenizer = load(path, args.device, c.meta_token)
-            runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
-            if args.survival:
-                full = trace_rollouts(model, tokenizer, c, problems, None)
-                measures[name] = dict(survival(runs[name], problems), failures=failures(full, runs[name], ev.delta))
-    except (CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    if args.out:
+    settings.add_flags(p, None, ["device"])
+    return p.parse_args(argv)
+
+
+def check(args):
+    """The run's settings, NGC's evaluation policy and the held-out problems, once every flag and both
+    checkpoints are checked (a one-line ValueError); fills in args.device and args.before."""
+    why = settings.at_least(1)(args.problems)
+    if why is not True:
+        raise ValueError(f"--problems {args.problems} {why}")
+    if args.out is None and args.survival is None:
+        raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
+    for flag in ("out", "png", "survival"):
+        if getattr(args, flag) is not None:
+            check_output_file(getattr(args, flag), f"--{flag}")
+    if args.png:
+        need("matplotlib", "--png")
+    args.device = distributed.pick_device(args.device)
+    load_config(args.model)  # a missing or foreign checkpoint fails here, before anything is loaded
+    c = run_defaults(args.model)
+    if args.survival and c.task != "countdown":
+        raise ValueError("--survival measures a Countdown target; this run's task is " + c.task)
+    args.before = args.before or BEFORE[c.task]
+    load_config(args.before)
+    before_task = trained_task(args.before)
+    if before_task and before_task != c.task:
+        raise ValueError(f"--before {args.before} was trained on {before_task} (its ngc.json) but --model "
+                         f"{args.model} on {c.task}; compare with a {c.task} model, such as --before "
+                         f"{os.path.relpath(BEFORE[c.task])}")
+    ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
+    return c, ev, held_out(c, args.problems)
+
+
+def trace_models(args, c, problems, ev):
+    """Both models' rollouts ({name: runs}) and, with --survival, their measures ({name: survival
+    and failures}, the full cache rolled out beside)."""
+    runs, measures = {}, {}
+    for name, path in (("untrained", args.before), ("trained", args.model)):
+        model, tokenizer = load(path, args.device, c.meta_token)
+        runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
+        if args.survival:
+            full = trace_rollouts(model, tokenizer, c, problems, None)
+            measures[name] = dict(survival(runs[name], problems), failures=failures(full, runs[name], ev.delta))
+    return runs, measures
+
+
+def print_lines(problems, runs, measures, page: bool):
+    """A line per problem and model (with the page), then --survival's per model."""
+    if page:
         for i in range(len(problems)):
             for name, rs in runs.items():
                 print(f"problem {i + 1} {name:>9}: {'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
@@ -337,11 +349,13 @@ def main(argv=None):
             f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
             for r in k["rounds"] if r["rollouts"]))
         print(f"{'':>9}  {failure_line(k['failures'])}")
-    info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
-            "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
+
+
+def write(args, problems, runs, measures, info):
+    """--survival's file, the page and its PNG; an OSError is a one-line Exit."""
     try:
         if args.survival:
-            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **measures))
+            write_json(args.survival, dict(info, eviction=vars(info["eviction"]), problems=len(problems), **measures))
             print(f"wrote {args.survival}")
         if not args.out:
             return
@@ -351,7 +365,19 @@ def main(argv=None):
             render_png(problems, runs, args.png)
             print(f"wrote {args.png}")
     except OSError as e:
-        sys.exit(f"error: could not write {e.filename} ({e.strerror})")
+        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
+
+
+@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
+def main(argv=None):
+    args = parse_args(argv)
+    with one_line_errors():  # a CheckpointError is a ValueError
+        c, ev, problems = check(args)
+        runs, measures = trace_models(args, c, problems, ev)
+    print_lines(problems, runs, measures, page=bool(args.out))
+    info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
+            "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
+    write(args, problems, runs, measures, info)
 
 
 if __name__ == "__main__":

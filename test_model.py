@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 
 import rundir
 import settings
-import tasks
 import train
 
 from checkpoint import META_TOKEN, CheckpointError, add_meta_token, config_from_dict, from_pretrained, load_tokenizer

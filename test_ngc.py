@@ -19,7 +19,6 @@ import torch
 
 import baselines
 import model as model_module
-import eval as evaluation
 import ngc
 import settings
 import train
@@ -140,14 +139,15 @@ def test_losses_of_a_hand_built_batch_equal_the_equations(monkeypatch):
     monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, ev_lp))
     c = settings.Settings(mode="ngc", max_new_tokens=10)
     adv = torch.tensor([0.5, -0.5])
-    l_token, l_mem = train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)
+    terms = train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)
+    l_token, l_mem = terms["L_token"], terms["L_mem"]
     # L_token = -(0.5·(-3) + (-0.5)·(-1)) / (4·10) = 1/40
     assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)
     # rollout 0: layer means (-1-3)/2 = -2, (-2-4)/2 = -3; rollout 1: -0.5, -1.5 (one round)
     # L_mem = -(0.5·(-2-3) + (-0.5)·(-0.5-1.5)) / 4 = 1.5/4
     assert l_mem.item() == pytest.approx(1.5 / 4, abs=1e-9)
     c = replace(c, mode="token-only")
-    assert train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)[1] is None
+    assert list(train.policy_losses(None, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=4)) == ["L_token"]
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -161,7 +161,8 @@ def test_one_step_on_l_mem_moves_log_p_sigma_with_the_advantage(ckpt, sampled, s
         model = from_pretrained(ckpt)
         ro = sampled.select(torch.tensor([row]))
         before = replay(model, ro)[1].sum().item()
-        _, l_mem = train.policy_losses(model, ro, torch.tensor([sign]), train.MODES[c.mode], c.max_new_tokens, n_total=1)
+        terms = train.policy_losses(model, ro, torch.tensor([sign]), train.MODES[c.mode], c.max_new_tokens, n_total=1)
+        l_mem = terms["L_mem"]
         l_mem.backward()
         torch.optim.SGD(model.parameters(), lr=1e-3).step()
         after = replay(model, ro)[1].sum().item()
@@ -169,19 +170,20 @@ def test_one_step_on_l_mem_moves_log_p_sigma_with_the_advantage(ckpt, sampled, s
 
 
 def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
-    """--term-grad-norms: one extra backward gives ‖∇L_token‖, and ‖∇L_mem‖ is the total minus it."""
+    """--term-grad-norms: one extra backward per term gives ‖∇L_token‖ and ‖∇L_mem‖, each its own."""
     model = from_pretrained(ckpt)
     params = list(model.parameters())
     c = settings.Settings(mode="ngc", max_new_tokens=30)
     adv = torch.linspace(-1, 1, len(sampled.n_rounds))
-    diag = train.TermGradNorms(params)
+    diag = train.TermGradNorms(params, train.LOSSES)
     for rows in torch.arange(len(adv)).split(2):  # micro-batches, as in train.backward
-        l_token, l_mem = train.policy_losses(model, sampled.select(rows), adv[rows], train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
-        diag.add(l_token)
-        (l_token + l_mem).backward()
-    norms = diag.norms(has_mem=True)
-    l_token, l_mem = train.policy_losses(model, sampled, adv, train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
-    for loss, key in ((l_token, "grad_norm_token"), (l_mem, "grad_norm_mem")):
+        terms = train.policy_losses(model, sampled.select(rows), adv[rows], train.MODES[c.mode], c.max_new_tokens,
+                                    n_total=len(adv))
+        diag.add(terms)
+        (terms["L_token"] + terms["L_mem"]).backward()
+    norms = diag.norms()
+    terms = train.policy_losses(model, sampled, adv, train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
+    for loss, key in ((terms["L_token"], "grad_norm_token"), (terms["L_mem"], "grad_norm_mem")):
         grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         direct = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None])).item()
         assert norms[key] == pytest.approx(direct, rel=1e-4), key
@@ -198,7 +200,8 @@ def test_a_micro_batch_without_rounds_adds_nothing_to_l_mem(ckpt):
     c = settings.Settings(mode="ngc", max_new_tokens=5, micro_batch=1)
     adv = torch.tensor([1.0, -1.0])
     losses = train.backward(model, ro, adv, c)
-    _, l_mem = train.policy_losses(model, ro.select(torch.tensor([1])), adv[1:], train.MODES[c.mode], c.max_new_tokens, n_total=2)
+    l_mem = train.policy_losses(model, ro.select(torch.tensor([1])), adv[1:], train.MODES[c.mode], c.max_new_tokens,
+                                n_total=2)["L_mem"]
     assert losses["L_mem"] == pytest.approx(l_mem.item(), rel=1e-6) and l_mem.item() != 0
 
 
@@ -491,24 +494,24 @@ def test_ngc_round_by_hand():
     assert abs(logp - log_p([math.exp(v) for v in x])) > 1e-2
 
 
-EVAL_POLICIES = [name for name in evaluation.CLI_POLICIES if name != "none"]
+EVAL_POLICIES = list(baselines.POLICIES)
 
 
 @pytest.fixture(scope="module")
 def rollouts(model):
     runs = {}
     prompts, sampling = prompts_of([5, 17, 9]), Sampling(max_new_tokens=40, temperature=1.0, top_k=0)
+    roll = lambda e: rollout(model, prompts, sampling, e, eos_ids=[EOS], generator=torch.Generator().manual_seed(6))
+    own = {"task-rule": baselines.task_rule(prompts[0][1]),  # the target: the token after the first prompt's second
+           "number-rule": baselines.number_rule(torch.isin(torch.arange(model.config.vocab_size),  # the "numbers":
+                                                           torch.tensor(prompts[0])))}  # the first prompt's tokens
     for policy in EVAL_POLICIES:
-        how = dict(evaluation.CLI_POLICIES[policy])
-        if policy == "task-rule":  # the target: the token after the second token of the first prompt
-            how["score"] = baselines.task_rule(prompts[0][1])
-        if policy == "number-rule":  # the "numbers": the first prompt's tokens
-            how["score"] = baselines.number_rule(torch.isin(torch.arange(model.config.vocab_size), torch.tensor(prompts[0])))
-        if policy == "oracle":  # the full-cache reference from the same noise
-            ref = rollout(model, prompts, sampling, None, eos_ids=[EOS], generator=torch.Generator().manual_seed(6))
-            how["score"] = baselines.lookahead(baselines.future_attention(model, ref), 12)
-        e = Eviction(delta=12, block=3, window=4, rate=0.6, **how)
-        runs[policy] = e, rollout(model, prompts, sampling, e, eos_ids=[EOS], generator=torch.Generator().manual_seed(6))
+        layout = Eviction(delta=12, block=3, window=4, rate=0.6)
+        if policy in own:  # these bind a tokenizer's words; the random model's have no meaning
+            e = replace(layout, greedy=True, score=own[policy])
+        else:  # the oracle's reference: the full cache from the same noise
+            e = baselines.build(policy, baselines.Given(layout, model, None, "countdown", reference=lambda: roll(None)))
+        runs[policy] = e, roll(e)
     return runs
 
 
@@ -564,8 +567,7 @@ def test_targeted_dropout_scores_tokens_under_the_causal_mask(train_ckpt, model,
     adv = torch.tensor([1.0, -1.0, 0.5])
     replayed = []  # the token log-probs that policy_losses scored
     monkeypatch.setattr(train, "replay", lambda *args, **kwargs: replayed.append(replay(*args, **kwargs)) or replayed[-1])
-    _, l_mem = train.policy_losses(model, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=3)
-    assert l_mem is None
+    assert "L_mem" not in train.policy_losses(model, ro, adv, train.MODES[c.mode], c.max_new_tokens, n_total=3)
     tok_lp = replayed[0][0]
     causal, _ = replay(model, ro, causal=True)
     masked, _ = replay(model, ro)

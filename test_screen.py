@@ -15,7 +15,7 @@ from conftest import wait_for_log_lines, write_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A miniature of tiny/'s recipe: 2 steps of 2 prompts x 2 rollouts, 3 held-out problems x 1 sample.
-MINI = dict(prompt="tiny-layouts", difficulty="tiny", train_problems=64, eval_problems=3, eval_samples=1, steps=2,
+MINI = dict(prompt="tiny-shift", difficulty="tiny", train_problems=64, eval_problems=3, eval_samples=1, steps=2,
             prompts=2, group=2, max_new_tokens=12, temperature=1.0, top_k=0, delta=8, block=2, window=3,
             retention="0.75,0.5", stage_steps=1, micro_batch=4, eval_batch=8, save_every=1, lr=1e-3)
 

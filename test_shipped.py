@@ -1,5 +1,6 @@
-"""make_tiny.py and what ships built by it: the search and word-problem traces, the tiny/ and
-tiny-math/ models, the default run from tiny/ and README's math demonstration."""
+"""make_tiny.py and what ships built by it: the search and word-problem traces it pretrains on
+(countdown.trace, mathtask.demo_trace), the tiny/ and tiny-math/ models, the default run from tiny/
+and README's math demonstration."""
 import json
 import os
 import random
@@ -15,10 +16,10 @@ import tasks
 import make_tiny
 import mathtask as mt
 import train
-from countdown import tiny_prompt
-
 from checkpoint import from_pretrained, load_tokenizer
-from make_tiny import build_tokenizer, check_trace, split_problems, trace
+from conftest import one_line_error
+from countdown import check_trace, trace
+from make_tiny import build_tokenizer, split_problems
 from ngc import Eviction, Sampling, rollout
 
 
@@ -31,7 +32,7 @@ TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 
 def test_trace_example():
     p = cd.Problem((3, 5, 2), 16)
-    assert tiny_prompt(p) == "<bos> Countdown : reach 16 with 3 5 2 ."
+    assert cd.shift_prompt(p) == "<bos> Countdown : reach 16 with 3 5 2 . . . . . . . . ."
     assert trace(p) == "[ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 yes <answer> ( 5 + 3 ) * 2 </answer>"
 
 
@@ -63,8 +64,8 @@ def test_search_depends_on_target_only_through_verdicts():
 
 
 def test_restating_traces_write_the_target_after_numbers_and_still_replay():
-    """make_tiny.py --restate p: each `[ ... ]` is followed by `reach <target>` with probability p,
-    check_trace accepts the restatement of the right target only, and p = 0 draws nothing."""
+    """trace(problem, p, rng): each `[ ... ]` and each `back` is followed by `reach <target>` with
+    probability p, check_trace accepts the restatement of the right target only, and p = 0 draws nothing."""
     p = cd.Problem((3, 5, 2), 16)
     assert trace(p, 1.0, random.Random(0)) == ("[ 5 3 2 ] reach 16 5 + 3 = 8 [ 8 2 ] reach 16 + 10 no * 16 yes "
                                               "<answer> ( 5 + 3 ) * 2 </answer>")
@@ -74,88 +75,35 @@ def test_restating_traces_write_the_target_after_numbers_and_still_replay():
         t = trace(q, 0.25, rng)
         assert check_trace(q, t) and t.replace(f" reach {q.target}", "") == trace(q), (q, t)
         restated += t.count("reach")
-    assert 0.2 < restated / sum(len(trace(q).split("[")) - 1 for q in cd.generate(300, 5, cd.SMALL)) < 0.3
+    slots = sum(trace(q).count("[") + trace(q).split().count("back") for q in cd.generate(300, 5, cd.SMALL))
+    assert 0.2 < restated / slots < 0.3
     rng = random.Random(2)
     trace(p, 0.0, rng)
     assert rng.random() == random.Random(2).random()
 
 
-def slips_and_hits(problem, text):
-    """The leaves of a trace that reach the target: (judged no, judged yes)."""
-    words = text.split()
-    leaves = [words[k + 2] for k in range(len(words) - 2)  # `op w verdict`; a move is `a op b = v`
-              if words[k] in ("+", "*", "-", "/") and words[k + 1] == str(problem.target) and words[k + 2] in ("no", "yes")]
-    return leaves.count("no"), leaves.count("yes")
-
-
-def test_slipped_traces_say_no_at_the_target_and_search_on():
-    """make_tiny.py --slip s: a leaf that reaches the target is judged `no` with probability s and the
-    search goes on; a search without `yes` answers `none` (reward 0). Without slips every trace is the
-    deterministic one, and a slipped trace is not a correct one (check_trace)."""
-    p = cd.Problem((3, 5, 2), 16)
-    always = trace(p, slip=0.999999, rng=random.Random(0))
-    assert always.startswith("[ 5 3 2 ] 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no") and always.endswith("<answer> none </answer>")
-    assert "yes" not in always and cd.reward(always, p) == 0.0 and not check_trace(p, always)
-    rng, slips, hits, rewards = random.Random(3), 0, 0, []
-    for q in cd.generate(400, 11, cd.SMALL):
-        t = trace(q, slip=0.5, rng=rng)
-        no, yes = slips_and_hits(q, t)
-        slips, hits = slips + no, hits + yes
-        rewards.append(cd.reward(t, q))
-        assert yes == rewards[-1] and (yes == 0) == t.endswith("<answer> none </answer>")
-        d, w = trace(q).split(), t.split()  # up to its first slip, the deterministic search of the problem
-        k = d.index("yes")
-        assert w == d if no == 0 else (w[:k] == d[:k] and w[k] == "no")
-    assert abs(slips / (slips + hits) - 0.5) < 0.06, (slips, hits)  # each target leaf slips with probability 0.5
-    assert 0.5 < sum(rewards) / len(rewards) < 0.95  # a perfect imitator solves only part of them
-    # Negative control: --slip 0 never slips.
-    assert all(slips_and_hits(q, trace(q))[0] == 0 for q in cd.generate(200, 11, cd.SMALL))
-
-
-def test_per_trace_restating_follows_the_tag_rate():
-    """--restate per-trace (tiny/): a trace under a tag with rate r restates the target after each
-    `[ ... ]` with probability r, one without a rate (untagged or blind) with a probability drawn per
-    trace; with a fixed --restate the tag says nothing (the control)."""
-    tok = build_tokenizer(make_tiny.WORDS + make_tiny.LAYOUT_WORDS)
+def test_pretraining_examples_restate_at_one_rate_whatever_the_tag():
+    """tiny/'s pretraining examples: a trace restates the target after each `[ ... ]` and `back` with
+    probability RESTATE under a tag of a low or a high rate, a blind tag or none: the tag says
+    nothing about it."""
+    tok = build_tokenizer()
     problems = cd.generate(1500, 4, cd.SMALL)
 
-    def restated_by_tag(restate):
+    def restated_by_tag():
         rng, by = random.Random(0), {"low": [], "high": [], "-%": [], "none": []}
         for q in problems:
-            prompt, completion = make_tiny.countdown_example(tok, q, rng, restate, 0.0, "tiny-layouts")
+            prompt, completion = make_tiny.countdown_example(tok, q, rng)
             words = tok.decode(prompt + completion).split()
-            states, reach = words.count("["), words.count("reach") - 1  # the prompt's own `reach` aside
+            slots = words.count("[") + words.count("back")  # where a trace may restate the target
+            reach = words.count("reach") - 1  # the prompt's own `reach` aside
             tag = words[words.index("<eviction_rate>") + 1] if "<eviction_rate>" in words else "none"
             kind = tag if tag in ("-%", "none") else ("low" if int(tag[:-1]) < 25 else "high" if int(tag[:-1]) > 75 else None)
             if kind:
-                by[kind].append(reach / states)
+                by[kind].append(reach / slots)
         return {k: sum(v) / len(v) for k, v in by.items()}
 
-    per_trace = restated_by_tag(None)
-    assert per_trace["high"] > 0.8 and per_trace["low"] < 0.2, per_trace
-    assert 0.4 < per_trace["-%"] < 0.6 and 0.4 < per_trace["none"] < 0.6, per_trace
-    fixed = restated_by_tag(0.25)  # Negative control: the tag's rate changes nothing
-    assert all(abs(v - 0.25) < 0.05 for v in fixed.values()), fixed
-
-
-def test_layouts_vary_the_targets_position_and_keep_unseen_ones_out_of_training():
-    """tiny/'s prompts (tiny-layouts): 8 layouts, a function of the problem, with the target at
-    positions 4-11; the layouts of tiny-unseen never occur among them, and put the target at 8-15.
-    The rate of the budget tag is one token of its own (`50%`; blind `-%`, the same length)."""
-    tok = build_tokenizer(make_tiny.WORDS + make_tiny.LAYOUT_WORDS)
-    seen, unseen = {}, {}
-    for q in cd.generate(300, 2, cd.SMALL):
-        for prompts, style in ((seen, "tiny-layouts"), (unseen, "tiny-unseen")):
-            words = cd.PROMPTS[style](q).split()
-            layout = (words.count("."), words.index("reach") < words.index("with"))
-            prompts.setdefault(layout, set()).add(words.index(str(q.target), words.index("reach")))
-            assert tok.token_to_id("<unk>") not in tok.encode(" ".join(words)).ids
-    assert len(seen) == 8 and len(unseen) == 8 and not set(seen) & set(unseen)
-    assert set().union(*seen.values()) == set(range(4, 12)) and set().union(*unseen.values()) == set(range(8, 16))
-    q = cd.Problem((3, 5, 2), 16)
-    tagged, blind = (tok.encode(cd.layouts_prompt(q, 0.5, b)).ids for b in (False, True))
-    assert tok.decode(tagged[-3:]) == "<eviction_rate> 50% </eviction_rate>" and len(tagged) == len(blind)
-    assert [i for i, (a, b) in enumerate(zip(tagged, blind)) if a != b] == [len(tagged) - 2]
+    rates = restated_by_tag()
+    assert make_tiny.RESTATE == 0.25 and all(abs(v - 0.25) < 0.05 for v in rates.values()), rates
 
 
 def test_shift_layouts_move_the_targets_block_and_keep_every_block_and_length():
@@ -163,7 +111,7 @@ def test_shift_layouts_move_the_targets_block_and_keep_every_block_and_length():
     training and 2 in tiny-shift-unseen, every layout has the same length (rounds fire at the same
     tokens), the target's block has the same contents in every layout and the next one starts with the
     last number."""
-    tok = build_tokenizer(make_tiny.WORDS + make_tiny.LAYOUT_WORDS)
+    tok = build_tokenizer()
     blocks = {}
     for q in cd.generate(300, 2, cd.SMALL):
         for style in ("tiny-shift", "tiny-shift-unseen"):
@@ -181,47 +129,19 @@ def test_shift_layouts_move_the_targets_block_and_keep_every_block_and_length():
 
 
 def test_bare_back_returns_without_the_numbers_and_still_replays():
-    """make_tiny.py --back bare: a dead end returns with `back` alone (restated target or not), the
-    search is otherwise the same, and check_trace replays it; a wrong move after a bare back fails."""
+    """A dead end returns with `back` alone (restated target or not), the next move starts again
+    from the first `[ ... ]`'s numbers, and check_trace replays it; a wrong move after a bare back fails."""
     p = cd.Problem((8, 7, 1), 63)
-    full, bare = trace(p), trace(p, bare_back=True)
-    assert bare == full.replace("back [ 8 7 1 ]", "back") and "back [" not in bare and bare.count("back") == 3
-    assert check_trace(p, bare) and check_trace(p, full)
+    bare = trace(p)
+    assert bare == ("[ 8 7 1 ] 8 + 7 = 15 [ 15 1 ] + 16 no * 15 no - 14 no / 15 no back 8 * 7 = 56 [ 56 1 ] + 57 no "
+                    "* 56 no - 55 no / 56 no back 8 - 7 = 1 [ 1 1 ] + 2 no * 1 no - 0 no / 1 no back 8 + 1 = 9 [ 9 7 ] "
+                    "+ 16 no * 63 yes <answer> ( 8 + 1 ) * 7 </answer>")
+    assert "back [" not in bare and bare.count("back") == 3 and check_trace(p, bare)
     assert not check_trace(p, bare.replace("back 8 - 7 = 1", "back 8 - 7 = 2"))  # negative control
     rng = random.Random(5)
     for q in cd.generate(300, 6, cd.SMALL):
-        t = trace(q, 0.25, rng, bare_back=True)
+        t = trace(q, 0.25, rng)
         assert check_trace(q, t) and cd.reward(t, q) == 1.0, (q, t)
-
-
-def test_make_tiny_evaluates_a_model_as_its_ngc_json_prompts_it(tmp_path, monkeypatch):
-    """--eval-only reads the prompt style from the model's ngc.json: an earlier model (--prompt tiny)
-    is evaluated on its own one layout, the shipped one on tiny-shift (the control)."""
-    evaluate = ["--eval-only", "--train-problems", "50", "--n-test", "2"]
-    seen = {}
-    monkeypatch.setattr(make_tiny, "report", lambda model, tok, test, task, cap: seen.update(
-        prompt=tok.decode(task.encode(tok, cd.Problem((3, 5, 2), 16)), skip_special_tokens=False)))
-    _build_small(tmp_path / "old", 0, "--prompt", "tiny", "--back", "numbers")
-    make_tiny.main(["--out", str(tmp_path / "old"), *evaluate])
-    assert seen["prompt"] == "<bos> Countdown : reach 16 with 3 5 2 ."
-    _build_small(tmp_path / "new", 0)
-    make_tiny.main(["--out", str(tmp_path / "new"), *evaluate])
-    assert seen["prompt"] == "<bos> Countdown : reach 16 with 3 5 2 . . . . . . . . ."
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--restate", "1.5"], "--restate 1.5 must lie in [0, 1]"), (["--restate", "often"], "argument --restate"),
-    (["--slip", "1"], "--slip 1.0 must lie in [0, 1)"),
-    (["--prompt", "tiny", "--slip", "0.5"], "--slip 0.5: a slipped search"),
-    (["--prompt", "tiny", "--restate", "per-trace"], "--restate per-trace"),
-    (["--task", "math", "--restate", "0.2"], "--restate, --slip and --back shape Countdown's traces"),
-    (["--task", "math", "--slip", "0.2"], "--restate, --slip and --back shape Countdown's traces"),
-    (["--task", "math", "--back", "bare"], "--restate, --slip and --back shape Countdown's traces")])
-def test_make_tiny_refuses_traces_it_cannot_write(tmp_path, flags, message):
-    with pytest.raises(SystemExit) as err:
-        make_tiny.main(["--out", str(tmp_path / "t"), "--steps", "1", *flags])
-    assert message in str(err.value) and "\n" not in str(err.value), err.value
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -239,10 +159,9 @@ def test_make_tiny_refuses_traces_it_cannot_write(tmp_path, flags, message):
 def test_make_tiny_checks_every_flag_before_it_builds_anything(tmp_path, monkeypatch, flags, message):
     monkeypatch.setattr(make_tiny, "init_weights", None)  # nothing may be built
     monkeypatch.setattr(make_tiny, "report", None)  # nor evaluated
-    with pytest.raises(SystemExit) as err:
-        make_tiny.main(["--out", str(tmp_path / "t"), "--train-problems", "10", "--n-test", "5", *flags])
-    assert isinstance(err.value.code, str) and err.value.code.startswith(f"error: {message}"), err.value.code
-    assert "\n" not in err.value.code and list(tmp_path.iterdir()) == []
+    argv = ["--out", str(tmp_path / "t"), "--train-problems", "10", "--n-test", "5", *flags]
+    said = one_line_error(lambda: make_tiny.main(argv))
+    assert said.startswith(f"error: {message}") and list(tmp_path.iterdir()) == [], said
 
 
 def test_make_tiny_never_replaces_what_it_did_not_build(tmp_path, monkeypatch):
@@ -254,9 +173,9 @@ def test_make_tiny_never_replaces_what_it_did_not_build(tmp_path, monkeypatch):
     (tmp_path / "a-file").write_text("mine too")
     for out, message in ((tmp_path / "notes", f"--out {tmp_path / 'notes'} holds keep.txt, which a build would delete"),
                          (tmp_path / "a-file", f"--out {tmp_path / 'a-file'} is a file")):
-        with pytest.raises(SystemExit) as err:
-            make_tiny.main(["--out", str(out), "--steps", "1", "--train-problems", "10", "--n-test", "5"])
-        assert err.value.code.startswith(f"error: {message}") and "\n" not in err.value.code, err.value.code
+        argv = ["--out", str(out), "--steps", "1", "--train-problems", "10", "--n-test", "5"]
+        said = one_line_error(lambda: make_tiny.main(argv))
+        assert said.startswith(f"error: {message}"), said
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine" and (tmp_path / "a-file").read_text() == "mine too"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "keep.txt", "notes"]
     make_tiny.check_out(TINY_DIR)  # the control: an earlier build (tiny/ itself) may be rebuilt in place
@@ -292,13 +211,13 @@ def test_tokenizer_round_trips_a_trace():
     tok = build_tokenizer()
     unk = tok.token_to_id("<unk>")
     for p in cd.generate(100, 3, cd.SMALL):
-        text = tiny_prompt(p) + " " + trace(p)
+        text = cd.shift_prompt(p) + " " + trace(p)
         ids = tok.encode(text).ids
         assert unk not in ids and ids[0] == tok.token_to_id("<bos>") and ids.count(ids[0]) == 1
         assert len(ids) == len(text.split())  # one token per word, numbers included
         assert tok.decode(ids, skip_special_tokens=False) == text
-        tagged = tok.encode(tiny_prompt(p, eviction_rate=0.5)).ids  # the --interoception prompt
-        assert unk not in tagged and tok.decode(tagged[-4:]) == "<eviction_rate> 50 % </eviction_rate>"
+        tagged = tok.encode(cd.shift_prompt(p, eviction_rate=0.5)).ids  # the --interoception prompt
+        assert unk not in tagged and tok.decode(tagged[-3:]) == "<eviction_rate> 50% </eviction_rate>"
         completion = tok.decode(tok.encode(trace(p)).ids + [tok.token_to_id("<eos>")], skip_special_tokens=True)
         assert cd.reward(completion, p) == 1.0
 
@@ -417,14 +336,14 @@ SHELF = mt.Problem("A shelf has 8 rows of 12 books. Mia adds 37 more books. How 
 
 
 def test_math_trace_example():
-    assert make_tiny.math_trace(SHELF) == (
+    assert mt.demo_trace(SHELF) == (
         "1 : 12 , 2 : 24 , 3 : 36 , 4 : 48 , 5 : 60 , 6 : 72 , 7 : 84 , 8 : 96 , so 96 books . "
         "96 + 37 : 6 + 7 = 13 , 90 + 30 + 10 = 130 , 130 + 3 = 133 . \\boxed { 133 }")
     apples = mt.Problem("Tom has 8 boxes of 12 apples and gives away 37 apples. How many apples are left?", "59")
-    assert make_tiny.math_trace(apples).endswith(
+    assert mt.demo_trace(apples).endswith(
         "so 96 apples . 96 - 37 : 16 - 7 = 9 , 90 - 10 - 30 = 50 , 50 + 9 = 59 . \\boxed { 59 }")
     with pytest.raises(ValueError, match="not one of mathtask.TEMPLATES"):
-        make_tiny.math_trace(mt.Problem("What is 2 + 3?", "5"))
+        mt.demo_trace(mt.Problem("What is 2 + 3?", "5"))
 
 
 def _column_result(x, y, text):
@@ -450,9 +369,9 @@ def _column_result(x, y, text):
 def test_columns_add_and_subtract(op):
     for x in range(0, 300, 7):
         for y in range(0, x + 1, 3):
-            assert _column_result(x, y, make_tiny.columns(x, op, y)) == (x + y if op == "+" else x - y), (x, op, y)
+            assert _column_result(x, y, mt.columns(x, op, y)) == (x + y if op == "+" else x - y), (x, op, y)
     with pytest.raises(AssertionError):  # the control: a dropped carry is caught
-        _column_result(96, 37, make_tiny.columns(96, "+", 37).replace(" + 10 = 130", " = 130"))
+        _column_result(96, 37, mt.columns(96, "+", 37).replace(" + 10 = 130", " = 130"))
 
 
 def test_math_traces_decode_to_reward_one():
@@ -461,12 +380,12 @@ def test_math_traces_decode_to_reward_one():
     tok = build_tokenizer(make_tiny.MATH_WORDS)
     unk, eos = tok.token_to_id("<unk>"), tok.token_to_id("<eos>")
     problems, _ = mt.demo_splits(5, 400, 1)
-    assert {u for p in problems for u in make_tiny.MATH_LAST_STEP if f" {u}" in p.question} == set(make_tiny.MATH_LAST_STEP)
+    assert {u for p in problems for u in mt.DEMO_LAST_STEP if f" {u}" in p.question} == set(mt.DEMO_LAST_STEP)
     for p in problems:
-        ids = tok.encode(make_tiny.math_trace(p)).ids
-        assert unk not in ids and len(ids) == len(make_tiny.math_trace(p).split())
+        ids = tok.encode(mt.demo_trace(p)).ids
+        assert unk not in ids and len(ids) == len(mt.demo_trace(p).split())
         completion = tok.decode(ids + [eos], skip_special_tokens=True)
-        assert completion == make_tiny.math_trace(p) and mt.reward(completion, p) == 1.0
+        assert completion == mt.demo_trace(p) and mt.reward(completion, p) == 1.0
 
 
 @pytest.mark.parametrize("corrupt", [
@@ -476,7 +395,7 @@ def test_math_traces_decode_to_reward_one():
     lambda t: t.replace("\\boxed", "boxed"),  # no box
 ])
 def test_corrupted_math_trace_scores_zero(corrupt):
-    t = make_tiny.math_trace(SHELF)
+    t = mt.demo_trace(SHELF)
     assert mt.reward(t, SHELF) == 1.0
     bad = corrupt(t)
     assert bad != t and mt.reward(bad, SHELF) == 0.0

@@ -11,7 +11,6 @@ import sys
 import time
 from dataclasses import replace
 from fractions import Fraction
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 import countdown as cd
 import mathtask as mt
 import settings
+from conftest import one_line_error
 from countdown import PAPER, SMALL, SMALL_BACK, Problem
 
 
@@ -152,13 +152,12 @@ def test_backtracks_is_whether_the_search_goes_back_after_its_first_move():
     """The traces' depth-first search first adds the two largest numbers; a problem backtracks unless
     that sum and the third number reach the target in one operation. By hand for 4 12 7: 12 + 7 = 19,
     then 23, 76 and 15 (19 / 4 is not exact); 20 = (12 - 7) * 4 and 88 = 12 * 7 + 4 need other first
-    moves. The same verdict as a `back` in make_tiny.py's traces on every tiny held-out problem."""
-    import make_tiny
+    moves. The same verdict as a `back` in the search traces (trace) on every tiny held-out problem."""
     p = lambda target: Problem((4, 12, 7), target)
     assert [cd.backtracks(p(t)) for t in (23, 76, 15)] == [False] * 3
     assert cd.backtracks(p(20)) and cd.backtracks(p(88))
     assert cd.backtracks(Problem((2, 3, 10), 50))  # 10 * (3 + 2), while 10 + 3 = 13 reaches 15, 26 and 11
-    verdicts = [(cd.backtracks(q), "back" in make_tiny.trace(q, bare_back=True)) for q in cd.held_out(SMALL)]
+    verdicts = [(cd.backtracks(q), "back" in cd.trace(q)) for q in cd.held_out(SMALL)]
     assert all(mine == trace for mine, trace in verdicts) and 0 < sum(v for v, _ in verdicts) < len(verdicts)
 
 
@@ -748,7 +747,7 @@ def test_demo_cli_writes_the_files_and_refuses_bad_sizes(tmp_path):
     assert "wrote 20 train and 5 test problems" in out.stdout
     assert len(mt.load(str(tmp_path / "d" / "test.jsonl"))) == 5
     out = cli("--train", "0")
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines() == ["error: --train 0 must be at least 1"]
 
 
@@ -760,8 +759,6 @@ def test_the_demo_set_refuses_more_problems_than_its_templates_allow(tmp_path, m
     assert len({p.question for p in train + test}) == 60
     with pytest.raises(ValueError, match="the demo set has too few distinct problems for 5000 train and 10 held-out"):
         mt.demo_splits(0, 5000, 10, patience=2000)
-    with pytest.raises(SystemExit) as err:  # its command line: one line naming its flags
-        mt.main(["--make-demo", str(tmp_path / "d"), "--train", "5000", "--test", "10"])
-    assert err.value.code.startswith("error: --train 5000 --test 10: the demo set has too few distinct problems")
-    assert "\n" not in err.value.code
+    said = one_line_error(lambda: mt.main(["--make-demo", str(tmp_path / "d"), "--train", "5000", "--test", "10"]))
+    assert said.startswith("error: --train 5000 --test 10: the demo set has too few distinct problems")  # its flags
     assert list(tmp_path.iterdir()) == []  # checked before the folder is made

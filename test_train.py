@@ -93,7 +93,8 @@ def test_l_mem_of_a_hand_built_batch_under_each_normaliser_and_weight(monkeypatc
     tok_lp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [-0.5, -0.5, 0.0, 0.0]])
     monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, HAND_EV_LP))
     ro = SimpleNamespace(n_rounds=torch.tensor([2, 1]))
-    l_token, l_mem = train.policy_losses(None, ro, torch.tensor([0.5, -0.5]), train.MODES["ngc"], 10, 4, norm, weight)
+    terms = train.policy_losses(None, ro, torch.tensor([0.5, -0.5]), train.MODES["ngc"], 10, 4, norm, weight)
+    l_token, l_mem = terms["L_token"], terms["L_mem"]
     assert l_mem.item() == pytest.approx(expected, abs=1e-7)  # float32
     assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)  # -(0.5·(-3) + (-0.5)·(-1)) / 40: neither changes it
 
@@ -110,7 +111,7 @@ def test_the_logged_l_mem_and_its_gradient_norm_are_of_the_weighted_term(ckpt, s
         c = settings.Settings(mode="ngc", max_new_tokens=60, micro_batch=2, term_grad_norms=True, mem_norm=norm,
                               mem_weight=weight)
         out[weight] = train.backward(model, sampled, adv, c)
-        whole = train.policy_losses(model, sampled, adv, train.MODES["ngc"], 60, len(adv), norm, weight)[1]
+        whole = train.policy_losses(model, sampled, adv, train.MODES["ngc"], 60, len(adv), norm, weight)["L_mem"]
         assert out[weight]["L_mem"] == pytest.approx(whole.item(), rel=1e-5)  # the micro-batches add up to it
         out[weight]["total"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
     one, four = out[1.0], out[4.0]
@@ -299,7 +300,7 @@ def test_a_save_past_a_real_file_size_limit_keeps_the_previous_checkpoint(train_
                            "--steps", "3", "--save-every", "1", "--threads", "1"],
                           cwd=os.path.dirname(train.__file__), capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert proc.returncode == 2 and "Traceback" not in out, out
     error = proc.stderr.strip()
     assert error.startswith("error: could not save step 3: writing ") and "\n" not in error, out
     assert {"model.safetensors": "SafetensorError", "trainer.pt": "RuntimeError"}[fails] in error
@@ -350,7 +351,7 @@ def test_two_runs_on_one_run_directory_one_trains_the_other_stops_in_one_line(tr
         winner = next(p for p in procs if f"{p.pid}\n" == (run / "lock").read_text())  # it wrote its id there
         loser = procs[1 - procs.index(winner)]
         out, err = loser.communicate(timeout=120)
-        assert loser.returncode == 1 and winner.poll() is None, out + err
+        assert loser.returncode == 2 and winner.poll() is None, out + err
         assert err.strip() == (f"error: {run} is in use: process {winner.pid} is training there (it holds {run}/lock); "
                                f"wait for it to end or stop it, or choose another --out"), out + err
         assert "Traceback" not in out + err and "NGC on" not in out  # stopped before its banner

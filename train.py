@@ -16,7 +16,6 @@ This file is the method, top to bottom: modes, curriculum, objective, one step, 
 command line. Run directory and its guard (signals, divergence, failed saves), processes, checkpoints
 and evaluation are called, not written, here.
 """
-import argparse
 import contextlib
 import functools
 import os
@@ -38,12 +37,21 @@ from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
 from tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
 
+LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record, checks and line follow them
+
+
 @dataclass(frozen=True)
 class Mode:
     evict: bool  # evict during rollouts
     replay_masks: bool  # token log-probs under the per-layer replay masks (else the plain causal mask)
     eviction_loss: bool  # add L_mem
     token_loss: bool = True  # follow L_token (else it is only logged)
+
+    def logs(self, term: str) -> bool:
+        return term != "L_mem" or self.eviction_loss
+
+    def trains(self, term: str) -> bool:
+        return self.eviction_loss if term == "L_mem" else self.token_loss
 
 
 MODES = {
@@ -95,8 +103,10 @@ def group_advantages(reward, group: int):
 
 
 def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm: str = "paper",
-                  mem_weight: float = 1.0):
-    """L_token and mem_weight · L_mem (None when the mode has none) of rollouts ro with advantages adv (B,).
+                  mem_weight: float = 1.0) -> dict:
+    """The loss's terms for rollouts ro with advantages adv (B,), by name: "L_token" (eq. 3) and, when
+    the mode has it and a round fired, "L_mem" (eq. 4, times mem_weight). The step's loss is their sum
+    over the terms the mode trains (Mode.trains); its record logs each.
 
     Both are normalised by the whole step's rollout count n_total (L_token also by the max completion
     length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss. L_mem's normaliser:
@@ -104,67 +114,72 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int,
       joint  log p(σ) summed over a rollout's rounds and layers, / (n_total · max_new_tokens), L_token's
              constant: tokens and evictions are actions of one policy (§4.4), and this is its exact gradient"""
     tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)  # (B, T), (B, R, L)
-    l_token = -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)  # eq. (3)
-    l_mem = None
+    terms = {"L_token": -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)}  # eq. (3)
     if mode.eviction_loss and ev_lp is not None:
         if mem_norm == "paper":  # eq. (4)
             per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
             l_mem = -(adv[:, None] * per_layer).sum() / n_total  # summed over layers
         else:  # every round at every layer (rounds that did not fire hold 0)
             l_mem = -(adv * ev_lp.sum((1, 2))).sum() / (n_total * max_new_tokens)
-        l_mem = mem_weight * l_mem
-    return l_token, l_mem
+        terms["L_mem"] = mem_weight * l_mem
+    return terms
+
+
+def grad_norm_key(term: str) -> str:
+    return "grad_norm_" + term.removeprefix("L_")  # L_mem -> grad_norm_mem
 
 
 class TermGradNorms:
-    """--term-grad-norms (the paper's Figure 5): ‖∇L_token‖ and ‖∇L_mem‖ apart. One extra backward
-    per micro-batch accumulates ∇L_token into a buffer; ∇L_mem is the total minus it."""
+    """--term-grad-norms (the paper's Figure 5): each trained term's gradient norm apart, from one more
+    backward per term and micro-batch into a buffer of its own (a term the mode logs but does not
+    train keeps a zero buffer)."""
 
-    def __init__(self, params):
-        self.params, self.acc = params, [torch.zeros_like(p) for p in params]
+    def __init__(self, params, terms):
+        self.params = params
+        self.acc = {term: [torch.zeros_like(p) for p in params] for term in terms}
 
-    def add(self, l_token):
-        grads = torch.autograd.grad(l_token, self.params, retain_graph=True, allow_unused=True)
-        for a, g in zip(self.acc, grads):
-            if g is not None:
-                a += g
+    def add(self, terms: dict):
+        for term, loss in terms.items():
+            grads = torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
+            for a, g in zip(self.acc[term], grads):
+                if g is not None:
+                    a += g
 
-    def norms(self, has_mem: bool) -> dict:
+    def norms(self) -> dict:
         norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])).item()
-        total = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        return {"grad_norm_token": norm(self.acc),
-                "grad_norm_mem": norm([t - a for t, a in zip(total, self.acc)]) if has_mem else None}
+        return {grad_norm_key(term): norm(acc) for term, acc in self.acc.items()}
 
 
 def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     """Replay the rollouts that carry signal (A = 0 contributes nothing) in micro-batches,
-    accumulate ∇(L_token + L_mem), and average it over the processes. The losses are normalised
-    by this process's rollout count, so the average is the single-process gradient of all of them."""
+    accumulate the gradient of the loss (the sum of the terms the mode trains), and average it over
+    the processes. The losses are normalised by this process's rollout count, so the average is the
+    single-process gradient of all of them. Returns each term the mode logs, summed over the
+    micro-batches, and (asked) each one's gradient norm; None for the terms it does not log."""
     params = [p for p in model.parameters() if p.requires_grad]
     mode = MODES[c.mode]
-    diag = TermGradNorms(params) if c.term_grad_norms else None
-    l_token_sum, l_mem_sum = 0.0, 0.0 if mode.eviction_loss else None
+    logged = [term for term in LOSSES if mode.logs(term)]
+    diag = TermGradNorms(params, logged) if c.term_grad_norms else None
+    sums = dict.fromkeys(logged, 0.0)  # a micro-batch without a round adds 0 to L_mem
     learn = torch.nonzero(adv).flatten()
     learn = learn[ro.lengths[learn].argsort(stable=True)]  # rollouts of like length together: less padding to replay
     chunks = [(rows, adv[rows]) for rows in learn.split(c.micro_batch)] if len(learn) else []
     chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many on every process
     for rows, a in chunks:
         with amp:
-            l_token, l_mem = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, len(adv), c.mem_norm,
-                                           c.mem_weight)
-        if diag and mode.token_loss:
-            diag.add(l_token)
-        loss = l_token if mode.token_loss else 0 * l_token  # (a graph still: with FSDP every backward runs)
-        (loss if l_mem is None else loss + l_mem).backward()
-        l_token_sum += l_token.item()
-        if l_mem is not None:  # None: no rollout of this micro-batch had a round, so L_mem adds 0
-            l_mem_sum += l_mem.item()
+            terms = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, len(adv), c.mem_norm, c.mem_weight)
+        if diag:
+            diag.add({term: loss for term, loss in terms.items() if mode.trains(term)})
+        parts = [loss if mode.trains(term) else 0 * loss for term, loss in terms.items()]  # 0 ·: still a graph,
+        sum(parts[1:], parts[0]).backward()  # since under FSDP every process runs every backward
+        for term, loss in terms.items():
+            sums[term] += loss.item()
     distributed.average_gradients(params)
-    if diag:
-        distributed.average_gradients(params, diag.acc)
-    losses = distributed.mean_over_processes({"L_token": l_token_sum, **({"L_mem": l_mem_sum} if mode.eviction_loss else {})})
-    norms = diag.norms(mode.eviction_loss) if diag else {"grad_norm_token": None, "grad_norm_mem": None}
-    return {"L_token": losses["L_token"], "L_mem": losses.get("L_mem"), **norms}
+    for acc in diag.acc.values() if diag else []:
+        distributed.average_gradients(params, acc)
+    sums = distributed.mean_over_processes(sums)
+    norms = diag.norms() if diag else {}
+    return {**{t: sums.get(t) for t in LOSSES}, **{grad_norm_key(t): norms.get(grad_norm_key(t)) for t in LOSSES}}
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,9 +233,9 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
         zero_adv_groups=(adv.view(-1, G) == 0).all(1).float().mean(),  # groups that teach nothing
         sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
     return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,  # the log's record
-            "response_len": m["response_len"], "rounds": m["rounds"], "L_token": losses["L_token"],
-            "L_mem": losses["L_mem"], "grad_norm": grad_norm, "grad_norm_token": losses["grad_norm_token"],
-            "grad_norm_mem": losses["grad_norm_mem"], "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
+            "response_len": m["response_len"], "rounds": m["rounds"], **{t: losses[t] for t in LOSSES},
+            "grad_norm": grad_norm, **{grad_norm_key(t): losses[grad_norm_key(t)] for t in LOSSES},
+            "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
             "rollout_time": t_rollout, "replay_time": t_replay, "tokens_per_s": m["tokens_per_s"],
             "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
 
@@ -280,7 +295,7 @@ def main(argv=None, reward_fn=None):
             if c.eval_every and run.step % c.eval_every == 0:
                 run_eval()
             m = step_gradients(model, tokenizer, train, run.step, c, amp, reward_fn, progress=interactive)
-            rundir.check_finite({k: m[k] for k in ("sampled_logprob", "L_token", "L_mem", "grad_norm")})
+            rundir.check_finite({k: m[k] for k in ("sampled_logprob", *LOSSES, "grad_norm")})
             with rundir.signals_held():  # an update and its log record land together, or neither does
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -308,7 +323,7 @@ def main(argv=None, reward_fn=None):
 def parse_args(argv=None):
     """Flags, one per setting (settings.py); --help shows the defaults a run would use: the paper's,
     or --model's ngc.json over them."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = parser(add_help=False)
     pre.add_argument("--model", default=settings.COUNTDOWN.model)
     pre.add_argument("--task", choices=list(settings.RECIPES))
     known = pre.parse_known_args(argv)[0]
@@ -385,9 +400,9 @@ def banner(c, model, step) -> str:
 
 
 def step_line(m, steps) -> str:
-    mem = "" if m["L_mem"] is None else f" | L_mem {m['L_mem']:+.4f}"
+    losses = "".join(f" | {t} {m[t]:+.5f}" for t in LOSSES if m[t] is not None)
     return (f"step {m['step'] + 1}/{steps} | reward {m['reward']:.3f} | ε {m['eps']:.2f} | "
-            f"len {m['response_len']:.0f} | L_token {m['L_token']:+.5f}{mem} | {m['step_time']:.1f} s")
+            f"len {m['response_len']:.0f}{losses} | {m['step_time']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,198 @@
+"""reproduce.py: the runs it trains and reuses, its curves and tables, the claims."""
+import json
+import os
+
+import pytest
+import torch
+
+import eval as evaluation
+import reproduce
+import settings
+import train
+
+from conftest import STEP_KEYS, files_under, one_line_error, reached
+
+
+def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
+    """reproduce.py draws Figure 5 from logs whose steps may carry null grad norms (no learning
+    signal, or --no-term-grad-norms): the figure is written, nothing raises."""
+    pytest.importorskip("matplotlib")
+    import reproduce
+    for name, norms in (("ngc", [0.5, None, 0.7]), ("token-only", [None, None, None])):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        with open(tmp_path / "runs" / name / "log.jsonl", "w") as f:
+            for step, g in enumerate(norms):
+                f.write(json.dumps({**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.5,
+                                    "grad_norm_token": g, "grad_norm_mem": g}) + "\n")
+    for seed in (1,):  # a second seed of ngc, with other norms: the figure shows means over seeds
+        (tmp_path / "runs" / f"ngc-seed{seed}").mkdir(parents=True)
+        (tmp_path / "runs" / f"ngc-seed{seed}" / "log.jsonl").write_text("".join(
+            json.dumps({**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
+                        "grad_norm_mem": None}) + "\n" for step in range(3)))
+    reproduce.curves(str(tmp_path), ["ngc", "token-only"], 1, str(tmp_path / "ablations.png"))
+    assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(FileNotFoundError):  # token-only has no second seed
+        reproduce.curves(str(tmp_path), ["ngc", "token-only"], 2, str(tmp_path / "ablations.png"))
+    reproduce.curves(str(tmp_path), ["ngc"], 2, str(tmp_path / "ablations-2.png"))
+    assert (tmp_path / "ablations-2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
+    """over_seeds: one row per (run, policy, ε) with the mean over seeds, the standard deviation
+    across seeds, and the mean binomial standard error sqrt(p(1-p)/n), n = problems x samples."""
+    import reproduce
+    row = dict(policy="ngc", length=100.0, rounds=4.0, kv_reduction=2.0, problems=200)
+    rows = [dict(row, run="ngc", eviction_rate=0.5, seed=0, accuracy=0.3, samples=2),
+            dict(row, run="ngc", eviction_rate=0.5, seed=1, accuracy=0.5, samples=2, kv_reduction=3.0),
+            dict(row, run="ngc", eviction_rate=0.7, seed=0, accuracy=0.1, samples=1)]
+    two, one = reproduce.over_seeds(rows)
+    assert (two["eviction_rate"], two["seeds"], one["seeds"]) == (0.5, 2, 1)
+    assert abs(two["accuracy"] - 0.4) < 1e-12 and abs(two["kv_reduction"] - 2.5) < 1e-12
+    assert abs(two["accuracy_sd"] - (0.02 ** 0.5)) < 1e-12  # sample sd of 0.3, 0.5
+    assert abs(two["accuracy_se"] - ((0.21 / 400) ** 0.5 + (0.25 / 400) ** 0.5) / 2) < 1e-12
+    assert one["accuracy_sd"] == 0.0 and abs(one["accuracy_se"] - (0.09 / 200) ** 0.5) < 1e-12
+    table = reproduce.markdown([two, one])
+    assert "| 40.0% ± 14.1 | 2.4 |" in table and "| 10.0% | 2.1 |" in table
+    assert [reproduce.run_name("ngc", k) for k in range(3)] == ["ngc", "ngc-seed1", "ngc-seed2"]
+    # the plots' error bars: the spread across seeds, else one evaluation's binomial standard error
+    assert evaluation.error_bar(two) == two["accuracy_sd"] and evaluation.error_bar(one) == one["accuracy_se"]
+    assert evaluation.error_bar(dict(accuracy=0.3, problems=200, samples=2)) == (0.21 / 400) ** 0.5
+
+
+def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
+    """claims.md: each claim against its goal. The best task-agnostic baseline and the best task
+    rule are the strongest of each kind on either model, NGC's multiple of the one and its margin
+    over the other in SEs, the fraction of the gap from the best baseline to the oracle on NGC's own
+    model that NGC closes; the oracle never counts as a baseline; "met" follows each goal."""
+    import reproduce
+    row = lambda run, policy, acc, rate=0.5, length=80.0: dict(
+        run=run, policy=policy, eviction_rate=rate, accuracy=acc, accuracy_sd=0.01, accuracy_se=0.02, seeds=3,
+        kv_reduction=2.2, length=length)
+    baselines = [row("no-evict", "none", 0.96, 0.0), row("no-evict", "oracle", 0.8)] + [
+        row("no-evict", p, 0.4 if p == "task-rule" else 0.05) for p in reproduce.BASELINES]
+    sweep = [row("ngc", "ngc", 0.8 - e / 2, e) for e in reproduce.SWEEP]  # 0.5, 0.45, 0.4 at ε = 0.6, 0.7, 0.8
+    studies = {"untrained": [row("u", "none", 0.6, 0.0), row("u", "ngc", 0.1)],
+               "baselines": baselines, "ngc": [row("ngc", "none", 0.98, 0.0), row("ngc", "ngc", 0.6),
+                                               row("ngc", "oracle", 0.9), row("ngc", "task-rule", 0.45),
+                                               row("ngc", "random", 0.1)],
+               "greedy": [row("ngc", "ngc", 0.55)], "token-only": [row("t", "ngc", 0.3)],
+               "targeted-dropout": [row("d", "ngc", 0.02)], "sweep": sweep,
+               "sweep-baselines": [row("no-evict", "task-rule", 0.45 if e == 0.8 else 0.2, e) for e in reproduce.SWEEP[1:]],
+               "interoception": [row("i", "ngc", 0.2, e, 90.0) for e in reproduce.INTERO_SWEEP],
+               "interoception-blind": [row("b", "ngc", 0.05, e) for e in reproduce.INTERO_SWEEP],
+               "tag-0.25": [row("i", "ngc", 0.1, reproduce.TAG_CHECK, 70.0)],
+               "tag-blind": [row("i", "ngc", 0.12, reproduce.TAG_CHECK, 75.0)],
+               "shifted-ngc": [row("ngc", "none", 0.97, 0.0), row("ngc", "ngc", 0.3)],
+               "shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.1)],
+               "shifted-baselines": [row("no-evict", "task-rule", 0.35)]}
+
+    def claims(studies):
+        text = reproduce.claims_markdown(studies)
+        return text, {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:]}
+
+    text, lines = claims(studies)
+    assert "full cache before training 60.0% ± 1.0, after no-evict training 96.0% ± 1.0 (+36.0 points) | yes" \
+        in lines["the model learns to reason"]
+    assert "60.0% ± 1.0 at 2.20× (62% of 96.0% ± 1.0;" in text and lines["NGC keeps the reasoning under a smaller " \
+                                                                       "peak cache"].endswith("| **no** |")
+    assert "98.0% ± 1.0 against 60.0% ± 1.0 before training | yes" in lines["training NGC keeps the full cache's reasoning"]
+    # the best task-agnostic baseline is random on NGC's own model (10%), not the task rule (40-45%)
+    assert "best random 10.0% ± 1.0 on NGC's own model: NGC is 6.0× it" in text
+    assert "NGC closes 33% of the gap from it to the oracle there (90.0% ± 1.0)" in text  # (0.6 - 0.45) / (0.9 - 0.45)
+    assert "best task-rule 45.0% ± 1.0 on NGC's own model: NGC +15.0 points (2 SE = 5.7) | yes" in text  # 2 √(2 × 0.02²)
+    assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
+    assert "targeted dropout 2.0% ± 1.0 | yes" in text
+    assert "ε = 0.8: 20.0% ± 1.0 vs blind 5.0% ± 1.0 (+15.0 points, 2 SE = 5.7)" in text
+    assert "tag 0.75 20.0% ± 1.0 (length 90), tag 0.25 10.0% ± 1.0 (length 70), tag - 12.0% ± 1.0 (length 75) | yes" in text
+    assert "ε = 0.6 +30.0 points, ε = 0.7 +25.0 points, ε = 0.8 -5.0 points | **no**" in text  # 0.4 < 0.45 at 0.8
+    assert "NGC 30.0% ± 1.0 of a full cache's 97.0% ± 1.0 (31%; training layouts 61%); untrained 10.0% ± 1.0" in text
+    # Negative controls: were the oracle counted as a baseline, the best would be the oracle itself; a rule
+    # within 2 SE of NGC, token-only above NGC, a full cache below the start's and a layout score no better
+    # than untrained each fail their goals.
+    assert "best baseline oracle" not in text and "best oracle" not in text
+    closer = dict(studies, ngc=[r if r["policy"] != "task-rule" else row("ngc", "task-rule", 0.55)
+                                for r in studies["ngc"]])
+    assert "NGC +5.0 points (2 SE = 5.7) | **no**" in claims(closer)[0]
+    above = dict(studies, **{"token-only": [row("t", "ngc", 0.65)]})
+    assert claims(above)[1]["the token policy learns to write for eviction"].endswith("| **no** |")
+    fell = dict(studies, untrained=[row("u", "none", 0.99, 0.0), row("u", "ngc", 0.1)])
+    assert claims(fell)[1]["training NGC keeps the full cache's reasoning"].endswith("| **no** |")
+    kept = dict(studies, **{"shifted-ngc": [row("ngc", "none", 0.4, 0.0), row("ngc", "ngc", 0.3)]})
+    assert claims(kept)[1]["what NGC keeps, not where it sits"].endswith("| yes |")  # 75% of 40%, above 10%
+    unlearned = dict(kept, **{"shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.3)]})
+    assert claims(unlearned)[1]["what NGC keeps, not where it sits"].endswith("| **no** |")
+    without = {k: v for k, v in studies.items() if not k.startswith(("interoception", "tag-"))}  # --no-interoception
+    assert "not measured (--no-interoception) | - |" in reproduce.claims_markdown(without)
+    one_layout = {k: v for k, v in studies.items() if not k.startswith("shifted-")}  # a prompt of one layout
+    assert "not measured (the model's prompt has one layout) | - |" in reproduce.claims_markdown(one_layout)
+
+
+def finished_run(train_ckpt, run_dir, *flags):
+    """A finished run in run_dir as train.py leaves it: checkpoint/ngc.json with the settings of
+    `train.py --model train_ckpt FLAGS`, trainer.pt at its last step, and a log whose last step is
+    the last of --steps (no final evaluation: these settings have none)."""
+    c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(run_dir), "--overwrite", *flags]))
+    assert not c.eval_every
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
+    torch.save({"step": c.steps}, run_dir / "checkpoint" / "trainer.pt")
+    (run_dir / "log.jsonl").write_text("".join(json.dumps(dict.fromkeys(STEP_KEYS, 0.0) | {"step": s}) + "\n"
+                                               for s in range(c.steps)))
+
+
+def test_reproduce_reuses_a_run_only_with_the_settings_it_would_train(train_ckpt, tmp_path, monkeypatch):
+    """A finished run trained with other --train-args used to be reported as this command's."""
+    monkeypatch.setattr(reproduce.subprocess, "Popen", reached)  # nothing may train
+    out = tmp_path / "results"
+    run_dir = out / "runs" / "ngc"
+    finished_run(train_ckpt, run_dir, "--seed", "0", "--threads", "7", "--steps", "2", "--lr", "0.5")
+    before = files_under(tmp_path)
+    assert one_line_error(lambda: reproduce.main(["--out", str(out), "--model", train_ckpt,
+                                                  "--train-args=--steps 2"])) == (
+        f"error: {run_dir} holds a run with other settings than this command asks for (lr 0.5 → 0.001); to keep it, "
+        f"give this command another --out; to train it again, delete {run_dir}")
+    assert files_under(tmp_path) == before  # nothing created, nothing lost
+    # the control: the settings it was trained with (threads aside) reuse it, and nothing trains
+    runs = {os.path.join("runs", "ngc"): ["--seed", "0"]}
+    reproduce.check_runs(str(out), train_ckpt, runs, 1, ["--steps", "2", "--lr", "0.5"])
+    reproduce.train_all(str(out), train_ckpt, 1, runs, ["--steps", "2", "--lr", "0.5"])
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("train_args, message", [
+    ("--seed 3", "--train-args cannot set --seed: reproduce.py chooses it for every run"),
+    ("--ou x", "--train-args cannot set --out"), ("--lr x", "--train-args: argument --lr: invalid float value: 'x'"),
+    ("--bogus 1", "--train-args: unrecognized arguments: --bogus 1"), ("--lr -1", "--lr -1.0 must be positive"),
+    ("--task math", "--train-args sets --task math; reproduce.py's studies are Countdown's")])
+def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, monkeypatch, train_args, message):
+    monkeypatch.setattr(reproduce.subprocess, "Popen", reached)
+    assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), "--model", train_ckpt,
+                                                  f"--train-args={train_args}"])).startswith(f"error: {message}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
+    import reproduce
+    runs = reproduce.study_runs(3, 2, 1)
+    assert sorted(runs) == sorted(os.path.join("runs", n) for n in [
+        "ngc", "ngc-seed1", "ngc-seed2", "no-evict", "no-evict-seed1", "no-evict-seed2", "token-only",
+        "token-only-seed1", "targeted-dropout", "targeted-dropout-seed1", "interoception", "interoception-blind"])
+    assert runs[os.path.join("runs", "interoception-blind")] == ["--interoception", "--blind-tag", "--seed", "0"]
+    assert not any("interoception" in name for name in reproduce.study_runs(1, 1, 0))  # --no-interoception
+
+
+def test_reproduce_reuses_an_evaluation_only_for_the_same_arguments_after_the_checkpoint(tmp_path):
+    import reproduce
+    ckpt = tmp_path / "runs" / "ngc" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_text("x")
+    path, argv = str(tmp_path / "e.jsonl"), ["--model", str(ckpt), "--policy", "ngc", "--samples", "1"]
+    assert not reproduce.evaluated(path, argv)  # nothing written yet
+    (tmp_path / "e.jsonl").write_text("{}\n")
+    (tmp_path / "e.jsonl.argv").write_text(" ".join(argv) + "\n")
+    os.utime(ckpt / "model.safetensors", (1, 1))
+    assert reproduce.evaluated(path, argv)
+    assert not reproduce.evaluated(path, argv[:-1] + ["2"])  # other arguments
+    os.utime(ckpt / "model.safetensors", None)  # the checkpoint is newer than the evaluation: trained again
+    os.utime(path, (1, 1))
+    assert not reproduce.evaluated(path, argv)
