@@ -368,7 +368,7 @@ def write(args, problems, runs, measures, info):
         raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
 
 
-@exits  # SIGINT, SIGTERM: one line, exit code 130 or 143
+@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     args = parse_args(argv)
     with one_line_errors():  # a CheckpointError is a ValueError

@@ -251,7 +251,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_a_periodic_one_lets_tra
         train_ckpt, tmp_path, monkeypatch, capsys, writer):
     """Step 1 saves; from then on the disk is full for one writer. The periodic save of step 2
     fails: one warning line, the checkpoint of step 1 kept, checkpoint.tmp/ gone, training goes
-    on; the final save (step 3) fails: one error line, exit status 1, the same checkpoint kept.
+    on; the final save (step 3) fails: one error line, exit status 2, the same checkpoint kept.
     A resume once there is room continues from step 1."""
     real = {"safetensors": checkpoint.save_file, "torch.save": torch.save, "json": files.write_text}
     name = {"safetensors": (checkpoint, "save_file"), "torch.save": (torch, "save"), "json": (files, "write_text")}
