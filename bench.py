@@ -25,8 +25,6 @@ default path: eager, rows that end leave the batch). --hf: also Hugging Face `ge
 DynamicCache, the full cache) on the same prompts, sampling and length cap in the same process,
 and how many times its tokens/s the rollout with eviction decodes.
 
-Without --device it times the CPU, then CUDA too if present; --dtype is the weights' dtype here
-(default fp32 on the CPU, bf16 on CUDA); --compile also times the compiled decode beside eager.
 """
 import os
 import time
@@ -47,6 +45,10 @@ from tasks import held_out, prompt_encoder
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BENCH = replace(settings.COUNTDOWN, delta=64, block=8, window=5)  # bench.py's δ, b and w
 SHARED = ["device", "dtype", "threads", "compile", "delta", "block", "window"]  # flags from settings.py
+HELPS = {"device": "cpu, cuda or cuda:N (default: the CPU, then CUDA too if present)",
+         "dtype": "the weights' dtype (default: fp32 on the CPU, bf16 on CUDA)",
+         "compile": "also time the compiled decode step beside eager (CUDA graphs on CUDA)",
+         "threads": "CPU threads for torch (default: torch's)"}  # what these settings mean here
 
 
 def sync(device):
@@ -236,7 +238,7 @@ def parse_args(argv=None):
     p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
-    settings.add_flags(p, BENCH, SHARED)
+    settings.add_flags(p, BENCH, SHARED, HELPS)
     p.add_argument("--batch", type=int, default=8, help="prompts rolled out together (default 8)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt (default 32)")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens each row decodes (at most, with --held-out) "

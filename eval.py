@@ -288,7 +288,8 @@ def flags(argv):
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
-    add_flags(p, None, MACHINE + RUN)  # RUN: the run's unless given (this docstring)
+    add_flags(p, None, MACHINE + RUN, {"compile": "capture the decode step with torch.compile (CUDA graphs on CUDA); "
+                                               "the eager rollouts up to float rounding"})  # RUN: the run's unless given
     return p.parse_args(argv)
 
 

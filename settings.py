@@ -125,8 +125,8 @@ class Settings:
                             "/ the step's rollouts) | joint (summed over rounds and layers, / L_token's constant: "
                             "the joint policy's gradient)", OPTIM, choices=["paper", "joint"])
     mem_weight: float = setting(1.0, "W in L = L_token + W · L_mem", OPTIM, positive)
-    term_grad_norms: bool = setting(False, "log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward and one more "
-                                    "gradient copy per term and micro-batch)", OPTIM)
+    term_grad_norms: bool = setting(False, "log ‖∇L_token‖ and ‖∇L_mem‖ apart (one more backward per term and "
+                                    "micro-batch, a gradient buffer per term)", OPTIM)
     # Evaluation and checkpoints
     eval_every: int = setting(50, "held-out evaluation every N steps (0: never)", EVAL, at_least(0))
     eval_rate: float | None = setting(None, "ε for evaluation (default: the final training ε)", EVAL)
@@ -296,10 +296,11 @@ def check(c: Settings):
                          "add --interoception")
 
 
-def add_flags(p, defaults: Settings | None, names=None):
+def add_flags(p, defaults: Settings | None, names=None, helps=None):
     """Every setting (or those in `names`) as a --flag of parser p, in its group, the help of a saved
     one ending with the default a run would use (`defaults`; None: no default shown, the script says
-    what it uses). Flags default to None: the script fills unset ones (train.resolve)."""
+    what it uses). helps: {name: the script's own help} where a setting means more there. Flags
+    default to None: the script fills unset ones (train.resolve)."""
     groups = {}
     for f in fields(Settings):
         if not f.metadata["cli"] if names is None else f.name not in names:
@@ -313,5 +314,6 @@ def add_flags(p, defaults: Settings | None, names=None):
             else:
                 kw["type"] = int if f.type.startswith("int") else float if f.type.startswith("float") else str
         shown = ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default
-        help = f.metadata["help"] + (f" (default {shown})" if f.metadata["saved"] and default is not None else "")
+        help = (helps or {}).get(f.name, f.metadata["help"])
+        help += f" (default {shown})" if f.metadata["saved"] and default is not None else ""
         group.add_argument(f"--{f.name.replace('_', '-')}", default=None, help=help.replace("%", "%%"), **kw)
