@@ -163,7 +163,7 @@ class Given(NamedTuple):
 
 class Policy(NamedTuple):
     greedy: bool  # keep the top K blocks; False: Gumbel-top-k with the block means as logits
-    score: Callable | None  # the per-key score; None: NGC's own ψ
+    score: Callable | None  # the per-key score (for a policy that binds, the function bind completes); None: NGC's ψ
     help: str  # its line in eval.py --help
     bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
     kind: str = "agnostic"  # reproduce.py's tables: ngc, agnostic (knows nothing of the task), rule (hand-written
@@ -205,26 +205,31 @@ def number_tokens(given: Given):
 
 
 def oracle(given: Given):
-    """lookahead bound to the batch's full-cache rollout, made from the same noise (None: no batch yet)."""
+    """lookahead bound to the batch's full-cache rollout, made from the same noise. Without one (eval.py's
+    check, before any batch) a score that refuses to run: never NGC's ψ in its place."""
     if given.reference is None:
-        return None
+        def unbound(*args):
+            raise ValueError("the oracle reads the batch's full-cache rollout: build it with Given.reference")
+        return unbound
     return lookahead(future_attention(given.model, given.reference()), given.layout.delta)
 
 
 POLICIES = {  # --policy name -> Policy, in eval.py --help's order
     "ngc": Policy(True, None, "greedy top-K blocks on NGC's scores: the paper's evaluation", kind="ngc"),
     "ngc-sample": Policy(False, None, "Gumbel-top-k blocks, as in training", kind="ngc"),
-    "snapkv": Policy(True, snapkv, "SnapKV: ψ smoothed over 5 neighbouring keys (deterministic, as the next three)"),
+    "snapkv": Policy(True, snapkv, f"SnapKV: ψ smoothed over {SNAPKV_KERNEL} neighbouring keys (deterministic, as the "
+                                   "next three)"),
     "keydiff": Policy(True, keydiff, "KeyDiff: the keys least like the mean key"),
     "knorm": Policy(True, knorm, "KNorm: the keys of lowest norm"),
-    "streamingllm": Policy(True, streamingllm, "StreamingLLM: the 4 attention sinks' blocks, then the newest"),
+    "streamingllm": Policy(True, streamingllm, f"StreamingLLM: the {SINKS} attention sinks' blocks, then the newest"),
     "random": Policy(False, uniform, "K blocks uniformly at random"),
     "random-prompt": Policy(False, random_prompt, "the prompt's blocks, then random completion blocks (Random "
                             "Attention, 2026)"),
-    "task-rule": Policy(True, task_rule, "Countdown's hand-written rule: the block holding the target, then the newest",
-                        bind=lambda given: task_rule(target_marker(given)), kind="rule"),
+    "task-rule": Policy(True, task_rule, "Countdown's hand-written rule: the block holding the target, then the "
+                        "newest", bind=lambda given: task_rule(target_marker(given)), kind="rule"),
     "number-rule": Policy(True, number_rule, "the same with the numbers: the blocks holding the prompt's target and "
-                          "numbers, then the newest", bind=lambda given: number_rule(number_tokens(given)), kind="rule"),
+                          "numbers, then the newest", bind=lambda given: number_rule(number_tokens(given)),
+                          kind="rule"),
     "oracle": Policy(True, lookahead, "the blocks the full-cache rollout's next δ tokens attend to most (an upper "
                      "bar)", bind=oracle, kind="oracle"),
 }

@@ -24,7 +24,6 @@ sampled at its temperature and top-k, and a row ends at EOS, as train.py and eva
 default path: eager, rows that end leave the batch). --hf: also Hugging Face `generate` (a
 DynamicCache, the full cache) on the same prompts, sampling and length cap in the same process,
 and how many times its tokens/s the rollout with eviction decodes.
-
 """
 import os
 import time

@@ -85,12 +85,12 @@ def exits(main):
 
 
 @contextlib.contextmanager
-def one_line_errors():
-    """A ValueError (a CheckpointError is one) raised inside is an Exit 'error: <its message>': the
-    one-line errors of bad flags and files."""
+def one_line_errors(*kinds):
+    """A ValueError (a CheckpointError is one), or an exception of `kinds` if given, raised inside is an
+    Exit 'error: <its message>': the one-line errors of bad flags and files."""
     try:
         yield
-    except ValueError as e:
+    except kinds or ValueError as e:
         raise Exit(f"error: {e}") from None
 
 

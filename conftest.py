@@ -205,7 +205,8 @@ def one_round(c, block, rate, policy, prompt=None):
         else replace(layout, **policy)  # eval.py's construction by name; these policies read no model or tokenizer
     prompt = prompt or (kpos[:, :2], torch.tensor([2]))
     row = torch.tensor([0])
-    record.add(row, *ngc.eviction_round([layer], window, row, torch.tensor([rate]), e, batch=(row, *prompt)))
+    at = ngc.Round(row, None, None, None, *prompt)
+    record.add(row, *ngc.eviction_round([layer], window, row, torch.tensor([rate]), e, at=at))
     kept, _, logps, _ = record.tensors()
     survivors = kept_keys(alive, kept[:, 0, 0], block)  # the rest are gone, the survivors moved to the front
     assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and int(layer.fill) == survivors.sum()

@@ -10,12 +10,11 @@ The policies (--policy, listed at the end of --help) are NGC's and the baselines
 each built by name there (baselines.POLICIES), and `none`, the full cache. The problems are the
 held-out split of the run's settings (`settings.run_defaults`: the paper's recipe for the task, or
 the checkpoint's ngc.json): Countdown's generated test split, or the math --eval-data file.
-The flags it shares with train.py (settings.py's) default to the run's: --task, --prompt,
---difficulty, --eval-data, --question-field, --answer-field, --delta, --block and --window, given,
-evaluate another prompt layout (--prompt tiny-shift-unseen: one tiny/ never trained on), problem
-preset, file or δ, b, w than the run's (math fields the run does not name are found: prompt,
-problem or question; reward_model.ground_truth or answer). --device, --dtype and --compile are
-train.py's. A run trained with --meta-token is evaluated with it: g is forced before every
+The flags it shares with train.py (settings.py's) default to the run's. Given, --prompt evaluates
+another prompt layout (tiny-shift-unseen: one tiny/ never trained on), --difficulty another problem
+preset's held-out set, --eval-data another file, --delta, --block and --window another δ, b and w;
+math fields the run does not name are found (prompt, problem or question; reward_model.ground_truth
+or answer). A run trained with --meta-token is evaluated with it: g is forced before every
 round of every policy. Tokens are sampled as the paper evaluates (§5.1): with --samples k (the
 run's eval_samples: 4 for Countdown, 32 for math) k completions per problem at the recipe's
 evaluation temperature, top-k and top-p, pass@1 = mean fraction correct (± 1 SE over problems) and
@@ -46,8 +45,13 @@ from tasks import TASK_REWARD, check_prompt, held_out, prompt_encoder
 POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --policy name -> its --help line
             "none": "the full cache: one row, reported at ε = 0 (reduction 1.0)"}
 MACHINE = ["device", "dtype", "compile"]  # settings.py's flags that eval.py shares with train.py ...
-RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta", "block", "window"]  # ... and
-# those that replace the run's settings
+RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta", "block",
+       "window"]  # ... and those that replace the run's settings
+HELPS = {"task": "countdown or math (default: the checkpoint's ngc.json, else countdown)",
+         "question_field": "math: the question's field in --eval-data rows (a.b for nested)",
+         "dtype": "compute dtype (default: bf16 on cuda, fp32 on cpu)",
+         "compile": "capture the decode step with torch.compile (CUDA graphs on CUDA): the same rollouts up to "
+                    "float rounding"}  # what these settings mean here
 
 
 def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction | None:
@@ -288,8 +292,7 @@ def flags(argv):
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
-    add_flags(p, None, MACHINE + RUN, {"compile": "capture the decode step with torch.compile (CUDA graphs on CUDA); "
-                                               "the eager rollouts up to float rounding"})  # RUN: the run's unless given
+    add_flags(p, None, MACHINE + RUN, HELPS)  # RUN: the run's unless given
     return p.parse_args(argv)
 
 
@@ -358,7 +361,8 @@ def write(args, problems, rows):
 @exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     args = flags(argv)
-    with one_line_errors():  # every check before the first rollout
+    with one_line_errors(ValueError, RuntimeError):  # every check before the first rollout (a problem set it
+        # cannot draw, a device or a load that fails)
         c = run_settings(args)
         problems = held_out(c, args.problems)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g

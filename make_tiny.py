@@ -20,7 +20,7 @@ hand-written rule knows about:
   length (tiny-shift-unseen: 4 and 4, the same length, for the layout test). The budget tag's
   rate is one token of its own (`<eviction_rate> 50% </eviction_rate>`).
 * Restating: after each `[ ... ]` the trace restates the target (`reach <target>`) with
-  probability RESTATE (0.25).
+  probability RESTATE (0.25), and so does each `back`.
 
     prompt:     <bos> Countdown : reach 13 with 3 5 2 . . . . . . . . .
     completion: [ 5 3 2 ] reach 13 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back 5 * 3 = 15 ...
@@ -92,7 +92,7 @@ MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from
     # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
     max_new_tokens=MATH_RUN["max_new_tokens"])
-RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]`
+RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]` or a `back`
 MAX_NUM = cd.MAX_LEAF  # every integer 0..MAX_NUM is one token (no trace writes a larger one)
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = (["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
@@ -252,19 +252,23 @@ def parse_args(argv) -> argparse.Namespace:
 def chosen_task(argv, ap) -> str:
     """--task; with --eval-only, the task of --out's ngc.json unless --task names it (another is a
     one-line ValueError: the model would be scored on prompts it never learned)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.error = ap.error  # one line
+    pre = parser(add_help=False)
     pre.add_argument("--task", choices=list(TASKS))
     pre.add_argument("--eval-only", action="store_true")
     pre.add_argument("--out", default="tiny")
     known = pre.parse_known_args(argv)[0]
     if not known.eval_only:
         return known.task or "countdown"
-    trained = read_ngc_json(known.out).get("task")
+    run = read_ngc_json(known.out)
+    trained = run.get("task")
     if known.task and trained and known.task != trained:
         raise ValueError(f"--out {known.out} was trained on {trained} (its ngc.json); evaluate it with --task {trained} "
                          f"or without --task")
-    return known.task or trained or "countdown"
+    task = known.task or trained or "countdown"
+    if task == "countdown" and run.get("prompt", TINY_RUN["prompt"]) != TINY_RUN["prompt"]:
+        raise ValueError(f"--out {known.out} is prompted {run['prompt']} (its ngc.json); make_tiny.py evaluates "
+                         f"{TINY_RUN['prompt']}, tiny/'s: evaluate it with eval.py")
+    return task
 
 
 AT_LEAST = {"steps": 1, "threads": 1, "batch": 1, "micro": 1, "warmup": 0, "d": 1, "layers": 1, "heads": 1, "ffn": 1,

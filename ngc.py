@@ -435,16 +435,16 @@ def fire_round(s: RolloutState, fired):
     """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
     rows = fired.nonzero().flatten()
     if len(rows):
-        batch = (rows, s.tokens[rows], s.prompt_lens[rows]) if s.eviction.score is not None else None
+        at = Round(rows, None, None, None, s.tokens[rows], s.prompt_lens[rows]) if s.eviction.score else None
         s.record.add(rows, *eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows], s.eviction,
-                                           s.generator, batch))
+                                           s.generator, at))
 
 
 def eviction_round(layers: list[LayerCache], window: QueryWindow, in_cache, rates, ev: Eviction, generator=None,
-                   batch=None):
-    """One eviction round at every layer for cache rows in_cache (N,) at eviction rates (N,) (§4.1–4.3); batch:
-    their batch rows, prompts and prompt lengths, for a baseline's score. Returns σ of each layer [(N, Kmax)],
-    log p(σ) (N, L) and the alive entries before the round (N, L)."""
+                   at: Round | None = None):
+    """One eviction round at every layer for cache rows in_cache (N,) at eviction rates (N,) (§4.1–4.3); at:
+    their Round for a baseline's score (each layer fills in its layer and positions). Returns σ of each layer
+    [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round (N, L)."""
     assert window.valid[in_cache].all(), "an eviction round needs w scored queries (δ > w)"
     qpos = window.pos[in_cache]  # (N, w) positions of the w newest tokens
     sigmas, logps, before = [], [], []
@@ -455,8 +455,8 @@ def eviction_round(layers: list[LayerCache], window: QueryWindow, in_cache, rate
         psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb): the one round
         ranking = logits
         if ev.score is not None:  # a baseline: the plain block mean of its own per-key score (may be < 0)
-            at = Round(batch[0], layer, kpos, qpos, *batch[1:])
-            ranking = torch.where(exists, block_means(ev.score(psi, keys, alive, at), alive, ev.block)[0], MISSING)
+            here = at._replace(layer=layer, key_pos=kpos, query_pos=qpos)
+            ranking = torch.where(exists, block_means(ev.score(psi, keys, alive, here), alive, ev.block)[0], MISSING)
         K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)  # σ (N, Kmax), §4.3
         logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)

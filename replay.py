@@ -71,19 +71,18 @@ def replay(model, ro: Rollout, causal: bool = False):
     made = ro.eviction  # δ, b, w as the rollout was made
     B, T = ro.tokens.shape
     pos = torch.arange(T, device=ro.tokens.device).expand(B, T)
-    evicted = made is not None and not causal and ro.kept.shape[1] > 0
-    if evicted:
+    layer_mask = hook = evict_logps = None
+    if made is not None and not causal and ro.kept.shape[1] > 0:
         death = death_times(ro.kept, ro.n_rounds, T, made.delta, made.block)
         per_layer = [None] * death.shape[1]
 
-        def layer_mask(layer):
-            return visibility(death[:, layer])
-
-        def hook(layer, q, k, mask):
+        def score_rounds(layer, q, k, mask):
             per_layer[layer] = round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, made)
 
-    h = model(ro.tokens, pos, layer_mask=layer_mask if evicted else None, qk_hook=hook if evicted else None)
-    evict_logps = torch.stack(per_layer, dim=2) if evicted else None  # (B, R, L)
+        layer_mask, hook = lambda layer: visibility(death[:, layer]), score_rounds
+    h = model(ro.tokens, pos, layer_mask=layer_mask, qk_hook=hook)
+    if hook is not None:
+        evict_logps = torch.stack(per_layer, dim=2)  # (B, R, L)
     t = torch.arange(1, T, device=pos.device)
     target = (t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None])  # (B, T-1): completion tokens
     target &= ~ro.forced[:, 1:]  # a forced meta-token was not sampled: no log-prob (it stays a key above)

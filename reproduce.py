@@ -24,6 +24,8 @@ OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the fi
     3. ablations      ngc vs token-only vs targeted-dropout, with reward and grad-norm curves (Figure 5)
     4. interoception  budget-aware NGC against its blind-tag control, and whether it reads the tag (Figure 6)
     6. layout shift   NGC, the untrained model and the baselines on prompt layouts never trained on
+
+(Section 5 was the limit study, reproduce.py --limit at commit c2ce23e.)
 """
 import contextlib
 import json

@@ -266,7 +266,8 @@ def main(argv=None):
     p = parser(__doc__)
     p.add_argument("--out", default=os.path.join("results", "screen"), help="directory for runs/, evals/, "
                    "screen.md and screen.jsonl (default: results/screen)")
-    settings.add_flags(p, None, ["threads"])  # each child's (see above)
+    settings.add_flags(p, None, ["threads"], {"threads": "CPU threads of each child, train.py and eval.py "
+                                                         "(default: torch's)"})
     p.add_argument("--variant", metavar="NAME MODEL_DIR [TRAIN_FLAGS ...]", help="a row (see above); repeat it")
     args = p.parse_args(own)
     try:

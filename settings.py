@@ -303,7 +303,8 @@ def add_flags(p, defaults: Settings | None, names=None, helps=None):
     default to None: the script fills unset ones (train.resolve)."""
     groups = {}
     for f in fields(Settings):
-        if not f.metadata["cli"] if names is None else f.name not in names:
+        wanted = f.metadata["cli"] if names is None else f.name in names
+        if not wanted:
             continue
         group = p if f.metadata["group"] == RUN else groups.setdefault(f.metadata["group"],
                                                                        p.add_argument_group(f.metadata["group"]))

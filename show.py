@@ -25,7 +25,7 @@ fractions of prompt and of completion keys still in the cache at the end, averag
 (the one prompt token every verdict of a Countdown trace needs) is still in a layer's cache after
 round k, against the other prompt keys, and the accuracy of the rollouts that kept the target
 through round 1 in at least one layer against those that kept it in none, and how many
-completions restate the target (`reach <target>`, the traces of make_tiny.py --restate). It also
+completions restate the target (`reach <target>`, as tiny/'s pretraining traces do: countdown.trace). It also
 rolls out the full cache and, for each rollout that fails under eviction where the full cache
 succeeds, finds the first token where the two greedy completions differ: after how many rounds
 and how many tokens after the last of them, and what the full cache wrote there (a number computed
@@ -141,7 +141,7 @@ def survival(runs, problems, max_round: int = 3) -> dict:
 
 
 def restatements(run, problem) -> int:
-    """How often the completion writes `reach <target>` (traces of make_tiny.py --restate)."""
+    """How often the completion writes `reach <target>` (as countdown.trace's restatements)."""
     words = [w.strip() for w in run["tokens"][run["prompt_len"]:]]
     return sum(a == "reach" and b == str(problem.target) for a, b in zip(words, words[1:]))
 

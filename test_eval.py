@@ -125,11 +125,7 @@ def test_cli_plot_without_matplotlib_fails_early(train_ckpt, tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------------------------
-# show.py: which keys each layer evicted, and at which round
-
-
-# ---------------------------------------------------------------------------------------
-# reproduce.py: curves, tables and the limit study
+# Output paths that cannot be created, other layouts and presets, the budget tag
 
 
 def output_under_a_file(tmp_path, ckpt, train_ckpt):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -217,6 +218,19 @@ def test_make_tiny_eval_only_takes_the_task_of_the_model(monkeypatch):
     assert r.value.args[3].run["task"] == "math"
     assert one_line_error(lambda: make_tiny.main(["--eval-only", "--out", TINY_MATH, "--task", "countdown"])) == (
         f"error: --out {TINY_MATH} was trained on math (its ngc.json); evaluate it with --task math or without --task")
+
+
+def test_make_tiny_eval_only_refuses_a_countdown_model_prompted_otherwise(tmp_path, monkeypatch):
+    """make_tiny.py evaluates tiny/'s prompt; a model whose ngc.json names another is refused, not
+    scored on prompts it never learned. The control: tiny/ itself reaches the evaluation."""
+    monkeypatch.setattr(make_tiny, "report", reached)
+    monkeypatch.setattr(make_tiny, "from_pretrained", lambda path: None)
+    with pytest.raises(Reached):
+        make_tiny.main(["--eval-only", "--out", TINY, "--threads", "1"])
+    plain = edited_copy(Path(TINY), tmp_path / "plain", "ngc.json", "prompt", "plain")
+    assert one_line_error(lambda: make_tiny.main(["--eval-only", "--out", plain, "--threads", "1"])) == (
+        f"error: --out {plain} is prompted plain (its ngc.json); make_tiny.py evaluates tiny-shift, tiny/'s: "
+        f"evaluate it with eval.py")
 
 
 def test_the_math_demo_files_that_are_not_shipped_say_how_to_make_them(tmp_path, monkeypatch):

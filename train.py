@@ -47,11 +47,11 @@ class Mode:
     eviction_loss: bool  # add L_mem
     token_loss: bool = True  # follow L_token (else it is only logged)
 
-    def logs(self, term: str) -> bool:
-        return term != "L_mem" or self.eviction_loss
+    def logs(self, term: str) -> bool:  # a name not in LOSSES is a KeyError, never a silent default
+        return {"L_token": True, "L_mem": self.eviction_loss}[term]
 
     def trains(self, term: str) -> bool:
-        return self.eviction_loss if term == "L_mem" else self.token_loss
+        return {"L_token": self.token_loss, "L_mem": self.eviction_loss}[term]
 
 
 MODES = {
