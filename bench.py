@@ -44,7 +44,8 @@ from tasks import held_out, prompt_encoder
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BENCH = replace(settings.COUNTDOWN, delta=64, block=8, window=5)  # bench.py's δ, b and w
 SHARED = ["device", "dtype", "threads", "compile", "delta", "block", "window"]  # flags from settings.py
-HELPS = {"device": "cpu, cuda or cuda:N (default: the CPU, then CUDA too if present)",
+HELPS = {"model": "Qwen2 checkpoint directory (default: a random Qwen2 of --shape)",
+         "device": "cpu, cuda or cuda:N (default: the CPU, then CUDA too if present)",
          "dtype": "the weights' dtype (default: fp32 on the CPU, bf16 on CUDA)",
          "compile": "also time the compiled decode step beside eager (CUDA graphs on CUDA)",
          "threads": "CPU threads for torch (default: torch's)"}  # what these settings mean here
@@ -234,9 +235,9 @@ def check(args) -> list[str]:
 def parse_args(argv=None):
     """bench.py's flags, the settings among them (SHARED) filled from BENCH where not given."""
     p = parser(__doc__)
-    p.add_argument("--model", help="Qwen2 checkpoint directory (default: a random Qwen2 of --shape)")
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
+    settings.add_flags(p, None, ["model"], HELPS)  # None: a random model
     settings.add_flags(p, BENCH, SHARED, HELPS)
     p.add_argument("--batch", type=int, default=8, help="prompts rolled out together (default 8)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt (default 32)")

@@ -47,7 +47,8 @@ POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --pol
 MACHINE = ["device", "dtype", "compile"]  # settings.py's flags that eval.py shares with train.py ...
 RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta", "block",
        "window"]  # ... and those that replace the run's settings
-HELPS = {"task": "countdown or math (default: the checkpoint's ngc.json, else countdown)",
+HELPS = {"model": "Qwen2 checkpoint directory (required)",
+         "task": "countdown or math (default: the checkpoint's ngc.json, else countdown)",
          "question_field": "math: the question's field in --eval-data rows (a.b for nested)",
          "dtype": "compute dtype (default: bf16 on cuda, fp32 on cpu)",
          "compile": "capture the decode step with torch.compile (CUDA graphs on CUDA): the same rollouts up to "
@@ -277,7 +278,6 @@ def flags(argv):
     """eval.py's command line: its own flags, and settings.py's that it shares with train.py."""
     p = parser(__doc__)
     p.epilog = "policies (--policy):\n" + "\n".join(f"  {name:14s} {text}" for name, text in POLICIES.items())
-    p.add_argument("--model", required=True, help="Qwen2 checkpoint directory")
     p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(POLICIES) + " (below)")
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
@@ -292,8 +292,11 @@ def flags(argv):
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
-    add_flags(p, None, MACHINE + RUN, HELPS)  # RUN: the run's unless given
-    return p.parse_args(argv)
+    add_flags(p, None, ["model"] + MACHINE + RUN, HELPS)  # RUN: the run's unless given
+    args = p.parse_args(argv)
+    if args.model is None:
+        p.error("the following arguments are required: --model")
+    return args
 
 
 def run_settings(args) -> Settings:

@@ -510,7 +510,7 @@ def parse_args(argv):
     p = parser(__doc__)
     p.add_argument("--out", default=os.path.join("results", "back"),
                    help="directory for runs/, *.jsonl, *.png and summary.md (default: results/back, tiny/'s)")
-    p.add_argument("--model", default=os.path.join(HERE, "tiny"), help="the starting checkpoint (default: tiny/)")
+    settings.add_flags(p, None, ["model"], {"model": "the starting checkpoint (default: tiny/)"})
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
@@ -523,6 +523,7 @@ def parse_args(argv):
     p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems, "
                    "the first 200 of tiny/'s 278)")
     args = p.parse_args(argv)
+    args.model = os.path.join(HERE, "tiny") if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
     for flag in ("jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems", "samples"):

@@ -283,8 +283,8 @@ def render_png(problems, runs: dict, path: str):
 
 def parse_args(argv=None):
     p = parser(__doc__)
-    p.add_argument("--model", required=True, help="the trained checkpoint directory (a run's checkpoint/); its "
-                   "ngc.json gives the task, problems, δ, b, w and prompts")
+    settings.add_flags(p, None, ["model"], {"model": "the trained checkpoint directory (a run's checkpoint/), "
+                                            "required; its ngc.json gives the task, problems, δ, b, w and prompts"})
     p.add_argument("--before", default=None, help="the untrained model to compare with, trained on the same task "
                    "(default: tiny/ for Countdown, tiny-math/ for math)")
     p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
@@ -293,7 +293,10 @@ def parse_args(argv=None):
     p.add_argument("--png", default=None, help="also a PNG of the same grids (needs matplotlib)")
     p.add_argument("--survival", default=None, help="a JSON file of the target's survival per round (Countdown)")
     settings.add_flags(p, None, ["device"])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model is None:
+        p.error("the following arguments are required: --model")
+    return args
 
 
 def check(args):
