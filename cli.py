@@ -94,6 +94,24 @@ def one_line_errors(*kinds):
         raise Exit(f"error: {e}") from None
 
 
+def at_least(n):
+    """A rule for a flag's value: value -> True, or why it is wrong (after "--flag value")."""
+    return lambda v: v >= n or f"must be at least {n}"
+
+
+def positive(v):
+    return v > 0 or "must be positive"
+
+
+def check_values(args, rules: dict):
+    """A one-line ValueError for the first of args' flags that breaks its rule ({name: rule}); a flag
+    left unset (None) passes."""
+    for name, rule in rules.items():
+        value = getattr(args, name)
+        if value is not None and rule(value) is not True:
+            raise ValueError(f"--{name.replace('_', '-')} {value} {rule(value)}")
+
+
 def have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 

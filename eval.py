@@ -36,7 +36,7 @@ import baselines
 import countdown
 import distributed
 from checkpoint import META_TOKEN, load
-from cli import Exit, check_output_file, exits, need, one_line_errors, parser, pyplot
+from cli import Exit, at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
 from settings import Settings, add_flags, run_defaults, trained_task
@@ -292,11 +292,8 @@ def flags(argv):
     p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
-    add_flags(p, None, ["model"] + MACHINE + RUN, HELPS)  # RUN: the run's unless given
-    args = p.parse_args(argv)
-    if args.model is None:
-        p.error("the following arguments are required: --model")
-    return args
+    add_flags(p, None, ["model"] + MACHINE + RUN, HELPS, required=["model"])  # RUN: the run's unless given
+    return p.parse_args(argv)
 
 
 def run_settings(args) -> Settings:
@@ -306,9 +303,7 @@ def run_settings(args) -> Settings:
         raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
     if args.samples is not None and args.samples < 0:
         raise ValueError(f"--samples {args.samples} must be at least 0 (0: greedy tokens)")
-    for flag in ("problems", "batch_size"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    check_values(args, {"problems": at_least(1), "batch_size": at_least(1)})
     if args.plot:
         need("matplotlib", "--plot")
     for flag in ("out", "plot"):

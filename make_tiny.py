@@ -62,7 +62,7 @@ from tqdm import tqdm
 import countdown as cd
 import mathtask
 from checkpoint import from_pretrained, load_tokenizer, save_pretrained
-from cli import Exit, exits, make_output_dir, one_line_errors, parser
+from cli import Exit, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
 from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
@@ -278,11 +278,7 @@ OUT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "ngc.json"}  
 
 def check_flags(args):
     """A one-line ValueError for the first flag a build cannot use."""
-    for name, low in AT_LEAST.items():
-        if getattr(args, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr {args.lr} must be positive")
+    check_values(args, {**{name: at_least(low) for name, low in AT_LEAST.items()}, "lr": positive})
     if not args.minutes >= 0:
         raise ValueError(f"--minutes {args.minutes} must be 0 (never stop early) or more")
     if args.heads % 2 or args.d % args.heads or (args.d // args.heads) % 2:

@@ -44,7 +44,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from cli import Exit, exits, make_output_dir, need, parser
+from cli import Exit, at_least, check_values, exits, make_output_dir, need, one_line_errors, parser
 from countdown import encode_prompt  # the R1 chat template, shared with Countdown
 from files import write_jsonl
 
@@ -349,9 +349,8 @@ def main(argv=None):
     ap.add_argument("--train", type=int, default=2000, help="training problems")
     ap.add_argument("--test", type=int, default=200, help="held-out problems")
     args = ap.parse_args(argv)
-    for flag in ("train", "test"):
-        if getattr(args, flag) < 1:
-            raise Exit(f"error: --{flag} {getattr(args, flag)} must be at least 1")
+    with one_line_errors():
+        check_values(args, {"train": at_least(1), "test": at_least(1)})
     try:
         splits = demo_splits(args.seed, args.train, args.test)
     except ValueError as e:

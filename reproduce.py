@@ -45,7 +45,7 @@ import settings
 import show
 import train
 from checkpoint import load_config
-from cli import Exit, Interrupted, exits, have, make_output_dir, one_line_errors, parser, pyplot
+from cli import Exit, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors, parser, pyplot
 from files import recover_swap, save_figure, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -526,9 +526,9 @@ def parse_args(argv):
     args.model = os.path.join(HERE, "tiny") if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
-    for flag in ("jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems", "samples"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise Exit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    flags = ("jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems", "samples")
+    with one_line_errors():
+        check_values(args, {flag: at_least(1) for flag in flags})
     return args
 
 

@@ -19,19 +19,12 @@ from dataclasses import dataclass, field, fields, replace
 import countdown
 import mathtask
 from checkpoint import CheckpointError
+from cli import at_least, check_values, positive
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 RUN, TASK, ROLLOUT, EVICTION, OPTIM, EVAL = ("run", "task and run", "rollouts", "eviction (paper §4.1-4.3, §4.6)",
                                            "optimisation", "evaluation and checkpoints")
-
-
-def at_least(n):
-    return lambda v: v >= n or f"must be at least {n}"
-
-
-def positive(v):
-    return v > 0 or "must be positive"
 
 
 def in_unit(low_open: bool):
@@ -278,10 +271,7 @@ def check(c: Settings):
     """A ValueError with a one-line message for the first setting of c that a run cannot use."""
     if c.out is not None and not c.out.strip():
         raise ValueError("--out is empty; give the run directory")
-    for f in fields(Settings):
-        v, rule = getattr(c, f.name), f.metadata["check"]
-        if v is not None and rule is not None and rule(v) is not True:
-            raise ValueError(f"--{f.name.replace('_', '-')} {v} {rule(v)}")
+    check_values(c, {f.name: f.metadata["check"] for f in fields(Settings) if f.metadata["check"]})
     if c.task == "math":
         if not c.data or (c.eval_every and not c.eval_data):
             raise ValueError("--task math reads its problems from files: --data FILE (training) and --eval-data FILE "
@@ -296,11 +286,12 @@ def check(c: Settings):
                          "add --interoception")
 
 
-def add_flags(p, defaults: Settings | None, names=None, helps=None):
+def add_flags(p, defaults: Settings | None, names=None, helps=None, required=()):
     """Every setting (or those in `names`) as a --flag of parser p, in its group, the help of a saved
     one ending with the default a run would use (`defaults`; None: no default shown, the script says
-    what it uses). helps: {name: the script's own help} where a setting means more there. Flags
-    default to None: the script fills unset ones (train.resolve)."""
+    what it uses). helps: {name: the script's own help} where a setting means more there; required:
+    the names a script cannot go without. Flags default to None: the script fills unset ones
+    (train.resolve)."""
     groups = {}
     for f in fields(Settings):
         wanted = f.metadata["cli"] if names is None else f.name in names
@@ -317,4 +308,5 @@ def add_flags(p, defaults: Settings | None, names=None, helps=None):
         shown = ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default
         help = (helps or {}).get(f.name, f.metadata["help"])
         help += f" (default {shown})" if f.metadata["saved"] and default is not None else ""
-        group.add_argument(f"--{f.name.replace('_', '-')}", default=None, help=help.replace("%", "%%"), **kw)
+        group.add_argument(f"--{f.name.replace('_', '-')}", default=None, help=help.replace("%", "%%"),
+                           required=f.name in required, **kw)

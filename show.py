@@ -42,7 +42,7 @@ import torch
 import distributed
 import settings
 from checkpoint import META_TOKEN, load, load_config
-from cli import Exit, check_output_file, exits, need, one_line_errors, parser, pyplot
+from cli import Exit, at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot
 from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
@@ -284,7 +284,8 @@ def render_png(problems, runs: dict, path: str):
 def parse_args(argv=None):
     p = parser(__doc__)
     settings.add_flags(p, None, ["model"], {"model": "the trained checkpoint directory (a run's checkpoint/), "
-                                            "required; its ngc.json gives the task, problems, δ, b, w and prompts"})
+                                            "required; its ngc.json gives the task, problems, δ, b, w and prompts"},
+                       required=["model"])
     p.add_argument("--before", default=None, help="the untrained model to compare with, trained on the same task "
                    "(default: tiny/ for Countdown, tiny-math/ for math)")
     p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
@@ -293,18 +294,13 @@ def parse_args(argv=None):
     p.add_argument("--png", default=None, help="also a PNG of the same grids (needs matplotlib)")
     p.add_argument("--survival", default=None, help="a JSON file of the target's survival per round (Countdown)")
     settings.add_flags(p, None, ["device"])
-    args = p.parse_args(argv)
-    if args.model is None:
-        p.error("the following arguments are required: --model")
-    return args
+    return p.parse_args(argv)
 
 
 def check(args):
     """The run's settings, NGC's evaluation policy and the held-out problems, once every flag and both
     checkpoints are checked (a one-line ValueError); fills in args.device and args.before."""
-    why = settings.at_least(1)(args.problems)
-    if why is not True:
-        raise ValueError(f"--problems {args.problems} {why}")
+    check_values(args, {"problems": at_least(1)})
     if args.out is None and args.survival is None:
         raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
     for flag in ("out", "png", "survival"):
