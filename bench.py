@@ -35,7 +35,7 @@ import distributed
 import rundir
 import settings
 from checkpoint import from_pretrained, load_config, load_tokenizer
-from cli import at_least, check_values, exits, need, one_line_errors, parser, positive
+from cli import at_least, check_values, exits, need, one_line_errors, parser
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
@@ -207,11 +207,10 @@ def memory(device) -> str:
 
 def check(args) -> list[str]:
     """The devices to run on, after every flag is checked: a one-line ValueError or CheckpointError."""
-    check_values(args, {flag: at_least(1) for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")})
+    counts = ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")
+    check_values(args, {**{flag: at_least(1) for flag in counts}, "peak_bandwidth": lambda v: v > 0 or "must be "
+                        "positive (TB/s)"})
     settings.check(replace(BENCH, **{k: getattr(args, k) for k in SHARED}))  # --threads, by settings.py's rule
-    why = positive(args.peak_bandwidth)
-    if why is not True:
-        raise ValueError(f"--peak-bandwidth {args.peak_bandwidth} {why} (TB/s)")
     try:
         check_eviction(args.delta, args.block, args.window, args.rate)
     except ValueError as e:
