@@ -17,9 +17,14 @@ def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
     """An ArgumentParser whose errors are one line (no usage dump), with `doc` as its --help text."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
     def error(message):
-        raise Exit(f"error: {message}")
+        raise FlagError(message)
     p.error = error
     return p
+
+
+class FlagError(ValueError):
+    """A flag a parser from `parser` cannot take. A ValueError: a script that parses another's flags
+    (reproduce.py's --train-args) reads its message; `exits` ends a script with it as with an Exit."""
 
 
 class Exit(Exception):
@@ -70,11 +75,12 @@ def exits(main):
         _stopping.append({s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)})
         try:
             return main(*args, **kwargs)
-        except Exit as e:
-            if isinstance(e.status, str):
-                print(e.status, file=sys.stderr)
-                raise Failed(e.status) from None
-            sys.exit(e.status)
+        except (Exit, FlagError) as e:
+            status = e.status if isinstance(e, Exit) else f"error: {e}"
+            if isinstance(status, str):
+                print(status, file=sys.stderr)
+                raise Failed(status) from None
+            sys.exit(status)
         except Interrupted as e:
             print(f"\n{e}: stopped; no file is half-written", file=sys.stderr)
             sys.exit(128 + e.signum)

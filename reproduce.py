@@ -45,7 +45,7 @@ import settings
 import show
 import train
 from checkpoint import load_config
-from cli import Exit, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors, parser, pyplot
+from cli import Exit, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors, parser, pyplot
 from files import recover_swap, save_figure, write_jsonl, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -133,11 +133,11 @@ def check_runs(out, model, runs, jobs, extra):
 
 
 def parse_train_args(argv):
-    """train.py's flags, its one-line errors (cli.Exit) as a ValueError naming --train-args."""
+    """train.py's flags, a flag it cannot take as a ValueError naming --train-args."""
     try:
         return train.parse_args(argv)
-    except Exit as e:
-        raise ValueError(f"--train-args: {str(e.status).removeprefix('error: ')}") from None
+    except FlagError as e:
+        raise ValueError(f"--train-args: {e}") from None
 
 
 def train_all(out, model, jobs, runs, extra):

@@ -76,20 +76,13 @@ def split_variants(argv):
     return argv[:cuts[0] if cuts else len(argv)], [argv[i + 1:j] for i, j in zip(cuts, cuts[1:] + [len(argv)])]
 
 
-def parse(argv):
-    try:
-        return train.parse_args(argv)
-    except Exit as e:  # train.py's one-line argparse errors
-        raise ValueError(str(e.status).removeprefix("error: ")) from None
-
-
 def resolve(model, flags, out) -> settings.Settings:
     """train.py's settings for a fresh run of flags in out (a ValueError for what train.py refuses)."""
-    return train.resolve(parse(["--model", model, "--out", out, *flags, "--overwrite"]))
+    return train.resolve(train.parse_args(["--model", model, "--out", out, *flags, "--overwrite"]))
 
 
 def check_flags(flags):
-    fixed = [k for k in SET_HERE if getattr(parse(flags), k) not in (None, False)]
+    fixed = [k for k in SET_HERE if getattr(train.parse_args(flags), k) not in (None, False)]
     if fixed:
         raise ValueError(f"--{fixed[0].replace('_', '-')} is the screen's to set")
 
