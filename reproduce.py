@@ -2,30 +2,13 @@
 
     python reproduce.py                 # everything, one seed, into results/back/
     python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
-    python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
     python reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
 
-It trains six runs from --model, seeds 0..N-1, into OUT/runs/<name>[-seed<k>] (OUT: --out), each unless finished:
-
-    ngc                  the method                          train.py
-    no-evict             the full-cache model                train.py --mode no-evict
-    token-only           ablation: no eviction loss          train.py --mode token-only
-    targeted-dropout     ablation: causal log-probs          train.py --mode targeted-dropout
-    interoception        ε written into the prompt           train.py --interoception
-    interoception-blind  its control: the tag without ε      train.py --interoception --blind-tag
-
-scores them with eval.py (§5.1: pass@1 over --samples sampled completions, evictions greedy top-K) into
-OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the figures and forgets.html:
-
-    0. claims         the paper's Countdown claims, a goal for each, this run's numbers; the untrained model
-    1. baselines      the baselines and the oracle at ε = 0.5 on the no-evict model and on NGC's (Figure 3)
-    2. sweep          NGC and the strongest baselines at stricter ε than training saw (0.5 -> 0.8)
-    3. ablations      ngc vs token-only vs targeted-dropout, with reward and grad-norm curves (Figure 5)
-    4. interoception  budget-aware NGC against its blind-tag control, and whether it reads the tag (Figure 6)
-    6. layout shift   NGC, the untrained model and the baselines on prompt layouts never trained on
-
-(Section 5 was the limit study, reproduce.py --limit at commit c2ce23e.)
+It trains ngc, no-evict, the ablations token-only and targeted-dropout, and interoception with its blind-tag control
+from --model into OUT/runs/ (each unless finished), scores them with eval.py (§5.1: pass@1 over --samples sampled
+completions, evictions greedy top-K) and writes OUT/<study>.jsonl and .png, claims.md (the paper's claims beside
+this run's), summary.md (sections 0-6; 5, the limit study, is at commit c2ce23e), the figures and forgets.html.
 """
 import contextlib
 import json
@@ -56,8 +39,7 @@ AGNOSTIC = [name for name, p in baselines.POLICIES.items() if p.kind == "agnosti
 RULES = [name for name, p in baselines.POLICIES.items() if p.kind == "rule"]  # simple rules that could beat NGC
 BASELINES = AGNOSTIC + RULES
 SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
-STRONGEST = ["task-rule", "random", "keydiff"]  # the seed-0 sweeps' baselines (the strongest on tiny-slip/; on
-# tiny/ KeyDiff is the strongest task-agnostic one, the task rule and random among the rest)
+STRONGEST = ["task-rule", "random", "keydiff"]  # the strongest on tiny-slip/; on tiny/ KeyDiff leads the agnostic ones
 INTERO_SWEEP = [0.5, 0.75, 0.8]  # the training ε, the strictest tag the groups trained on, and a stricter one
 TAG_CHECK = 0.75  # the tag check's ε: the strictest tag trained on (at 0.8 every policy solves under 1%)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
@@ -98,69 +80,57 @@ def threads_per_run(jobs: int) -> int:
     return max(1, (os.cpu_count() or 1) // jobs)
 
 
-def fresh_run_argv(model, run_dir, threads, flags, extra) -> list[str]:
-    return ["--model", model, "--out", run_dir, "--threads", str(threads), *flags, *extra, "--overwrite"]
-
-
 def check_runs(out, model, runs, jobs, extra):
-    """Before anything is created, a one-line ValueError for a bad --model or --train-args, or a run
-    directory whose saved settings (its ngc.json) are not those train.py would run now."""
+    """Before anything is created: a one-line ValueError for a bad --model or --train-args, or a run dir it would
+    not train as saved (its ngc.json)."""
     load_config(model)  # a missing or foreign checkpoint
     task = settings.trained_task(model)
     if task not in (None, "countdown"):
         raise ValueError(f"--model {model} was trained on {task} (its ngc.json); reproduce.py's studies are "
                          f"Countdown's: start from a Countdown model such as tiny/")
-    given = parse_train_args(extra)
-    fixed = [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]
-    if fixed:
-        raise ValueError(f"--train-args cannot set --{fixed[0]}: reproduce.py chooses it for every run (give its own "
-                         f"--model, --out or --seeds; to train every seed on the same problems, --data-seed)")
-    if given.task not in (None, "countdown"):
-        raise ValueError(f"--train-args sets --task {given.task}; reproduce.py's studies are Countdown's")
-    for name, flags in runs.items():
-        run_dir, checkpoint = os.path.join(out, name), os.path.join(out, name, "checkpoint")
-        argv = fresh_run_argv(model, run_dir, threads_per_run(jobs), flags, extra)
-        now = settings.saved(train.resolve(parse_train_args(argv)))  # bad values: train.py's one-line errors
-        recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back in place, as a resume would
-        if not os.path.isdir(checkpoint):
-            continue
-        changed = [c for c in rundir.changed_settings(settings.read_ngc_json(checkpoint), now)
-                   if not c.startswith("threads ")]  # threads change the bits, not the run
-        if changed:
-            raise ValueError(f"{run_dir} holds a run with other settings than this command asks for "
-                             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); to keep it, give this "
-                             f"command another --out; to train it again, delete {run_dir}")
-
-
-def parse_train_args(argv):
-    """train.py's flags, a flag it cannot take as a ValueError naming --train-args."""
-    try:
-        return train.parse_args(argv)
+    try:  # a flag train.py cannot take: its parser's message, naming --train-args
+        given = train.parse_args(extra)
+        fixed = [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]
+        if fixed:
+            raise ValueError(f"--train-args cannot set --{fixed[0]}: reproduce.py chooses it for every run (give its "
+                             f"own --model, --out or --seeds; to train every seed on the same problems, --data-seed)")
+        if given.task not in (None, "countdown"):
+            raise ValueError(f"--train-args sets --task {given.task}; reproduce.py's studies are Countdown's")
+        for name, flags in runs.items():
+            run_dir, checkpoint = os.path.join(out, name), os.path.join(out, name, "checkpoint")
+            argv = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)[2:]
+            now = settings.saved(train.resolve(train.parse_args(argv)))  # bad values: train.py's one-line errors
+            del now["threads"]  # threads change the bits, not the run
+            recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back in place, as a resume would
+            changed = os.path.isdir(checkpoint) and rundir.changed_settings(settings.read_ngc_json(checkpoint), now)
+            if changed:
+                raise ValueError(f"{run_dir} holds a run with other settings than this command asks for "
+                                 f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); to keep it, give "
+                                 f"this command another --out; to train it again, delete {run_dir}")
     except FlagError as e:
         raise ValueError(f"--train-args: {e}") from None
 
 
 def train_all(out, model, jobs, runs, extra):
-    """Train the runs {dir under out: train.py flags} that have not finished, `jobs` at a time, each in a
-    process group of its own, its console appended to <out>/<dir>.log. SIGINT, SIGTERM or a failed run
-    stop the others: each saves its step, and the same command resumes them."""
+    """Train the unfinished runs {dir under out: train.py flags}, `jobs` at a time, each in a process group of its
+    own, its console appended to <out>/<dir>.log. A signal or a failed run stops the others, each saving its step."""
     todo = [(name, flags) for name, flags in runs.items() if not finished(os.path.join(out, name))]
-    threads, running = threads_per_run(jobs), []
+    running = []
     try:
         while todo or running:
             while todo and len(running) < jobs:
                 name, flags = todo.pop(0)
-                cmd = train_command(out, name, model, threads, flags, extra)
+                cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra)
                 os.makedirs(os.path.join(out, name), exist_ok=True)
                 log = open(os.path.join(out, name) + ".log", "a")
-                log.write(say(f"start {name}: {' '.join(cmd[1:])}") + "\n")
-                log.flush()
+                print(say(f"start {name}: {' '.join(cmd[1:])}"), file=log, flush=True)
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 running.append((name, proc, log, time.time()))
             time.sleep(1)
-            for name, proc, log, t0 in [r for r in running if r[1].poll() is not None]:
+            for run in [r for r in running if r[1].poll() is not None]:
+                name, proc, log, t0 = run
                 log.close()
-                running.remove((name, proc, log, t0))
+                running.remove(run)
                 status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see {log.name})"
                 say(f"{name} {status} in {(time.time() - t0) / 60:.1f} min")
                 if proc.returncode:
@@ -170,18 +140,18 @@ def train_all(out, model, jobs, runs, extra):
         raise
 
 
-def train_command(out, name, model, threads, flags, extra) -> list[str]:
+def train_command(out, name, model, threads, flags, extra, resume=True) -> list[str]:
     """train.py's command line: a resume if the run saved a checkpoint (its settings are its own), else afresh."""
     run_dir = os.path.join(out, name)
-    train_py = [sys.executable, os.path.join(HERE, "train.py")]
-    if os.path.exists(os.path.join(run_dir, "checkpoint")):
-        return train_py + ["--resume", run_dir, "--threads", str(threads)]
-    return train_py + fresh_run_argv(model, run_dir, threads, flags, extra)
+    if resume and os.path.exists(os.path.join(run_dir, "checkpoint")):
+        argv = ["--resume", run_dir, "--threads", str(threads)]
+    else:
+        argv = ["--model", model, "--out", run_dir, "--threads", str(threads), *flags, *extra, "--overwrite"]
+    return [sys.executable, os.path.join(HERE, "train.py"), *argv]
 
 
 def stop_runs(running, signum):
-    """Send signum to each running train.py's process group and wait for it to save and end (SIGKILL
-    after STOP_WAIT seconds); a second signal meanwhile waits for this to finish."""
+    """Signal each running train.py's process group; wait for each to save its step (SIGKILL after STOP_WAIT s)."""
     with rundir.signals_held():
         for _, proc, _, _ in running:
             with contextlib.suppress(ProcessLookupError):
@@ -197,31 +167,37 @@ def stop_runs(running, signum):
 
 
 # Evaluation: eval.py on each final checkpoint, its rows over seeds, their table
-def eval_study(out, study, run, policies, rates, seed, problems=None, extra=(), model=None):
-    """eval.py's rows of a run's final checkpoint at one seed (of `model` for the run UNTRAINED), marked
-    with both; reused where the same arguments were evaluated after the checkpoint was written."""
-    path = os.path.join(out, "evals", f"{study}-seed{seed}.jsonl")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    name = run_name(run, seed)
-    checkpoint = model if run == UNTRAINED else os.path.join(out, "runs", name, "checkpoint")
-    argv = ["--model", checkpoint, "--policy", *policies, "--batch-size", "250",
-            "--eviction-rate", *map(str, rates), "--out", path, *extra] + (["--problems", str(problems)] if problems else [])
-    if not evaluated(path, argv):
-        say(f"eval {study}: {name} {' '.join(policies)} at ε {rates}")
-        evaluation.main(argv)
-        write_text(path + ".argv", " ".join(argv) + "\n")
-    with open(path) as f:
-        return [dict(json.loads(line), run=run, seed=seed) for line in f]
+def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
+    """A study's rows over seeds, written to OUT/<name>.jsonl (and .png): eval.py's of the run's final checkpoint at
+    each seed (of --model for UNTRAINED), reused where the same argv was evaluated after that checkpoint was written."""
+    rows = []
+    os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
+    for seed in range(seeds):
+        path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
+        model = args.model if run == UNTRAINED else os.path.join(args.out, "runs", run_name(run, seed), "checkpoint")
+        argv = ["--model", model, "--policy", *policies, "--batch-size", "250", "--eviction-rate", *map(str, rates),
+                "--out", path, "--samples", str(args.samples), *flags]
+        argv += ["--problems", str(args.problems)] if args.problems else []
+        if not evaluated(path, argv):
+            say(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")
+            evaluation.main(argv)
+            write_text(path + ".argv", " ".join(argv) + "\n")
+        with open(path) as f:
+            rows += [dict(json.loads(line), run=run, seed=seed) for line in f]
+    rows = over_seeds(rows)
+    write_jsonl(os.path.join(args.out, name + ".jsonl"), rows)
+    if have("matplotlib"):
+        evaluation.plot(rows, os.path.join(args.out, name + ".png"))
+    return rows
 
 
 def evaluated(path, argv) -> bool:
     """Whether path holds eval.py's rows for exactly argv (path.argv), written after the checkpoint."""
     checkpoint = os.path.join(argv[1], "model.safetensors")
-    if not (os.path.exists(path) and os.path.exists(path + ".argv") and os.path.exists(checkpoint)):
+    if not all(map(os.path.exists, (path, path + ".argv", checkpoint))):
         return False
     with open(path + ".argv") as f:
-        same = f.read().split() == argv
-    return same and os.path.getmtime(path) > os.path.getmtime(checkpoint)
+        return f.read().split() == argv and os.path.getmtime(path) > os.path.getmtime(checkpoint)
 
 
 def over_seeds(rows):
@@ -230,15 +206,12 @@ def over_seeds(rows):
     groups = {}
     for r in rows:
         groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
-    out = []
-    for (run, policy, rate), rs in groups.items():
-        acc = [r["accuracy"] for r in rs]
-        mean = {k: statistics.fmean(r[k] for r in rs) for k in ("accuracy", "length", "rounds", "kv_reduction")}
-        out.append(dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"],
-                        samples=rs[0]["samples"], seeds=len(rs), **mean,
-                        accuracy_sd=statistics.stdev(acc) if len(acc) > 1 else 0.0,
-                        accuracy_se=statistics.fmean(evaluation.error_bar(r) for r in rs)))
-    return out
+    means = ("accuracy", "length", "rounds", "kv_reduction")
+    return [dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"], samples=rs[0]["samples"],
+                 seeds=len(rs), **{k: statistics.fmean(r[k] for r in rs) for k in means},
+                 accuracy_sd=statistics.stdev(r["accuracy"] for r in rs) if len(rs) > 1 else 0.0,
+                 accuracy_se=statistics.fmean(evaluation.error_bar(r) for r in rs))
+            for (run, policy, rate), rs in groups.items()]
 
 
 def cell(r) -> str:
@@ -267,7 +240,7 @@ def ratio(a, b) -> float:
 
 
 def two_se(a, b) -> float:
-    """2 SE of the difference of two evaluations' pass@1: 2 √(SE_a² + SE_b²)."""
+    """2 SE of the difference of two evaluations' pass@1."""
     return 2 * (a["accuracy_se"] ** 2 + b["accuracy_se"] ** 2) ** 0.5
 
 
@@ -300,10 +273,8 @@ def reasoning_claims(studies):
 
 
 def policy_claims(studies):
-    """NGC against the best task-agnostic baseline and the best task rule on either model (with the share
-    of the gap from the best baseline to the oracle it closes on its own), and against its ablations."""
-    ngc, token = at(studies, "ngc", "ngc"), at(studies, "token-only", "ngc")
-    dropout = at(studies, "targeted-dropout", "ngc")
+    """NGC against the best task-agnostic baseline and task rule on either model, the oracle, and its ablations."""
+    ngc, token, dropout = (at(studies, study, "ngc") for study in ("ngc", "token-only", "targeted-dropout"))
     both = studies["baselines"] + studies["ngc"]  # each baseline on the no-evict model and on NGC's own
     best, rule = best_of(both, AGNOSTIC), best_of(both, RULES)
     own_best, oracle = best_of(studies["ngc"], BASELINES), at(studies, "ngc", "oracle")
@@ -375,7 +346,8 @@ def curves(out, names, seeds, path):
         logs = [{s["step"]: s for s in rundir.read_log(os.path.join(out, "runs", run_name(name, k), "log.jsonl"))
                  if "reward" in s} for k in range(seeds)]
         x = sorted(set.intersection(*(set(log) for log in logs)))
-        axes[0].plot(x, smooth([statistics.fmean(log[i]["reward"] for log in logs) for i in x]), label=name)
+        reward = [statistics.fmean(log[i]["reward"] for log in logs) for i in x]
+        axes[0].plot(x, [sum(reward[max(0, i - 4): i + 1]) / min(i + 1, 5) for i in range(len(x))], label=name)
         for ax, key in ((axes[1], "grad_norm_token"), (axes[2], "grad_norm_mem")):  # null: not measured that step
             pts = [(i, statistics.fmean(log[i][key] for log in logs)) for i in x
                    if all(log[i].get(key) is not None for log in logs)]
@@ -389,28 +361,28 @@ def curves(out, names, seeds, path):
     save_figure(fig, path, dpi=120)
 
 
-def smooth(xs, n=5):
-    """The moving mean of the last n values (fewer at the start)."""
-    return [sum(xs[max(0, i - n + 1): i + 1]) / len(xs[max(0, i - n + 1): i + 1]) for i in range(len(xs))]
-
-
-def accuracy_vs_rate(curves_by_label, path):
-    """Accuracy against ε, one line per label (Figure 6); error bars as in eval.error_bar."""
+def figures(out, studies, ablation_seeds):
+    """Figures 3 (right), 5 and 6: ngc-vs-heuristics.png, ablations.png, interoception-vs-ngc.png."""
+    evaluation.plot(studies["baselines"][:1] + studies["sweep"] + studies["sweep-baselines"],
+                    os.path.join(out, "ngc-vs-heuristics.png"))
+    curves(out, ["ngc", "token-only", "targeted-dropout"], ablation_seeds, os.path.join(out, "ablations.png"))
+    if "interoception" not in studies:
+        return
     fig, ax = pyplot("plots").subplots(figsize=(5.5, 4))
-    for label, rows in curves_by_label.items():
-        pts = sorted((r["eviction_rate"], r["accuracy"], evaluation.error_bar(r)) for r in rows)
-        ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=label)
+    for label, study in [("NGC", "interoception-ngc"), ("NGC + interoception", "interoception"),
+                         ("NGC + blind tag (control)", "interoception-blind")]:
+        pts = sorted((r["eviction_rate"], r["accuracy"], evaluation.error_bar(r)) for r in studies[study])
+        ax.errorbar(*zip(*pts), marker="o", capsize=3, label=label)  # x, y, yerr
     ax.set(xlabel="eviction rate ε", ylabel="held-out pass@1")
-    ax.set_title(evaluation.error_bar_note(next(iter(curves_by_label.values()))), fontsize=9)
+    ax.set_title(evaluation.error_bar_note(studies["interoception-ngc"]), fontsize=9)
     ax.legend()
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, os.path.join(out, "interoception-vs-ngc.png"), dpi=120)
 
 
 # The command: train, evaluate each study, write the tables and figures
 def studies_of(args) -> list[tuple]:
-    """summary.md's studies, in order: (name in claims_markdown, files' name, run, policies, ε, eval.py flags,
-    seeds, section title)."""
+    """summary.md's studies: (key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title)."""
     full, few, pair, both = args.seeds, args.ablation_seeds, args.interoception_seeds, ["none", "ngc"]
     table = [("untrained", "untrained", UNTRAINED, both, [0.5], [], 1,
               "0. Before training: the starting model's full cache, and NGC's scores untrained"),
@@ -447,28 +419,6 @@ def studies_of(args) -> list[tuple]:
     return table
 
 
-def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
-    """A study's rows over seeds, written to OUT/<name>.jsonl (and plotted to .png)."""
-    rows = over_seeds([r for k in range(seeds) for r in eval_study(
-        args.out, name, run, policies, rates, k, args.problems, ["--samples", str(args.samples), *flags], args.model)])
-    write_jsonl(os.path.join(args.out, name + ".jsonl"), rows)
-    if have("matplotlib"):
-        evaluation.plot(rows, os.path.join(args.out, name + ".png"))
-    return rows
-
-
-def figures(out, studies, ablation_seeds):
-    """Figure 3 (right): trained NGC against the baselines, the full cache as the line; Figure 5: the
-    ablations' curves; Figure 6: interoception against plain NGC and the blind tag."""
-    evaluation.plot(studies["baselines"][:1] + studies["sweep"] + studies["sweep-baselines"],
-                    os.path.join(out, "ngc-vs-heuristics.png"))
-    curves(out, ["ngc", "token-only", "targeted-dropout"], ablation_seeds, os.path.join(out, "ablations.png"))
-    if "interoception" in studies:
-        accuracy_vs_rate({"NGC": studies["interoception-ngc"], "NGC + interoception": studies["interoception"],
-                          "NGC + blind tag (control)": studies["interoception-blind"]},
-                         os.path.join(out, "interoception-vs-ngc.png"))
-
-
 def run_studies(args):
     """Train the runs, evaluate each study, then write claims.md, show.py's forgets and summary.md."""
     extra = args.train_args.split()
@@ -491,18 +441,13 @@ def run_studies(args):
     forgets = os.path.join(args.out, "forgets")
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"), "--before", args.model,
                "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have("matplotlib") else []))
-    write_summary(args, studies["ngc"][0], [f"## 0. The paper's claims\n\n{claims}\n", *sections], time.time() - t0)
-
-
-def write_summary(args, row, sections, seconds):
-    """summary.md: how pass@1 was measured (as in `row`), the sections, the figure of show.py, the wall time."""
+    row, summary = studies["ngc"][0], os.path.join(args.out, "summary.md")  # how pass@1 was measured
     seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
-    summary = os.path.join(args.out, "summary.md")
     write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over {row['samples']} "
                f"sampled completions per problem unless a section says greedy, evictions greedy top-K, {row['problems']} "
-               f"held-out problems; SE: one evaluation's standard error over problems, in points)\n\n"
-               + "\n".join(sections) + f"\n![what ngc forgets](forgets.png)\n\nTotal wall time of this command "
-               f"{seconds / 60:.1f} min (runs already trained are not retrained).\n")
+               f"held-out problems; SE: one evaluation's standard error over problems, in points)\n\n## 0. The paper's "
+               f"claims\n\n{claims}\n\n" + "\n".join(sections) + f"\n![what ngc forgets](forgets.png)\n\nTotal wall "
+               f"time of this command {(time.time() - t0) / 60:.1f} min (runs already trained are not retrained).\n")
     print(f"wrote {summary}")
 
 
@@ -526,9 +471,9 @@ def parse_args(argv):
     args.model = os.path.join(HERE, "tiny") if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
-    flags = ("jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems", "samples")
     with one_line_errors():
-        check_values(args, {flag: at_least(1) for flag in flags})
+        check_values(args, dict.fromkeys(["jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems",
+                                          "samples"], at_least(1)))
     return args
 
 
