@@ -6,9 +6,9 @@
     python reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
 
 It trains ngc, no-evict, the ablations token-only and targeted-dropout, and interoception with its blind-tag control
-from --model into OUT/runs/ (each unless finished), scores them with eval.py (§5.1: pass@1 over --samples sampled
-completions, evictions greedy top-K) and writes OUT/<study>.jsonl and .png, claims.md (the paper's claims beside
-this run's), summary.md (sections 0-6; 5, the limit study, is at commit c2ce23e), the figures and forgets.html.
+from --model into OUT/runs/<name>[-seed<k>] unless finished, scores them with eval.py (§5.1: pass@1 over --samples
+sampled completions, evictions greedy top-K) and writes OUT/<study>.jsonl and .png, claims.md (the paper's claims
+beside this run's), summary.md (sections 0-6; 5, the limit study, is at commit c2ce23e), the figures and forgets.html.
 """
 import contextlib
 import json
@@ -72,8 +72,8 @@ def finished(run_dir) -> bool:
     if not os.path.exists(os.path.join(checkpoint, "trainer.pt")):
         return False
     run, log = settings.read_ngc_json(checkpoint), rundir.read_log(os.path.join(run_dir, "log.jsonl"))
-    evaluated = not run["eval_every"] or any("eval" in r and r["step"] == run["steps"] for r in log)
-    return evaluated and rundir.saved_step(run_dir) == run["steps"]
+    logged = not run["eval_every"] or any("eval" in r and r["step"] == run["steps"] for r in log)
+    return logged and rundir.saved_step(run_dir) == run["steps"]
 
 
 def threads_per_run(jobs: int) -> int:
