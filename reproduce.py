@@ -81,8 +81,8 @@ def threads_per_run(jobs: int) -> int:
 
 
 def check_runs(out, model, runs, jobs, extra):
-    """Before anything is created: a one-line ValueError for a bad --model or --train-args, or a run dir it would
-    not train as saved (its ngc.json)."""
+    """Before anything is created: a one-line ValueError for a bad --model or --train-args, or a run directory
+    whose saved settings (its ngc.json) are not those train.py would run now."""
     load_config(model)  # a missing or foreign checkpoint
     task = settings.trained_task(model)
     if task not in (None, "countdown"):
