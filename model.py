@@ -137,9 +137,9 @@ class Qwen2(nn.Module):
     def forward(self, idx, pos, cache=None, valid=None, layer_mask=None, qk_hook=None):
         """Final hidden states (B, T, C) of tokens idx (B, T) at absolute positions pos (B, T).
 
-        cache: a KVCache the tokens (valid (B, T) marks real ones) join, attending to every alive entry not later.
-        layer_mask: layer index -> (B, T, T) bool visibility (replay); with neither, plain causal attention.
-        qk_hook(layer, q, k, mask): reads the new tokens' post-RoPE q (B, H, T, D) and k (B, Hkv, T, D)."""
+        cache: a KVCache the real tokens (valid (B, T)) are appended to; they attend to its alive entries not later.
+        layer_mask: layer index -> (B, T, T) bool visibility, True = attend (replay); with neither: plain causal.
+        qk_hook(layer, q, k, mask): reads the new tokens' post-RoPE queries (B, H, T, D) and keys (B, Hkv, T, D)."""
         cfg = self.config
         x = self.model.embed_tokens(idx)  # (B, T, C)
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
