@@ -1,10 +1,9 @@
 """The decode step, captured whole by torch.compile (rollout(..., compile=True)).
 
-ngc.decode_one_token has fixed shapes and no host syncs, so torch.compile takes it as one graph:
-on CUDA one CUDA graph per shape ("reduce-overhead"); on the CPU inductor's kernels launched
-from C++. A captured graph reads and writes the KV cache and query window at fixed addresses,
-so a model's buffers are kept and handed back, zeroed, to its next rollout of the same shape.
-The results are the eager rollout's up to float rounding (a test compares them).
+ngc.decode_one_token has fixed shapes and no host syncs, so torch.compile takes it as one graph: one CUDA
+graph per shape on CUDA ("reduce-overhead"), inductor's kernels launched from C++ on the CPU. A captured
+graph reads and writes the KV cache and query window at fixed addresses, so a model's buffers are kept and
+handed back, zeroed, to its next rollout of the same shape. Results match eager up to float rounding.
 """
 import functools
 import weakref
@@ -43,18 +42,11 @@ def captured_decode(model, step, new_state, state_args: tuple):
     captured on their addresses replay instead of being captured again."""
     batch, capacity, w, dtype, device = state_args
     key = (batch, capacity, w, dtype, str(device))
-    if model in CAPTURED and CAPTURED[model][0] == key:
-        cache, window = CAPTURED[model][1]
-        for t in buffers(cache, window):
-            t.zero_()
-    else:
-        cache, window = new_state(*state_args, tight=False)  # a captured step reads all S slots
-        for t in buffers(cache, window):
-            torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
-        CAPTURED[model] = key, (cache, window)
+    if model not in CAPTURED or CAPTURED[model][0] != key:
+        CAPTURED[model] = key, new_state(*state_args, tight=False)  # a captured step reads all S slots
+    cache, window = CAPTURED[model][1]
+    for t in cache.buffers() + (window.buffers() if window is not None else []):
+        t.zero_()  # handed back: the last rollout's entries go
+        torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
     cuda = torch.device(device).type == "cuda"
     return cache, window, compiled_step(step, cuda, not cuda and capacity <= SDPA_MATH_MAX_SLOTS)
-
-
-def buffers(cache, window):
-    return cache.buffers() + (window.buffers() if window is not None else [])

@@ -1,17 +1,9 @@
 """Qwen2 in plain PyTorch, and its KV cache (checkpoint.py reads and writes Hugging Face directories).
 
-The decoder is the Qwen2 of DeepSeek-R1-Distill-Qwen-1.5B: RMSNorm, rotate-half RoPE at
-absolute positions, q/k/v projections with bias, grouped-query attention, a SiLU-gated MLP
-and a tied or untied LM head. Attention is `F.scaled_dot_product_attention` with a boolean
-mask (True = attend), so one code path serves
-
-  * cached decoding (the mask comes from the KV cache's own positions and alive flags),
-  * replay (the caller passes one (B, T, T) mask per layer, built right before that layer),
-  * plain causal training.
-
-The KV cache below stores post-RoPE keys, so an entry keeps the position it was made at
-for ever, and eviction is a matter of dropping entries: `LayerCache.evict` moves a row's
-survivors to the front of buffers allocated once, whose shapes never change.
+The decoder is the Qwen2 of DeepSeek-R1-Distill-Qwen-1.5B. Attention is SDPA with a boolean mask (True =
+attend), so one code path serves cached decoding (the mask from the cache's positions and alive flags),
+replay (one (B, T, T) mask per layer, built right before that layer) and plain causal training. The
+cache stores post-RoPE keys, so an entry keeps its position for ever and eviction only drops entries.
 """
 from dataclasses import dataclass
 
@@ -43,10 +35,6 @@ class Qwen2Config:
     def eos_ids(self) -> list[int]:
         eos = self.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-# ---------------------------------------------------------------------------------------
-# The network
 
 
 class RMSNorm(nn.Module):
@@ -149,13 +137,9 @@ class Qwen2(nn.Module):
     def forward(self, idx, pos, cache=None, valid=None, layer_mask=None, qk_hook=None):
         """Final hidden states (B, T, C) of tokens idx (B, T) at absolute positions pos (B, T).
 
-        cache:      a KVCache; the tokens are appended to it (valid (B, T) marks real tokens)
-                    and attend to every alive entry at an earlier or equal position.
-        layer_mask: layer index -> (B, T, T) bool visibility, True = attend (replay);
-                    without cache or layer_mask the attention is plain causal.
-        qk_hook:    called as qk_hook(layer, q, k, mask) with the post-RoPE queries (B, H, T, D)
-                    and keys (B, Hkv, T, D) of the new tokens (the eviction policy reads them).
-        """
+        cache: a KVCache the real tokens (valid (B, T)) are appended to; they attend to its alive entries not later.
+        layer_mask: layer index -> (B, T, T) bool visibility, True = attend (replay); with neither: plain causal.
+        qk_hook(layer, q, k, mask): reads the new tokens' post-RoPE queries (B, H, T, D) and keys (B, Hkv, T, D)."""
         cfg = self.config
         x = self.model.embed_tokens(idx)  # (B, T, C)
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
@@ -170,20 +154,14 @@ class Qwen2(nn.Module):
         return self.lm_head(hidden)
 
 
-# ---------------------------------------------------------------------------------------
-# The KV cache
-
-
 class LayerCache:
-    """One layer's KV entries for a batch, in buffers allocated once at `capacity` slots per row:
-    keys and values after RoPE, each entry's original position and an alive flag. A row's alive
-    entries are its first `fill` slots, in position order: a new entry goes to slot `fill`, and
-    an eviction round moves the survivors to the front of the same buffers. No shape changes
-    from one token to the next, so a decode step can be captured (torch.compile, CUDA graphs).
-    The capacity is a bound the caller proves (ngc.cache_bound); a row that needs more slots is
-    an error at the next `check`, never a silent drop. Attention reads the first `span` slots, a
-    host-side bound on every row's fill: all S always for a step that is captured (tight=False),
-    else it grows with each append and shrinks to the fullest row at each eviction."""
+    """One layer's KV entries for a batch in buffers allocated once, `capacity` slots per row. A row's alive
+    entries are its first `fill` slots, in position order: a new entry goes to slot `fill`, and an eviction
+    moves the survivors to the front. No shape changes between tokens, so a decode step can be captured
+    (torch.compile, CUDA graphs). The capacity is a bound the caller proves (ngc.cache_bound); needing more
+    is an error at the next `check`, never a silent drop. Attention reads the first `span` slots: all S for
+    a captured step (tight=False), else a host-side bound that grows with each append and shrinks at
+    each eviction to the fullest row."""
 
     def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device, tight: bool = False):
         # zeros, not empty: attention weighs masked slots by 0, and 0 * NaN would be NaN
@@ -205,9 +183,8 @@ class LayerCache:
         return self.k[:, :, :n], self.v[:, :, :n], seen
 
     def append(self, k, v, pos, valid):
-        """Write the entries k, v (B, Hkv, T, D) where valid (B, T) is True at each row's next free
-        slots, in order; padding writes back what its slot holds. Slots are taken modulo S, so the
-        T slots of a row are distinct (T <= S) even where padding runs past the end."""
+        """Write k, v (B, Hkv, T, D) where valid (B, T) at each row's next free slots, in order; padding writes
+        back what its slot holds. Slots are taken modulo S, so a row's T slots are distinct even past the end."""
         n = valid.sum(1, keepdim=True)
         if valid.shape[1] == 1:  # decode: the one token goes to slot fill, or writes back what it holds
             rank = torch.zeros_like(n)
@@ -228,8 +205,7 @@ class LayerCache:
             self.span = min(self.size, self.span + k.shape[2])
 
     def evict(self, rows, keep):
-        """Batch rows `rows` (N,) keep the entries where keep (N, S) is True: the survivors move,
-        in order, to the front of their row, in place."""
+        """Batch rows `rows` (N,) keep the entries where keep (N, S): the survivors move, in order, to the front."""
         self.check()  # before the survivors are counted: an overflow since the last round is an error
         order = torch.argsort(keep.to(torch.uint8), dim=1, descending=True, stable=True)  # (N, S): kept first
         N, Hkv, S, D = len(rows), *self.k.shape[1:]
@@ -244,9 +220,8 @@ class LayerCache:
             self.span = max(int(self.fill.max()), self.span_floor)  # a host sync, once per round
 
     def keep_rows(self, rows):
-        """Keep only batch rows `rows` (N,), in that order (rows that ended leave); eager only. Attention
-        goes on reading as many slots as the rows that left held, so that the rows that stay compute
-        with the slot count, and round as, they would have beside them."""
+        """Keep only batch rows `rows` (N,), in that order; eager only. Attention goes on reading as many slots
+        as the rows that left held, so the rows that stay compute (and round) as they would have beside them."""
         left = torch.ones_like(self.alive[:, 0]).index_fill_(0, rows, False)
         self.span_floor = max(self.span_floor, int(torch.where(left, self.fill, 0).max()))
         self.k, self.v, self.pos, self.alive, self.fill = (t[rows] for t in (self.k, self.v, self.pos, self.alive,

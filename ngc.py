@@ -1,25 +1,19 @@
 """The NGC rollout engine: batched sampling from a Qwen2 whose KV cache is pruned every δ tokens.
 
-One sequence's life (paper §4.1): its tokens are fed in position order; each time the
-sequence's cache has just taken token kδ-1 (prompt included), an eviction round fires
-(`eviction_round`). At each layer the w newest queries score the alive keys (ψ, §4.2), the keys
-are cut into blocks of b, and K = keep_count(N, ε) blocks are kept: sampled with Gumbel-top-k
-(§4.3, training) or the top K (the paper's evaluation). The rest are gone from that layer for
-good. Token kδ is sampled from the logits computed before the round and attends to the
-survivors. A heuristic baseline (baselines.py) swaps ψ for its own per-key score in the same
-round: same rounds, blocks and K.
+One sequence's life (paper §4.1): each time its cache has just taken token kδ-1 (prompt included),
+an eviction round fires (`eviction_round`). At each layer the w newest queries score the alive keys
+(ψ, §4.2), the keys are cut into blocks of b, and K = keep_count(N, ε) blocks are kept: sampled with
+Gumbel-top-k (§4.3, training) or the top K (the paper's evaluation); the rest are gone from that layer
+for good. Token kδ is sampled from the logits computed before the round and attends to the survivors.
+A baseline (baselines.py) swaps ψ for its own per-key score in the same rounds, blocks and K.
 
-With a meta-token g (Sampling.meta_token; paper, Appendix "Compression via Meta-Tokens") the
-token at index kδ-1 of every sequence, the last one before a round, is forced to g instead of
-sampled (constrained decoding); a prompt's own tokens are never forced. g is then an ordinary
-cache entry that the round may keep or evict.
-
-A Rollout records everything replay needs: tokens, which were forced, the ordered kept blocks σ of
-every (round, layer), and the settings it was made with.
+With a meta-token g (Sampling.meta_token; paper, Appendix "Compression via Meta-Tokens") the token at
+index kδ-1, the last before a round, is forced to g (constrained decoding; prompt tokens never are);
+g is then an ordinary cache entry. A Rollout records everything replay needs.
 """
 import math
 from collections import namedtuple
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -53,9 +47,8 @@ Round = namedtuple("Round", "rows layer key_pos query_pos prompts prompt_lens")
 
 
 def check_eviction(delta, block, window, rate):
-    """Raise ValueError with a one-line message for arguments the method cannot use."""
-    rates = rate.tolist() if torch.is_tensor(rate) else rate if isinstance(rate, (list, tuple)) else [rate]
-    if not all(0 < r <= 1 for r in rates):
+    """Raise ValueError with a one-line message for arguments the method cannot use; rate: ε or (B,) of them."""
+    if not all(0 < r <= 1 for r in (rate.tolist() if torch.is_tensor(rate) else [rate])):
         raise ValueError(f"eviction rate ε={rate} must lie in (0, 1]: it is the fraction of blocks evicted per round")
     if block < 1:
         raise ValueError(f"block size b={block} must be at least 1")
@@ -68,8 +61,7 @@ def check_eviction(delta, block, window, rate):
 
 
 def is_round_end(t, delta: int):
-    """Whether token index t (0-based, prompt included) is the last before a round: a round fires
-    once a sequence's cache has taken token kδ-1, k = 1, 2, ... (paper §4.1)."""
+    """Whether token index t (0-based, prompt included) is kδ-1, the last before a round (paper §4.1)."""
     return (t + 1) % delta == 0
 
 
@@ -118,9 +110,8 @@ class Rollout:
         """The rollouts of batch rows `rows`, trimmed to their own longest length and round count."""
         T, R = int(self.lengths[rows].max()), int(self.n_rounds[rows].max())
         trim = {"tokens": T, "logprobs": T, "forced": T, "kept": R, "evict_logprobs": R, "kv_before_round": R}
-        whole = {f.name: getattr(self, f.name) for f in fields(self)}  # non-tensors (settings, rates None): as is
-        return Rollout(**{k: (v[rows, : trim[k]] if k in trim else v[rows]) if torch.is_tensor(v) else v
-                          for k, v in whole.items()})
+        return replace(self, **{k: v[rows, : trim[k]] if k in trim else v[rows]  # settings (and rates None) as they are
+                                for k, v in vars(self).items() if torch.is_tensor(v)})
 
     def completions(self) -> list[list[int]]:
         return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
@@ -130,8 +121,7 @@ def attention_scores(q, k, mask):
     """Mean over query heads of softmax(q·kᵀ/√d) per query row, in fp32 (paper §4.2: A): q (N, H, M, D)
     post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) which keys each query row sees. Query head
     h reads KV group h // (H / Hkv). Returns (N, M, S)."""
-    N, H, M, D = q.shape
-    Hkv = k.shape[1]
+    (N, H, M, D), Hkv = q.shape, k.shape[1]
     q = q.float().view(N, Hkv, H // Hkv, M, D)
     att = q @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (N, Hkv, G, M, S)
     att = att.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
@@ -150,8 +140,7 @@ def round_logits(q, k, seen, alive, block: int):
 
 
 class QueryWindow:
-    """The post-RoPE queries of each row's w newest tokens, per layer: ψ's Q^(ℓ) (paper §4.2), in
-    buffers updated in place."""
+    """The post-RoPE queries of each row's w newest tokens per layer, ψ's Q^(ℓ) (paper §4.2), updated in place."""
 
     def __init__(self, n_layers: int, batch: int, w: int, n_head: int, head_dim: int, dtype, device):
         self.w = w
@@ -211,24 +200,18 @@ def sample_tokens(logits, s: Sampling, generator=None):
 
 
 def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
-    """The most KV entries one layer holds at once for a sequence fed `tokens` tokens, with a
-    round after every δ of them: the size of the cache's buffers.
+    """The most KV entries one layer holds at once for a sequence fed `tokens` tokens, a round after
+    every δ of them: the size of the cache's buffers.
 
-    Paper Appendix A.2: if c_k is a layer's cache just before round k and a round keeps the
-    fraction 1-ε, then c_{k+1} = (1-ε)c_k + δ, which rises to δ/ε. Our rounds keep whole blocks:
-    the c alive keys are cut into N = ceil(c/b) blocks (the last may be short) and K =
-    keep_count(N, ε) of them survive, (1-ε)N rounded half up and at least one. So a round
-    leaves at most
-        g(c) = c      if K = N (nothing is evicted),
-               K·b    if K < N (K whole blocks; keeping the short one leaves fewer),
-    and c_{k+1} <= g(c_k) + δ with c_1 = δ. A prompt longer than δ changes nothing: it is
-    prefilled in chunks that end on the boundaries, with a round after each. g never decreases
-    as c grows (K(N) never decreases, and K(N+1) >= N where K(N) = N), so c_k <= u_k, where
-    u_1 = δ and u_{k+1} = g(u_k) + δ: the cache of a policy that always keeps K whole blocks,
-    so the bound is reached. The u_k never decrease either (u_2 >= u_1) and, as K <= (1-ε)N + 1/2
-    and N < c/b + 1, they stop at a fixed point u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε):
-    δ/ε plus less than 1.5 blocks over ε. The cache only grows between rounds, so with
-    R = tokens // δ rounds a layer never holds more than max(u_R, g(u_R) + tokens - R·δ)."""
+    Paper Appendix A.2: if c_k is a layer's cache just before round k and a round keeps the fraction
+    1-ε, then c_{k+1} = (1-ε)c_k + δ, which rises to δ/ε. Our rounds keep K = keep_count(N, ε) whole
+    blocks of the N = ceil(c/b) (the last may be short), so a round leaves at most g(c) = c if K = N,
+    else K·b, and c_{k+1} <= g(c_k) + δ with c_1 = δ (a longer prompt is prefilled in chunks ending on
+    the boundaries, a round after each). g never decreases as c grows (K(N+1) >= N where K(N) = N), so
+    c_k <= u_k, u_1 = δ, u_{k+1} = g(u_k) + δ: the cache of a policy that always keeps K whole blocks,
+    so the bound is reached. The u_k rise to a fixed point u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε),
+    δ/ε plus under 1.5 blocks over ε. The cache only grows between rounds, so with R = tokens // δ
+    rounds a layer never holds more than max(u_R, g(u_R) + tokens - R·δ)."""
     def survivors(c):  # g(c)
         n = -(-c // block)
         k = int(keep_count(torch.tensor([n]), rate))
@@ -246,9 +229,8 @@ def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
 
 
 def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
-    """Feed one token per row (tok, pos, valid (B, 1)) and return the logits (B, V) after it.
-    Every shape is fixed and nothing reads a tensor's value on the host, so torch.compile can
-    capture it whole; rows with valid False write nothing."""
+    """Feed one token per row (tok, pos, valid (B, 1)) and return the logits (B, V) after it. Fixed shapes
+    and no host reads, so torch.compile captures it whole; rows with valid False write nothing."""
     if window is not None:
         window.advance(pos, valid)
     h = model(tok, pos, cache=cache, valid=valid, qk_hook=window)
@@ -258,10 +240,9 @@ def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
 def decode_state(model: Qwen2, batch: int, capacity: int, w: int, dtype, device, tight: bool):
     """A KVCache of `capacity` slots per row and a QueryWindow of w queries (None if w = 0)."""
     cfg = model.config
-    cache = KVCache(cfg, batch, capacity, dtype, device, tight)
-    L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
-    window = QueryWindow(L, batch, w, H, D, dtype, device) if w else None
-    return cache, window
+    window = (QueryWindow(cfg.num_hidden_layers, batch, w, cfg.num_attention_heads, cfg.head_dim, dtype, device)
+              if w else None)
+    return KVCache(cfg, batch, capacity, dtype, device, tight), window
 
 
 @torch.no_grad()
@@ -311,8 +292,7 @@ class RolloutState:
         self.fed = torch.zeros(B, dtype=torch.long, device=device)  # (B,) tokens each row's cache has taken
         self.dtype, self.cache, self.window, self.step = dtype, cache, window, step  # dtype: the cache's and logits'
         self.record = Recorder(B, model.config.num_hidden_layers, device)
-        # Rows that end leave the batch the model decodes (eager only: a captured step has fixed shapes).
-        self.can_drop = not compile
+        self.can_drop = not compile  # rows that end leave the decoded batch (a captured step has fixed shapes)
         self.live = None  # (B',) the batch row of each cache row; None: every row, in order
         self.cache_row = torch.arange(B, device=device)  # (B,) each batch row's cache row while it is live
         self.final_alive = torch.zeros(B, model.config.num_hidden_layers, dtype=torch.long, device=device)  # (B, L)
@@ -321,26 +301,22 @@ class RolloutState:
 def prefill(s: RolloutState):
     """Feed the prompts and return the logits (B, V) after each one's last token: in chunks that end
     on eviction boundaries, with a round between chunks (§4.1); without eviction, in one chunk."""
-    def feed(n):  # the next n[i] (B,) prompt tokens of row i; the logits (B, V) after each row's last
-        offs = torch.arange(int(n.max()), device=n.device)
-        pos = s.fed[:, None] + offs  # (B, T)
-        valid = offs < n[:, None]
-        idx = s.tokens.gather(1, pos.clamp(max=s.tokens.shape[1] - 1)).masked_fill(~valid, 0)
-        if s.window:
-            s.window.advance(pos, valid)
-        h = s.model(idx, pos, cache=s.cache, valid=valid, qk_hook=s.window)
-        s.fed.add_(n)
-        return s.model.logits(h[torch.arange(len(n), device=n.device), (n - 1).clamp(min=0)])
-
     ev, P = s.eviction, s.prompt_lens
     chunk = ev.delta if ev else max(s.lens)  # δ; without eviction the whole prompt is one chunk
     logits = torch.zeros(len(s.lens), s.model.config.vocab_size, device=P.device, dtype=s.dtype)
     while (s.fed < P).any():
         n = torch.minimum(P, (s.fed // chunk + 1) * chunk) - s.fed  # (B,) each row's tokens in this chunk
-        logits[n > 0] = feed(n)[n > 0]
+        offs = torch.arange(int(n.max()), device=P.device)
+        pos, valid = s.fed[:, None] + offs, offs < n[:, None]  # (B, T)
+        idx = s.tokens.gather(1, pos.clamp(max=s.tokens.shape[1] - 1)).masked_fill(~valid, 0)
+        if s.window:
+            s.window.advance(pos, valid)
+        h = s.model(idx, pos, cache=s.cache, valid=valid, qk_hook=s.window)
+        s.fed.add_(n)
+        last = h[torch.arange(len(n), device=P.device), (n - 1).clamp(min=0)]  # (B, C) after each row's last token
+        logits[n > 0] = s.model.logits(last)[n > 0]
         if ev:
-            fired = (n > 0) & is_round_end(s.fed - 1, ev.delta)
-            fire_round(s, fired)
+            fire_round(s, (n > 0) & is_round_end(s.fed - 1, ev.delta))
     return logits
 
 
@@ -387,11 +363,9 @@ ROW_STEP = 16  # the decoded batch shrinks in steps of this many rows
 
 
 def drop_ended_rows(s: RolloutState, active, going: int):
-    """Once ROW_STEP rows have ended, the cache and query window keep only the rows still going,
-    padded with ended ones to a multiple of ROW_STEP (so that each shrink pays for its copy). A
-    row's tokens, log-probs and evictions do not depend on which rows share its batch: bit for bit
-    on one thread (a test), up to float rounding where a CPU kernel splits its work over threads
-    by batch size."""
+    """Once ROW_STEP rows have ended, the cache and query window keep only the rows still going, padded with
+    ended ones to a multiple of ROW_STEP (so each shrink pays for its copy). A row's results do not depend
+    on which rows share its batch: bit for bit on one thread (a test), else up to float rounding."""
     live = torch.arange(len(active), device=active.device) if s.live is None else s.live
     size = min(len(live), -(-going // ROW_STEP) * ROW_STEP)
     if size == len(live):
@@ -445,7 +419,6 @@ def eviction_round(layers: list[LayerCache], window: QueryWindow, in_cache, rate
     """One eviction round at every layer for cache rows in_cache (N,) at eviction rates (N,) (§4.1–4.3); at:
     their Round for a baseline's score (each layer fills in its layer and positions). Returns σ of each layer
     [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round (N, L)."""
-    assert window.valid[in_cache].all(), "an eviction round needs w scored queries (δ > w)"
     qpos = window.pos[in_cache]  # (N, w) positions of the w newest tokens
     sigmas, logps, before = [], [], []
     for layer, c in enumerate(layers):
@@ -469,7 +442,7 @@ class Recorder:
     """Collects each round's decisions; rows fire rounds at different steps."""
 
     def __init__(self, B, L, device):
-        self.B, self.L, self.device, self.rounds = B, L, device, []
+        self.L, self.rounds = L, []
         self.n_rounds = torch.zeros(B, dtype=torch.long, device=device)
 
     def add(self, rows, sigmas, logps, before):
@@ -477,12 +450,12 @@ class Recorder:
         self.n_rounds[rows] += 1
 
     def tensors(self):
-        B, L, dev = self.B, self.L, self.device
+        B, L = len(self.n_rounds), self.L
         R = int(self.n_rounds.max()) if self.rounds else 0
         Kmax = max([s.shape[1] for _, _, sigmas, _, _ in self.rounds for s in sigmas], default=1)
-        kept = torch.full((B, R, L, Kmax), -1, dtype=torch.long, device=dev)
-        logps = torch.zeros(B, R, L, device=dev)
-        before = torch.zeros(B, R, L, dtype=torch.long, device=dev)
+        kept = self.n_rounds.new_full((B, R, L, Kmax), -1)
+        logps = torch.zeros(B, R, L, device=self.n_rounds.device)
+        before = self.n_rounds.new_zeros(B, R, L)
         for rows, r, sigmas, lp, bf in self.rounds:
             for layer, s in enumerate(sigmas):
                 kept[rows, r, layer, : s.shape[1]] = s

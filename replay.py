@@ -1,15 +1,12 @@
 """Replay: one forward pass that reproduces a rollout (paper §4.5, Appendix A.3).
 
-During a rollout every layer dropped its own blocks at every round, so what token t saw
-differs per layer and is not monotone in t: a key is visible from its own position until
-the round that evicted it. That is one number per (layer, key), its death time, and the
-layer's (T, T) visibility mask follows from it:
+Every layer dropped its own blocks at every round, so a key is visible from its own position until the
+round that evicted it: one death time per (layer, key), and the layer's (T, T) mask is
 
     visible[t, s] = s <= t < death[s]
 
-The mask is built right before each layer's attention, never for all layers at once.
-In the same pass each round's eviction log-probability is recomputed from that pass's own
-queries and keys, so L_mem's gradient reaches every q_proj and k_proj.
+built right before that layer's attention. The same pass recomputes each round's eviction log-probability
+from its own queries and keys, so L_mem's gradient reaches every q_proj and k_proj.
 """
 import torch
 
@@ -20,11 +17,8 @@ NEVER = torch.iinfo(torch.long).max
 
 
 def death_times(kept, n_rounds, T: int, delta: int, block: int):
-    """(B, L, T): the first token index that no longer sees key s at layer l (NEVER if none).
-
-    kept (B, R, L, Kmax) ordered kept blocks, -1 padded; round r fires after token (r+1)δ-1
-    and cuts the alive keys (those not yet dead) into blocks of `block` in position order, so
-    the keys it evicts die at (r+1)δ (see evicted_by)."""
+    """(B, L, T): the first token index that no longer sees key s at layer l (NEVER if none), from kept
+    (B, R, L, Kmax), -1 padded. Round r fires after token (r+1)δ-1, so the keys it evicts die at (r+1)δ."""
     B, R, L, _ = kept.shape
     s = torch.arange(T, device=kept.device)
     death = torch.full((B, L, T), NEVER, dtype=torch.long, device=kept.device)
@@ -45,9 +39,7 @@ def evicted_by(death, delta: int):
 def visibility(death):
     """(B, T, T) bool replay mask of one layer from its death times (B, T): s <= t < death[s]."""
     t = torch.arange(death.shape[1], device=death.device)
-    mask = (t[None, None, :] <= t[None, :, None]) & (t[None, :, None] < death[:, None, :])
-    assert mask.diagonal(dim1=1, dim2=2).all(), "every token must see itself"
-    return mask
+    return (t[None, None, :] <= t[None, :, None]) & (t[None, :, None] < death[:, None, :])
 
 
 def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
@@ -62,27 +54,22 @@ def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
 
 
 def replay(model, ro: Rollout, causal: bool = False):
-    """Token log-probs (B, T) and eviction log-probs (B, R, L) of rollouts ro, on the graph.
-    Prompt tokens and forced meta-tokens get token log-prob 0.
-
-    δ, b, w and the temperature are those the rollout recorded. causal=True (or a rollout without
-    eviction) uses the plain causal mask and computes no eviction log-probs: the "targeted
-    dropout" ablation for an evicting rollout."""
+    """Token log-probs (B, T) and eviction log-probs (B, R, L) of rollouts ro, on the graph, under the δ, b, w
+    and temperature ro recorded; prompt tokens and forced meta-tokens get 0. causal=True (or a rollout
+    without eviction): the plain causal mask and no eviction log-probs, the "targeted dropout" ablation."""
     made = ro.eviction  # δ, b, w as the rollout was made
     B, T = ro.tokens.shape
     pos = torch.arange(T, device=ro.tokens.device).expand(B, T)
-    layer_mask = hook = evict_logps = None
+    layer_mask, hook, per_layer = None, None, []  # per_layer: each layer's log p(σ) (B, R), in layer order
     if made is not None and not causal and ro.kept.shape[1] > 0:
         death = death_times(ro.kept, ro.n_rounds, T, made.delta, made.block)
-        per_layer = [None] * death.shape[1]
 
         def score_rounds(layer, q, k, mask):
-            per_layer[layer] = round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, made)
+            per_layer.append(round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, made))
 
         layer_mask, hook = lambda layer: visibility(death[:, layer]), score_rounds
     h = model(ro.tokens, pos, layer_mask=layer_mask, qk_hook=hook)
-    if hook is not None:
-        evict_logps = torch.stack(per_layer, dim=2)  # (B, R, L)
+    evict_logps = torch.stack(per_layer, dim=2) if hook else None  # (B, R, L)
     t = torch.arange(1, T, device=pos.device)
     target = (t >= ro.prompt_lens[:, None]) & (t < ro.lengths[:, None])  # (B, T-1): completion tokens
     target &= ~ro.forced[:, 1:]  # a forced meta-token was not sampled: no log-prob (it stays a key above)
