@@ -51,19 +51,23 @@ HELPS = {"model": "Qwen2 checkpoint directory (default: a random Qwen2 of --shap
          "threads": "CPU threads for torch (default: torch's)"}  # what these settings mean here
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, repeat=3):
+def timed(fn, device, repeat):
+    """(seconds per call over `repeat` calls after a warm-up, the last call's output, on CUDA ", peak X GiB":
+    the peak GPU memory from the warm-up on, weights included)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     fn()  # warm-up
-    sync(device)
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeat):
         out = fn()
-    sync(device)
-    return (time.perf_counter() - t0) / repeat, out
+    if cuda:
+        torch.cuda.synchronize()
+    sec = (time.perf_counter() - t0) / repeat
+    return sec, out, f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda else ""
 
 
 def bench(model, args, device):
@@ -73,35 +77,30 @@ def bench(model, args, device):
     speed = {}
     for compile in (False, True) if args.compile else (False,):
         for name, e in (("off", None), ("on", ev)):
-            reset_memory(device)
-            sec, ro = timed(lambda: rollout(model, prompts, s, e, eos_ids=eos_ids, generator=g, compile=compile),
-                            device, args.repeat)
-            new = int((ro.lengths - ro.prompt_lens).sum())
-            step = sec / int((ro.lengths - ro.prompt_lens).max())  # prefill and rounds included
+            sec, ro, peak = timed(lambda: rollout(model, prompts, s, e, eos_ids=eos_ids, generator=g, compile=compile),
+                                  device, args.repeat)
+            decoded = ro.lengths - ro.prompt_lens
+            new, step = int(decoded.sum()), sec / int(decoded.max())  # a step's time: prefill and rounds included
             speed[name, compile] = new / sec
             print(f"decode, eviction {name:3s}, {'compiled' if compile else 'eager   '}: {new / sec:9.0f} tokens/s "
                   f"{step * 1e3:8.2f} ms/step{bandwidth(model, ro, e, step, args)}   ({sec:.2f} s for {new} tokens "
-                  f"from {args.batch} prompts; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}"
-                  f"{memory(device)})")
+                  f"from {args.batch} prompts; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}{peak})")
     if args.hf:
         hf_speed = hf_generate(args.model, prompts, s, eos_ids, device, model.lm_head.weight.dtype, args.repeat)
         print(f"eager rollout with eviction / Hugging Face generate: {speed['on', False] / hf_speed:.2f}x the tokens/s")
-    ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g).select(torch.arange(min(args.replay_batch, args.batch)))
+    ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g)
+    ro = ro.select(torch.arange(min(args.replay_batch, args.batch)))  # the replay's rollouts: every row decodes in full
 
-    def step(causal):
+    def fwd_bwd(causal):
         model.zero_grad(set_to_none=True)
         tok, evict = replay(model, ro, causal=causal)
-        loss = tok.sum() + (0 if evict is None else evict.sum())
-        loss.backward()
+        (tok.sum() + (0 if evict is None else evict.sum())).backward()
 
-    reset_memory(device)
-    t_replay, _ = timed(lambda: step(False), device, args.repeat)
-    replay_memory = memory(device)
-    reset_memory(device)
-    t_causal, _ = timed(lambda: step(True), device, args.repeat)
+    t_replay, _, replay_peak = timed(lambda: fwd_bwd(False), device, args.repeat)
+    t_causal, _, causal_peak = timed(lambda: fwd_bwd(True), device, args.repeat)
     B, T = ro.tokens.shape
-    print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_memory}   causal fwd+bwd: {t_causal * 1e3:8.1f} ms"
-          f"{memory(device)}   ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
+    print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_peak}   causal fwd+bwd: {t_causal * 1e3:8.1f} ms"
+          f"{causal_peak}   ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
 
 
 def profile(run_dir):
@@ -113,16 +112,16 @@ def profile(run_dir):
     steps, evals = [r for r in log if "reward" in r], [r for r in log if "eval" in r]
     if not steps:
         raise ValueError(f"{run_dir}/log.jsonl has no step records to profile")
+    total = sum(r["step_time"] for r in steps)
     if all("rollout_time" in r for r in steps):
-        rollout, replay = sum(r["rollout_time"] for r in steps), sum(r["replay_time"] for r in steps)
+        rollouts, replays = sum(r["rollout_time"] for r in steps), sum(r["replay_time"] for r in steps)
+        rows = [("replay fwd+bwd", replays), ("rest of the steps", total - rollouts - replays)]
     else:  # an older log: a step's tokens/s is its completion tokens over its rollout's time
         c = settings.run_defaults(os.path.join(run_dir, "checkpoint"))
-        rollout, replay = sum(r["response_len"] * c.prompts * c.group / r["tokens_per_s"] for r in steps), None
-    total = sum(r["step_time"] for r in steps)
-    rows = [("rollouts", rollout)] + ([("replay fwd+bwd and the rest", total - rollout)] if replay is None else
-                                      [("replay fwd+bwd", replay), ("rest of the steps", total - rollout - replay)])
+        rollouts = sum(r["response_len"] * c.prompts * c.group / r["tokens_per_s"] for r in steps)
+        rows = [("replay fwd+bwd and the rest", total - rollouts)]
     print(f"{run_dir}: {len(steps)} steps ({total:.1f} s), {len(evals)} evaluations")
-    for name, sec in rows:
+    for name, sec in [("rollouts", rollouts)] + rows:
         print(f"  {name:30s} {sec:7.1f} s  {sec / len(steps):6.2f} s/step")
     for r in evals:
         print(f"  evaluation at step {r['step']:<11d} {r['eval_time']:7.1f} s" if "eval_time" in r else
@@ -130,11 +129,11 @@ def profile(run_dir):
 
 
 def bench_prompts(model, args):
-    """(prompts, sampling, EOS ids): --model's held-out prompts at its run's sampling, ending at EOS
-    (--held-out), or random prompts of --prompt-len tokens that decode --new-tokens each."""
+    """(prompts, sampling, EOS ids): --model's held-out prompts at its run's sampling (--held-out), or
+    random prompts of --prompt-len tokens that never end."""
     if not args.held_out:
-        V = model.config.vocab_size
-        prompts = torch.randint(0, V, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
+        prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
+                                generator=torch.Generator().manual_seed(0))
         return prompts.tolist(), Sampling(max_new_tokens=args.new_tokens, temperature=1.0, top_k=50), []
     c = settings.run_defaults(args.model)
     encode, tokenizer = prompt_encoder(c.task, c.prompt), load_tokenizer(args.model)
@@ -149,19 +148,17 @@ def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-    mask = (torch.arange(width, device=device) >= width - torch.tensor(list(map(len, prompts)), device=device)[:, None])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     never_ends = not eos_ids
     eos = eos_ids or [hf.config.eos_token_id or 0]
 
-    @torch.no_grad()
-    def generate():
+    def generate():  # generate runs without autograd of itself
         torch.manual_seed(0)
-        out = hf.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=s.temperature,
-                          top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens, pad_token_id=0,
-                          eos_token_id=eos, min_new_tokens=s.max_new_tokens if never_ends else 0)
-        return out[:, width:]
+        return hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=s.temperature,
+                           top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens, pad_token_id=0,
+                           eos_token_id=eos, min_new_tokens=s.max_new_tokens if never_ends else 0)[:, width:]
 
-    sec, new = timed(generate, device, repeat)
+    sec, new, _ = timed(generate, device, repeat)
     ended = torch.isin(new, torch.tensor(eos, device=device)).long()
     tokens = int(new.numel() if never_ends else ((ended.cumsum(1) - ended) == 0).sum())  # up to and with EOS
     print(f"Hugging Face generate, full cache: {tokens / sec:9.0f} tokens/s {sec / new.shape[1] * 1e3:8.2f} ms/step   "
@@ -170,46 +167,29 @@ def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat)
 
 
 def bandwidth(model, ro, ev, step_s, args) -> str:
-    """On CUDA: the step time's fraction of the memory-bandwidth bound, the bytes a decode step
-    must read (every weight once, but of an untied embedding table only B rows; every alive
-    KV entry once) / the device's peak bandwidth. Alive entries per layer, averaged over the
-    steps: prompt + half the completion without eviction; with it the cache grows by one a
-    step from (count before a round - δ) to the next round's count, so its mean is the mean
-    count before a round minus δ/2."""
+    """On CUDA: the step time's fraction of the memory-bandwidth bound, the bytes a decode step must read
+    (every weight once, an untied embedding table's few rows left out; every alive KV entry once) / the
+    device's peak bandwidth. Alive entries per layer, averaged over the steps: prompt + half the completion
+    without eviction; with it the cache grows by one a step from (count before a round - δ) to the next
+    round's count, so its mean is the mean count before a round minus δ/2."""
     if ro.tokens.device.type != "cuda":
         return ""
     cfg = model.config
-    embed = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters()
-                  if cfg.tie_word_embeddings or p is not embed)
+                  if cfg.tie_word_embeddings or p is not model.model.embed_tokens.weight)
     R = ro.kv_before_round.shape[1]
     before = ro.kv_before_round[torch.arange(R, device=ro.n_rounds.device) < ro.n_rounds[:, None]]  # (rounds, L)
-    if ev is None or len(before) == 0:
-        alive = ro.prompt_lens.float().mean().item() + args.new_tokens / 2
-    else:
-        alive = before.float().mean().item() - ev.delta / 2
+    alive = (ro.prompt_lens.float().mean().item() + args.new_tokens / 2 if ev is None or len(before) == 0 else
+             before.float().mean().item() - ev.delta / 2)
     entry = 2 * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()  # K and V
     read = weights + alive * cfg.num_hidden_layers * entry * ro.tokens.shape[0]  # bytes per step
-    ideal_s = read / (args.peak_bandwidth * 1e12)
-    return f" ({ideal_s / step_s:5.1%} of the bandwidth bound)"
-
-
-def reset_memory(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def memory(device) -> str:
-    """Peak GPU memory since the last reset (weights included), or nothing on the CPU."""
-    return f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
+    return f" ({read / (args.peak_bandwidth * 1e12) / step_s:5.1%} of the bandwidth bound)"
 
 
 def check(args) -> list[str]:
     """The devices to run on, after every flag is checked: a one-line ValueError or CheckpointError."""
-    counts = ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")
-    check_values(args, {**{flag: at_least(1) for flag in counts}, "peak_bandwidth": lambda v: v > 0 or "must be "
-                        "positive (TB/s)"})
+    rules = {flag: at_least(1) for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")}
+    check_values(args, rules | {"peak_bandwidth": lambda v: v > 0 or "must be positive (TB/s)"})
     settings.check(replace(BENCH, **{k: getattr(args, k) for k in SHARED}))  # --threads, by settings.py's rule
     try:
         check_eviction(args.delta, args.block, args.window, args.rate)
@@ -237,23 +217,21 @@ def parse_args(argv=None):
     settings.add_flags(p, BENCH, SHARED, HELPS)
     p.add_argument("--batch", type=int, default=8, help="prompts rolled out together (default 8)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt (default 32)")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens each row decodes (at most, with --held-out) "
-                   "(default 256)")
+    p.add_argument("--new-tokens", type=int, default=256,
+                   help="tokens each row decodes (at most, with --held-out) (default 256)")
     p.add_argument("--rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round (default 0.5)")
     p.add_argument("--replay-batch", type=int, default=8, help="rollouts per replay forward+backward (default 8)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs of each, after one warm-up (default 2)")
     p.add_argument("--held-out", action="store_true", help="--model's held-out prompts at its run's sampling, rows "
                    "ending at EOS, as train.py rolls out (default: random prompts, no EOS)")
-    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same prompts "
-                   "(needs transformers and --model)")
+    p.add_argument("--hf", action="store_true",
+                   help="also time Hugging Face generate on the same prompts (needs transformers and --model)")
     p.add_argument("--peak-bandwidth", type=float, default=3.35,
                    help="the device's peak memory bandwidth in TB/s, for the bandwidth bound (default: H100 SXM)")
-    p.add_argument("--profile", metavar="RUN_DIR", help="print where a training run's time went (its log.jsonl) "
-                   "and exit")
+    p.add_argument("--profile", metavar="RUN_DIR",
+                   help="print where a training run's time went (its log.jsonl) and exit")
     args = p.parse_args(argv)
-    for k in SHARED:
-        if getattr(args, k) is None:
-            setattr(args, k, getattr(BENCH, k))
+    vars(args).update({k: getattr(BENCH, k) for k in SHARED if getattr(args, k) is None})
     return args
 
 
@@ -284,7 +262,8 @@ def main(argv=None):
         device = torch.device(name)
         dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
         model = bench_model(args, device, dtype)
-        print(f"== {device.type} {str(dtype).removeprefix('torch.')}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, "
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        print(f"== {device.type} {str(dtype).removeprefix('torch.')}, {params:.2f} M params, "
               f"threads {torch.get_num_threads()}, δ={args.delta} b={args.block} w={args.window} ε={args.rate}")
         bench(model, args, device)
 
