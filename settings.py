@@ -282,11 +282,10 @@ def add_flags(p, defaults: Settings | None, names=None, helps=None, required=())
         group = p if f.metadata["group"] == RUN else groups.setdefault(f.metadata["group"],
                                                                        p.add_argument_group(f.metadata["group"]))
         kw, default = dict(f.metadata["flag"]), defaults and getattr(defaults, f.name)
-        if "action" not in kw:
-            if isinstance(f.default, bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            else:
-                kw["type"] = int if f.type.startswith("int") else float if f.type.startswith("float") else str
+        if isinstance(f.default, bool):
+            kw.setdefault("action", argparse.BooleanOptionalAction)
+        elif "action" not in kw:
+            kw["type"] = int if f.type.startswith("int") else float if f.type.startswith("float") else str
         shown = ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default
         help = (helps or {}).get(f.name, f.metadata["help"])
         help += f" (default {shown})" if f.metadata["saved"] and default is not None else ""

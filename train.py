@@ -38,6 +38,7 @@ from replay import replay
 from tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
 
 LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record, checks and line follow them
+GRAD_NORMS = {term: "grad_norm_" + term.removeprefix("L_") for term in LOSSES}  # their record keys (--term-grad-norms)
 
 
 @dataclass(frozen=True)
@@ -113,10 +114,6 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int,
     return terms
 
 
-def grad_norm_key(term: str) -> str:
-    return "grad_norm_" + term.removeprefix("L_")  # L_mem -> grad_norm_mem
-
-
 class TermGradNorms:
     """--term-grad-norms (the paper's Figure 5): each term's gradient norm apart, from one more backward
     per term and micro-batch into a buffer of its own (a term logged but not trained keeps zeros)."""
@@ -134,7 +131,7 @@ class TermGradNorms:
 
     def norms(self) -> dict:
         norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])).item()
-        return {grad_norm_key(term): norm(acc) for term, acc in self.acc.items()}
+        return {GRAD_NORMS[term]: norm(acc) for term, acc in self.acc.items()}
 
 
 def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
@@ -164,7 +161,7 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
         distributed.average_gradients(params, acc)
     sums = distributed.mean_over_processes(sums)
     norms = diag.norms() if diag else {}
-    return {**{t: sums.get(t) for t in LOSSES}, **{grad_norm_key(t): norms.get(grad_norm_key(t)) for t in LOSSES}}
+    return {**{t: sums.get(t) for t in LOSSES}, **{k: norms.get(k) for k in GRAD_NORMS.values()}}
 
 
 # ---- One step: rollout → reward → advantage → replay → backward → clip ----------------------------
@@ -215,7 +212,7 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
         sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
     return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,  # the log's record
             "response_len": m["response_len"], "rounds": m["rounds"], **{t: losses[t] for t in LOSSES},
-            "grad_norm": grad_norm, **{grad_norm_key(t): losses[grad_norm_key(t)] for t in LOSSES},
+            "grad_norm": grad_norm, **{k: losses[k] for k in GRAD_NORMS.values()},
             "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
             "rollout_time": t_rollout, "replay_time": t_replay, "tokens_per_s": m["tokens_per_s"],
             "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
