@@ -1,8 +1,7 @@
 """What every script's command line shares: errors in one line, the exit, optional extras, output paths.
 
-Library code never ends the process: it raises. Every script's main is decorated with `exits`, the
-one way a script ends early: an Exit raised anywhere below it (a bad flag through `parser`, a
-ValueError inside `one_line_errors`, a failed child run) prints one line and exits with 2."""
+Library code never ends the process: it raises. A script's main, decorated with `exits`, turns an Exit
+raised below it (a bad flag, a ValueError inside `one_line_errors`, a failed child run) into one line and exit 2."""
 import argparse
 import contextlib
 import functools
@@ -23,13 +22,11 @@ def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
 
 
 class FlagError(ValueError):
-    """A flag a parser from `parser` cannot take. A ValueError: a script that parses another's flags
-    (reproduce.py's --train-args) reads its message; `exits` ends a script with it as with an Exit."""
+    """A flag `parser` cannot take; a ValueError, so that reproduce.py can read train.py's message."""
 
 
 class Exit(Exception):
-    """A script's end, raised by library code (which never calls sys.exit) and turned into the
-    process's exit by `exits`. `status`: an exit code, or a one-line error (printed; exit code 2)."""
+    """A script's end, raised by library code; `status` is an exit code or a one-line error (exit code 2)."""
 
     def __init__(self, status: int | str):
         super().__init__(status)
@@ -48,8 +45,7 @@ class Failed(SystemExit):
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM, raised where the process is when it arrives (see exits); like
-    KeyboardInterrupt, no `except Exception` takes it for an error."""
+    """SIGINT or SIGTERM, raised where the process is (see exits); no `except Exception` takes it."""
 
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -64,10 +60,9 @@ _stopping = []  # the handlers exits replaced, while a decorated main runs
 
 
 def exits(main):
-    """Decorate a script's main: an Exit raised inside it ends the process with its status (a line:
-    printed, exit code 2), and SIGINT (Ctrl-C) or SIGTERM with one line and exit code 130 or 143. Files are written
-    whole or not at all (files.py), so a signal leaves nothing half-written. A main called inside
-    another (reproduce.py runs eval.main) leaves the signals to the outer one."""
+    """A script's main: an Exit inside ends the process with its status, SIGINT or SIGTERM with one line
+    and exit code 130 or 143 (files.py writes files whole, so nothing is half-written). A main called
+    inside another (reproduce.py runs eval.main) leaves the signals to the outer one."""
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
         if _stopping:
@@ -92,8 +87,7 @@ def exits(main):
 
 @contextlib.contextmanager
 def one_line_errors(*kinds):
-    """A ValueError (a CheckpointError is one), or an exception of `kinds` if given, raised inside is an
-    Exit 'error: <its message>': the one-line errors of bad flags and files."""
+    """A ValueError (or one of `kinds`) raised inside is an Exit 'error: <its message>'."""
     try:
         yield
     except kinds or ValueError as e:
@@ -110,8 +104,7 @@ def positive(v):
 
 
 def check_values(args, rules: dict):
-    """A one-line ValueError for the first of args' flags that breaks its rule ({name: rule}); a flag
-    left unset (None) passes."""
+    """A one-line ValueError for the first flag of args that breaks its rule ({name: rule}); None passes."""
     for name, rule in rules.items():
         value = getattr(args, name)
         if value is not None and rule(value) is not True:
@@ -123,8 +116,7 @@ def have(module: str) -> bool:
 
 
 def need(module: str, what: str, package: str | None = None):
-    """Import an optional extra (matplotlib, pyarrow), or raise a one-line ValueError saying
-    what needs it and how to install it."""
+    """Import an optional extra, or a one-line ValueError saying what needs it and how to install it."""
     package = package or module.split(".")[0]
     try:
         return importlib.import_module(module)
@@ -139,8 +131,7 @@ def pyplot(what: str):
 
 
 def check_output_file(path: str, flag: str = "the output path"):
-    """A one-line ValueError unless `path` (given with `flag`) can be written: a file name in a
-    writable directory."""
+    """A one-line ValueError unless `path` (given with `flag`) is a file name in a writable directory."""
     if not str(path).strip():
         raise ValueError(f"{flag} is empty; give a file name")
     if os.path.isdir(path):

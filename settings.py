@@ -1,13 +1,9 @@
 """A run's settings, defined once: each is one line below with its default, its help and its check.
 
-From this one definition come the per-task recipes (the defaults are the paper's Countdown
-recipe; MATH replaces a few), train.py's flags and their --help, the checks of a run's values,
-and what a run saves (ngc.json and trainer.pt keep the settings marked saved; trainer.pt also
-records the machine settings of the session that saved it, SESSION, so that a resume can say
-when it changes them). Adding a setting is one line here plus the code that reads it.
-
-A run's values are the task's recipe, replaced by the checkpoint's ngc.json where it has one (the
-tiny models' do), replaced in turn by any command-line flag (train.resolve).
+From this one definition come the per-task recipes (the paper's Countdown recipe; MATH replaces a few),
+train.py's flags and their --help, the checks of a run's values and what a run saves (ngc.json, trainer.pt).
+A run's values are its task's recipe, replaced by the checkpoint's ngc.json where it has one (the tiny
+models' do), replaced in turn by any flag (train.resolve). A new setting is one line here plus its use.
 """
 from __future__ import annotations
 
@@ -27,15 +23,13 @@ RUN, TASK, ROLLOUT, EVICTION, OPTIM, EVAL = ("run", "task and run", "rollouts", 
                                            "optimisation", "evaluation and checkpoints")
 
 
-def in_unit(low_open: bool):
-    return lambda v: (0 < v if low_open else 0 <= v) and (v <= 1 if low_open else v < 1) or \
-        f"must lie in {'(0, 1]' if low_open else '[0, 1)'}"
+def in_unit(low_open: bool):  # a rule (cli.at_least): (0, 1] or [0, 1)
+    return lambda v: (0 < v <= 1 if low_open else 0 <= v < 1) or f"must lie in {'(0, 1]' if low_open else '[0, 1)'}"
 
 
 def setting(default, help: str, group: str = TASK, check=None, saved: bool = True, cli: bool = True, **flag):
-    """One setting: its default (the paper's Countdown recipe), --help text, flag group, a check
-    (value -> True or the reason it is wrong), whether a run saves it (ngc.json, trainer.pt) and
-    whether train.py has a flag for it. flag: extra argparse keywords (choices, metavar, action)."""
+    """One setting: its default, --help, flag group, check (value -> True or why it is wrong), whether a run
+    saves it (ngc.json, trainer.pt) and whether train.py has its flag; flag: more argparse keywords."""
     return field(default=default, metadata=dict(help=help, group=group, check=check, saved=saved, cli=cli, flag=flag))
 
 
@@ -43,8 +37,7 @@ def setting(default, help: str, group: str = TASK, check=None, saved: bool = Tru
 class Settings:
     # What a run is, where it runs and writes; not part of its recipe.
     model: str = setting(os.path.join(HERE, "tiny"), "Qwen2 checkpoint directory: config.json, *.safetensors, "
-                         "tokenizer.json (default: tiny/)", RUN,
-                         saved=False)
+                         "tokenizer.json (default: tiny/)", RUN, saved=False)
     out: str | None = setting(None, "run directory for log.jsonl and checkpoint/ (default: runs/<mode>)", RUN,
                               saved=False)
     overwrite: bool = setting(False, "start afresh in an --out that already holds a run", RUN, saved=False,
@@ -149,15 +142,12 @@ RECIPES = {"countdown": COUNTDOWN, "math": MATH}
 
 
 def floats(text) -> tuple[float, ...]:
-    """A comma list as ngc.json and the command line write it ("0.9,0.7,0.5"), or a tuple already."""
-    if isinstance(text, (list, tuple)):
-        return tuple(float(x) for x in text)
-    return tuple(float(x) for x in str(text).split(","))
+    """A comma list ("0.9,0.7,0.5", as ngc.json and flags write it) or a list, as a tuple."""
+    return tuple(float(x) for x in (text if isinstance(text, (list, tuple)) else str(text).split(",")))
 
 
 def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
-    """`base` with the values of d (ngc.json, trainer.pt or flags); comma lists parsed.
-    A ValueError for a comma list that is not numbers."""
+    """`base` with the values of d (ngc.json, trainer.pt or flags); a ValueError for a bad comma list."""
     values = {}
     for k, v in d.items():
         if k in LISTS and v is not None:
@@ -176,8 +166,7 @@ def saved(c: Settings) -> dict:
 
 
 def read_ngc_json(model_dir: str) -> dict:
-    """A checkpoint's ngc.json ({} without one), every key a saved setting and every value one it
-    accepts, or a CheckpointError with a one-line message naming the file, the key and what it accepts."""
+    """A checkpoint's ngc.json ({} without one), or a one-line CheckpointError for a key or value no setting takes."""
     path = os.path.join(model_dir, "ngc.json")
     if not os.path.exists(path):
         return {}
@@ -209,8 +198,7 @@ KINDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str
 
 
 def value_error(f, value) -> str | None:
-    """Why `value` (as JSON gives it) cannot be setting f's value, in words after "it" (None: it can):
-    its type, its choices and its check, as settings.py defines them."""
+    """Why `value` (as JSON gives it) cannot be setting f's, in words after "it" (None: it can)."""
     kind = f.type.removesuffix(" | None")
     if value is None:
         return None if f.type.endswith("| None") else f"must be {KINDS[kind]}, not null"
@@ -235,25 +223,22 @@ def of_kind(kind: str, value) -> bool:
 
 
 def trained_task(model_dir: str) -> str | None:
-    """The task a checkpoint's ngc.json names (a run's checkpoint always names it), or None."""
+    """The task a checkpoint's ngc.json names (a run's always does), or None."""
     return read_ngc_json(model_dir).get("task")
 
 
 def session(c: Settings) -> dict:
-    """The machine settings of this session (trainer.pt records them)."""
     return {k: getattr(c, k) for k in SESSION}
 
 
 def recorded(c: Settings) -> dict:
-    """What a run's trainer.pt records of settings c: saved(c) and session(c); a resume reports
-    the differences."""
+    """What trainer.pt records; a resume reports the differences."""
     return {**session(c), **saved(c)}
 
 
 def run_defaults(model_dir: str, task: str | None = None) -> Settings:
-    """The paper's recipe for the task, replaced by the checkpoint's ngc.json where it has one.
-    The task is `task`, else the one ngc.json names, else Countdown. An ngc.json that names
-    another task than `task` is a CheckpointError: its settings are that task's recipe."""
+    """The recipe of `task` (else of the task ngc.json names, else Countdown's) under the checkpoint's
+    ngc.json; a CheckpointError if ngc.json names another task (its values are that task's recipe)."""
     path = os.path.join(model_dir, "ngc.json")
     extra = read_ngc_json(model_dir)
     if task and extra.get("task", task) != task:
@@ -287,11 +272,8 @@ def check(c: Settings):
 
 
 def add_flags(p, defaults: Settings | None, names=None, helps=None, required=()):
-    """Every setting (or those in `names`) as a --flag of parser p, in its group, the help of a saved
-    one ending with the default a run would use (`defaults`; None: no default shown, the script says
-    what it uses). helps: {name: the script's own help} where a setting means more there; required:
-    the names a script cannot go without. Flags default to None: the script fills unset ones
-    (train.resolve)."""
+    """Every setting (or those in `names`) as a --flag of p, defaulting to None (the script fills unset ones).
+    A saved one's help ends with its value in `defaults` (None: not shown); helps: a script's own helps."""
     groups = {}
     for f in fields(Settings):
         wanted = f.metadata["cli"] if names is None else f.name in names
@@ -300,11 +282,10 @@ def add_flags(p, defaults: Settings | None, names=None, helps=None, required=())
         group = p if f.metadata["group"] == RUN else groups.setdefault(f.metadata["group"],
                                                                        p.add_argument_group(f.metadata["group"]))
         kw, default = dict(f.metadata["flag"]), defaults and getattr(defaults, f.name)
-        if "action" not in kw:
-            if isinstance(f.default, bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            else:
-                kw["type"] = int if f.type.startswith("int") else float if f.type.startswith("float") else str
+        if isinstance(f.default, bool):
+            kw.setdefault("action", argparse.BooleanOptionalAction)
+        elif "action" not in kw:
+            kw["type"] = int if f.type.startswith("int") else float if f.type.startswith("float") else str
         shown = ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default
         help = (helps or {}).get(f.name, f.metadata["help"])
         help += f" (default {shown})" if f.metadata["saved"] and default is not None else ""

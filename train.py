@@ -38,6 +38,7 @@ from replay import replay
 from tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
 
 LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record, checks and line follow them
+GRAD_NORMS = {term: "grad_norm_" + term.removeprefix("L_") for term in LOSSES}  # their record keys (--term-grad-norms)
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,7 @@ MODES = {
 }
 
 
-# ---------------------------------------------------------------------------------------
-# Eviction-rate curriculum (paper §4.6)
-
-
+# ---- Eviction-rate curriculum (paper §4.6) --------------------------------------------------------
 def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float) -> float:
     """Staircase over retention p0 = 1 - ε (eq. 6): hold ρ_ℓ for the first (1 - α) of stage ℓ,
     then blend linearly to ρ_{ℓ+1}; the last stage holds ρ_K."""
@@ -81,21 +79,16 @@ def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float)
 
 
 def eviction_rate_at(step: int, c) -> float:
-    """ε at a step: the fixed --eviction-rate, or 1 - the curriculum's retention."""
     if c.eviction_rate is not None:
         return c.eviction_rate
     return 1 - retention_at(step, c.retention, c.stage_steps, c.alpha)
 
 
 def final_eviction_rate(c) -> float:
-    """The ε the curriculum ends at (the fixed --eviction-rate, if given)."""
     return c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
 
 
-# ---------------------------------------------------------------------------------------
-# The objective (paper eqs. 3-5, Dr. GRPO)
-
-
+# ---- The objective (paper eqs. 3-5, Dr. GRPO) -----------------------------------------------------
 def group_advantages(reward, group: int):
     """A_i = r_i - mean of its group's rewards (Dr. GRPO: no division by the std). reward (P·G,)."""
     r = reward.view(-1, group)
@@ -104,15 +97,11 @@ def group_advantages(reward, group: int):
 
 def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm: str = "paper",
                   mem_weight: float = 1.0) -> dict:
-    """The loss's terms for rollouts ro with advantages adv (B,), by name: "L_token" (eq. 3) and, when
-    the mode has it and a round fired, "L_mem" (eq. 4, times mem_weight). The step's loss is their sum
-    over the terms the mode trains (Mode.trains); its record logs each.
-
-    Both are normalised by the whole step's rollout count n_total (L_token also by the max completion
-    length: Dr. GRPO's constant), so micro-batch losses add up to the step's loss. L_mem's normaliser:
-      paper  eq. (4): per rollout and layer, the mean of log p(σ) over its rounds; summed over layers, / n_total
-      joint  log p(σ) summed over a rollout's rounds and layers, / (n_total · max_new_tokens), L_token's
-             constant: tokens and evictions are actions of one policy (§4.4), and this is its exact gradient"""
+    """The loss's terms for rollouts ro with advantages adv (B,): "L_token" (eq. 3) and, when the mode
+    has it and a round fired, "L_mem" (eq. 4, times mem_weight). Both are normalised by the whole step's
+    rollout count n_total (L_token also by the max completion length, Dr. GRPO's constant), so the
+    micro-batches' losses add up to the step's. mem_norm "joint" (summed over rounds and layers, over
+    L_token's constant) is the exact gradient of one policy whose actions are tokens and evictions (§4.4)."""
     tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)  # (B, T), (B, R, L)
     terms = {"L_token": -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)}  # eq. (3)
     if mode.eviction_loss and ev_lp is not None:
@@ -125,14 +114,9 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int,
     return terms
 
 
-def grad_norm_key(term: str) -> str:
-    return "grad_norm_" + term.removeprefix("L_")  # L_mem -> grad_norm_mem
-
-
 class TermGradNorms:
-    """--term-grad-norms (the paper's Figure 5): each trained term's gradient norm apart, from one more
-    backward per term and micro-batch into a buffer of its own (a term the mode logs but does not
-    train keeps a zero buffer)."""
+    """--term-grad-norms (the paper's Figure 5): each term's gradient norm apart, from one more backward
+    per term and micro-batch into a buffer of its own (a term logged but not trained keeps zeros)."""
 
     def __init__(self, params, terms):
         self.params = params
@@ -147,15 +131,13 @@ class TermGradNorms:
 
     def norms(self) -> dict:
         norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])).item()
-        return {grad_norm_key(term): norm(acc) for term, acc in self.acc.items()}
+        return {GRAD_NORMS[term]: norm(acc) for term, acc in self.acc.items()}
 
 
 def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
-    """Replay the rollouts that carry signal (A = 0 contributes nothing) in micro-batches,
-    accumulate the gradient of the loss (the sum of the terms the mode trains), and average it over
-    the processes. The losses are normalised by this process's rollout count, so the average is the
-    single-process gradient of all of them. Returns each term the mode logs, summed over the
-    micro-batches, and (asked) each one's gradient norm; None for the terms it does not log."""
+    """Replay the rollouts with A != 0 in micro-batches, accumulate the gradient of the terms the mode
+    trains and average it over the processes (each normalised by its own rollout count, so this is the
+    single-process gradient). Returns each term summed and (asked) its gradient norm; None if not logged."""
     params = [p for p in model.parameters() if p.requires_grad]
     mode = MODES[c.mode]
     logged = [term for term in LOSSES if mode.logs(term)]
@@ -179,13 +161,10 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
         distributed.average_gradients(params, acc)
     sums = distributed.mean_over_processes(sums)
     norms = diag.norms() if diag else {}
-    return {**{t: sums.get(t) for t in LOSSES}, **{grad_norm_key(t): norms.get(grad_norm_key(t)) for t in LOSSES}}
+    return {**{t: sums.get(t) for t in LOSSES}, **{k: norms.get(k) for k in GRAD_NORMS.values()}}
 
 
-# ---------------------------------------------------------------------------------------
-# One step: rollout → reward → advantage → replay → backward → clip
-
-
+# ---- One step: rollout → reward → advantage → replay → backward → clip ----------------------------
 def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     """The noise of one step on one rank (tokens, Gumbel draws, interoception rates), derived from
     (seed, rank, step) alone: a resumed run draws exactly what an uninterrupted one would have."""
@@ -193,9 +172,8 @@ def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
 
 
 def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress=False):
-    """One step's gradients, clipped, and its log record; the caller then steps the optimizer (so
-    that an update and its record land together, see main). With several processes each rolls
-    out its share of the P prompts, whole groups each, and the gradients are averaged across them."""
+    """One step's gradients, clipped, and its log record (main then steps the optimizer). With several
+    processes each rolls out whole groups of its share of the P prompts."""
     t0 = time.perf_counter()
     device = model.lm_head.weight.device
     rank, world = distributed.rank_and_world()
@@ -203,11 +181,11 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     gen = step_generator(c.seed, rank, step, device)
     eps = eviction_rate_at(step, c)
     ev = Eviction(c.delta, c.block, c.window, eps) if mode.evict else None
-    group_eps = None
+    group_eps = rates = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
         choices = torch.tensor(c.interoception_rates) * eps / final_eviction_rate(c)
         group_eps = choices[torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()].clamp(0.01, 1)
-    rates = None if group_eps is None else group_eps.repeat_interleave(G)
+        rates = group_eps.repeat_interleave(G)
     batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
     prompts = [prompt_encoder(c.task, c.prompt, None if group_eps is None else float(group_eps[i]), c.blind_tag)(
         tokenizer, p) for i, p in enumerate(batch) for _ in range(G)]
@@ -234,7 +212,7 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
         sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
     return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,  # the log's record
             "response_len": m["response_len"], "rounds": m["rounds"], **{t: losses[t] for t in LOSSES},
-            "grad_norm": grad_norm, **{grad_norm_key(t): losses[grad_norm_key(t)] for t in LOSSES},
+            "grad_norm": grad_norm, **{k: losses[k] for k in GRAD_NORMS.values()},
             "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
             "rollout_time": t_rollout, "replay_time": t_replay, "tokens_per_s": m["tokens_per_s"],
             "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
@@ -249,10 +227,7 @@ def make_optimizer(model, c, state=None):
     return opt
 
 
-# ---------------------------------------------------------------------------------------
-# The loop
-
-
+# ---- The loop -------------------------------------------------------------------------------------
 @exits  # a RunStopped (a signal, divergence, a failed save) ends the process with its status
 def main(argv=None, reward_fn=None):
     c, state, model, tokenizer, (train, test) = setup(argv)
@@ -316,13 +291,9 @@ def main(argv=None, reward_fn=None):
         say(before_after(evals, eval_ev.rate, time.time() - t_start, len(test)))
 
 
-# ---------------------------------------------------------------------------------------
-# The command line
-
-
+# ---- The command line -----------------------------------------------------------------------------
 def parse_args(argv=None):
-    """Flags, one per setting (settings.py); --help shows the defaults a run would use: the paper's,
-    or --model's ngc.json over them."""
+    """One flag per setting (settings.py); --help shows the paper's defaults, or --model's ngc.json over them."""
     pre = parser(add_help=False)
     pre.add_argument("--model", default=settings.COUNTDOWN.model)
     pre.add_argument("--task", choices=list(settings.RECIPES))
@@ -337,8 +308,8 @@ def parse_args(argv=None):
 
 
 def resolve(args, state=None) -> settings.Settings:
-    """The run's settings: every unset flag filled from the resumed run's state, the checkpoint's
-    ngc.json or the paper, then all checked. Raises CheckpointError or ValueError with a one-line message."""
+    """The run's settings: unset flags from the resumed run, else the checkpoint's ngc.json, else the paper;
+    all checked (a one-line CheckpointError or ValueError)."""
     if args.resume:  # the run's own settings, its checkpoint and directory
         saved, args.model, args.out = rundir.resume_from(args.resume, args.out, state)
         base = settings.from_dict(saved)
@@ -362,8 +333,8 @@ def resolve(args, state=None) -> settings.Settings:
 
 
 def resumed_state(args) -> dict:
-    """The saved state of the run that --resume continues, once the flags that cannot change a run
-    are refused and no other process is training there (one-line ValueErrors)."""
+    """The saved state of the run --resume continues, once no flag changes its model or task and no
+    other process trains there."""
     given = [f"--{k}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
              if k in ("model", "task", "overwrite") and v is not None]
     if given:
@@ -374,9 +345,8 @@ def resumed_state(args) -> dict:
 
 
 def setup(argv):
-    """The run's settings, its saved state (a resume's, else None), model, tokenizer and problems
-    (training, held-out). Bad flags or files end the script with one line, before anything is
-    written."""
+    """Settings, a resume's saved state (else None), model, tokenizer and (training, held-out) problems.
+    Bad flags or files end the script with one line, before anything is written."""
     args = parse_args(argv)
     with one_line_errors():
         state = resumed_state(args) if args.resume else None
@@ -392,7 +362,6 @@ def setup(argv):
 
 
 def banner(c, model, step) -> str:
-    """The run in one line: model, device, mode, batch, eviction, steps, run directory."""
     return (f"NGC on {c.task}: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
             f"{c.device} {c.dtype}" + (f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else "")
             + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
