@@ -18,7 +18,6 @@ from ngc import Eviction, Rollout, attention_scores
 
 SNAPKV_KERNEL = 5
 SINKS = 4
-PROMPT = 1e6  # a prompt key's score in random-prompt: far above any Gumbel noise
 TARGET_MARKER = "reach"  # the tiny prompt's word before the target
 
 
@@ -65,9 +64,9 @@ def uniform(psi, keys, alive, at=None):
 
 
 def random_prompt(psi, keys, alive, at):
-    """Random Attention (2026; with greedy=False): a block scores 10⁶ × its share of prompt keys, so the prompt's
-    blocks are kept (K of them at random if they exceed K) and the rest of the K drawn from the completion's."""
-    return torch.where(at.key_pos < at.prompt_lens[:, None], PROMPT, 0.0)
+    """Random Attention (2026; with greedy=False): a block scores 10⁶ × its share of prompt keys, so whole prompt
+    blocks come first (K of them at random if they exceed K), then one shared with the completion, then random."""
+    return torch.where(at.key_pos < at.prompt_lens[:, None], 1e6, 0.0)  # 10⁶: far above any Gumbel noise
 
 
 def task_rule(marker: int):
@@ -139,7 +138,7 @@ class Policy(NamedTuple):
     score: Callable | None  # the per-key score (or the function bind completes); None: NGC's ψ
     help: str  # its line in eval.py --help
     bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
-    kind: str = "agnostic"  # for reproduce.py: ngc, agnostic (knows nothing of the task), rule (for Countdown), oracle
+    kind: str = "agnostic"  # reproduce.py's: ngc, agnostic (knows nothing of the task), rule (Countdown only), oracle
 
 
 def build(name: str, given: Given) -> Eviction:
@@ -167,7 +166,8 @@ def number_tokens(given: Given):
 
 
 def oracle(given: Given):
-    """lookahead on the batch's full-cache rollout; without one (eval.py's check) a score that refuses to run."""
+    """lookahead on the batch's full-cache rollout; without one (eval.py's check) a score that refuses to run,
+    never ψ in its place."""
     if given.reference is None:
         def unbound(*args):
             raise ValueError("the oracle reads the batch's full-cache rollout: build it with Given.reference")

@@ -56,11 +56,11 @@ HELPS = {"model": "Qwen2 checkpoint directory (required)",
 
 
 def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction | None:
-    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache); reference: baselines.Given's."""
+    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError."""
     if name == "none":
         return None
-    return baselines.build(name, baselines.Given(Eviction(c.delta, c.block, c.window, rate), model, tokenizer, c.task,
-                                                 reference))
+    layout = Eviction(c.delta, c.block, c.window, rate)
+    return baselines.build(name, baselines.Given(layout, model, tokenizer, c.task, reference))
 
 
 @torch.no_grad()
@@ -114,8 +114,9 @@ def pass_at_k(n: int, c, k: int) -> float:
 
 def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
              batch_size=64, progress=False, meta_token=None, compile=False, sampling=None, samples=0, seed=0):
-    """Greedy accuracy and peak-KV reduction with the full cache and under `eviction` (greedy top-K), and with
-    `samples` pass@1 ± 1 SE over that many completions per problem drawn at `sampling`."""
+    """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and under `eviction`
+    (greedy top-K), and with `samples` pass@1 ± 1 SE over that many completions per problem drawn at `sampling`.
+    meta_token: g's id, forced before each round."""
     greedy = replace(eviction, greedy=True)
 
     def score(s, ev, k, what):
@@ -303,7 +304,7 @@ def evaluate_policies(args, c, model, tokenizer, problems):
     device = torch.device(args.device)
     distributed.start(device)  # after every check: no process fails alone after the rendezvous
     rank = distributed.rank_and_world()[0]
-    bf16 = (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
+    bf16 = args.dtype == "bf16" if args.dtype else device.type == "cuda"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
@@ -325,8 +326,8 @@ def main(argv=None):
     rows = evaluate_policies(args, c, model, tokenizer, problems)
     if rows is None:
         return
-    print(f"{args.model}: {len(problems)} held-out problems, " + (f"{args.samples} samples each" if args.samples
-                                                                  else "greedy"))
+    each = f"{args.samples} samples each" if args.samples else "greedy"
+    print(f"{args.model}: {len(problems)} held-out problems, {each}")
     print(table(rows))
     try:
         if args.out:

@@ -50,8 +50,7 @@ from settings import run_defaults, trained_task
 from tasks import TASK_REWARD, held_out, prompt_encoder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TINY_DIR = os.path.join(HERE, "tiny")
-BEFORE = {"countdown": TINY_DIR, "math": os.path.join(HERE, "tiny-math")}  # --before's default, per task
+BEFORE = {"countdown": os.path.join(HERE, "tiny"), "math": os.path.join(HERE, "tiny-math")}  # --before's default
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
 ALIVE_COLOUR = "#d9d9d9"
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)
@@ -63,9 +62,8 @@ def fates(ro, row: int, tokenizer):
     one = ro.select([row])
     T = int(one.lengths[0])
     texts = tokenizer.decode_batch([[t] for t in one.tokens[0, :T].tolist()], skip_special_tokens=False)
-    L = one.kept.shape[2]
     if one.eviction is None:  # the full cache: nothing is ever evicted
-        return texts, torch.full((L, T), ALIVE)
+        return texts, torch.full((one.kept.shape[2], T), ALIVE)
     death = death_times(one.kept, one.n_rounds, T, one.eviction.delta, one.eviction.block)[0]  # (L, T)
     return texts, evicted_by(death, one.eviction.delta)
 
@@ -342,22 +340,6 @@ def print_lines(problems, runs, measures, page: bool):
         print(f"{'':>9}  {failure_line(k['failures'])}")
 
 
-def write(args, problems, runs, measures, info):
-    try:
-        if args.survival:
-            write_json(args.survival, dict(info, eviction=vars(info["eviction"]), problems=len(problems), **measures))
-            print(f"wrote {args.survival}")
-        if not args.out:
-            return
-        write_text(args.out, render_html(problems, runs, info))
-        print(f"wrote {args.out}")
-        if args.png:
-            render_png(problems, runs, args.png)
-            print(f"wrote {args.png}")
-    except OSError as e:
-        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
-
-
 @exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     args = parse_args(argv)
@@ -367,7 +349,18 @@ def main(argv=None):
     print_lines(problems, runs, measures, page=bool(args.out))
     info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
-    write(args, problems, runs, measures, info)
+    try:
+        if args.survival:
+            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **measures))
+            print(f"wrote {args.survival}")
+        if args.out:
+            write_text(args.out, render_html(problems, runs, info))
+            print(f"wrote {args.out}")
+        if args.out and args.png:
+            render_png(problems, runs, args.png)
+            print(f"wrote {args.png}")
+    except OSError as e:
+        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
 
 
 if __name__ == "__main__":
