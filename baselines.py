@@ -1,18 +1,11 @@
-"""The eviction baselines: the paper's heuristics (§5.1: SnapKV, KeyDiff, KNorm, StreamingLLM) and the
-bars any learned policy must clear: random blocks, random completion blocks behind the prompt, a
-hand-written rule for the task, and an oracle that looks ahead.
+"""The eviction baselines: the paper's heuristics (§5.1: SnapKV, KeyDiff, KNorm, StreamingLLM), random blocks,
+random completion blocks behind the prompt, hand-written rules for Countdown and an oracle that looks ahead.
 
-Each is a per-key score for the engine's eviction round, Eviction(score=...): the round pools it
-to blocks by the plain mean and keeps the top K blocks (greedy=True), or samples K by Gumbel-top-k
-with the block means as logits (greedy=False: the random baselines), with NGC's rounds, blocks
-and K and the keys at their original positions; only the score differs. Every score maps
-(ψ (N, S) NGC's attention score, keys (N, Hkv, S, D), alive (N, S), at: ngc.Round) to per-key
-scores (N, S), higher = keep; dead slots are ignored.
-
-POLICIES, at the end, names them for eval.py --policy (its --help lists them) and `build` makes one
-by name; a score that reads something (a token id, the tokenizer's numbers, a reference rollout)
-is bound by its registry line from what eval.py hands every policy (Given). A new baseline is one
-function here and its line in POLICIES.
+Each is a per-key score for the engine's eviction round, Eviction(score=...), in place of NGC's ψ: the round
+pools it to blocks by the mean and keeps the top K (greedy=True) or samples K by Gumbel-top-k with the block
+means as logits (greedy=False), with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D),
+alive (N, S), at: ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
+and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every policy (Given).
 """
 from dataclasses import replace
 from functools import partial
@@ -25,12 +18,12 @@ from ngc import Eviction, Rollout, attention_scores
 
 SNAPKV_KERNEL = 5
 SINKS = 4
+TARGET_MARKER = "reach"  # the tiny prompt's word before the target
 
 
 def snapkv(psi, keys, alive, at=None):
-    """SnapKV (Li et al. 2024): ψ smoothed by a 1-D average pool of kernel 5 over the alive keys in
-    position order (neighbours by alive rank, dead slots skipped). At the edges the window is cut
-    short and the mean is over the alive keys it holds (count_include_pad=False)."""
+    """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order (dead slots skipped),
+    cut short at the edges (the mean over the alive keys it holds)."""
     order = torch.argsort((~alive).to(torch.uint8), dim=1, stable=True)  # alive slots first, in position order
     m = alive.gather(1, order).float()[:, None]  # (N, 1, S)
     x = psi.gather(1, order)[:, None] * m
@@ -40,8 +33,7 @@ def snapkv(psi, keys, alive, at=None):
 
 
 def keydiff(psi, keys, alive, at=None):
-    """KeyDiff (Park et al. 2025): −cos(k_t, mean of the L2-normalised alive keys), per KV head,
-    averaged over KV heads."""
+    """KeyDiff (Park et al. 2025): −cos(k_t, mean of the L2-normalised alive keys), averaged over KV heads."""
     k = keys.float()
     m = alive[:, None, :, None].float()  # (N, 1, S, 1)
     anchor = (F.normalize(k, dim=-1) * m).sum(2, keepdim=True) / m.sum(2, keepdim=True).clamp(min=1)
@@ -54,44 +46,32 @@ def knorm(psi, keys, alive, at=None):
 
 
 def streamingllm(psi, keys, alive, at=None):
-    """StreamingLLM (Xiao et al. 2024): attention sinks, then recency: S² for the first 4 alive keys,
-    else the key's rank among the alive keys (newer = higher). A block holding a sink has mean
-    ≥ S²/b ≥ S, above any other block (< S), and the older of two sink blocks wins the tie; so
-    top-K keeps the sink block(s), then the newest blocks."""
+    """StreamingLLM (Xiao et al. 2024): the blocks of the first 4 alive keys (attention sinks), then the newest."""
     return pinned_then_newest(alive, (alive.long().cumsum(1) - 1) < SINKS)
 
 
 def pinned_then_newest(alive, pinned):
-    """S² for the pinned keys (N, S), else the key's rank among the alive keys (newer = higher):
-    top-K keeps the blocks holding a pinned key, then the newest."""
+    """S² for the pinned keys (N, S), else the key's rank among the alive keys (newer = higher). A block holding a
+    pinned key has mean ≥ S²/b ≥ S, above any other (< S): top-K keeps those blocks (the older wins a tie), then
+    the newest."""
     S = alive.shape[1]
     return torch.where(pinned, float(S * S), (alive.long().cumsum(1) - 1).float())
 
 
-# ---------------------------------------------------------------------------------------
-# Baselines that could beat a learned policy
-
-
-PROMPT = 1e6  # a prompt key's score in random-prompt: far above any Gumbel noise
-
-
 def uniform(psi, keys, alive, at=None):
-    """Random (with greedy=False): every block scores the same, so Gumbel-top-k keeps K blocks
-    uniformly at random."""
+    """Random (with greedy=False): every block scores the same, so Gumbel-top-k keeps K blocks uniformly."""
     return torch.zeros_like(psi)
 
 
 def random_prompt(psi, keys, alive, at):
-    """Random Attention (2026; with greedy=False): the prompt's blocks kept, the rest of the K drawn
-    uniformly from the completion's blocks. A block scores 10⁶ × its share of prompt keys, so whole
-    prompt blocks come first, then a block the prompt shares with the completion; when the prompt
-    blocks alone exceed K, K of the whole prompt blocks are kept at random and no completion block."""
-    return torch.where(at.key_pos < at.prompt_lens[:, None], PROMPT, 0.0)
+    """Random Attention (2026; with greedy=False): a block scores 10⁶ × its share of prompt keys, so whole prompt
+    blocks come first (K of them at random if they exceed K), then one shared with the completion, then random."""
+    return torch.where(at.key_pos < at.prompt_lens[:, None], 1e6, 0.0)  # 10⁶: far above any Gumbel noise
 
 
 def task_rule(marker: int):
-    """The hand-written rule for Countdown: keep the block holding the target (the token after
-    `marker`, the token id of 'reach' in the tiny prompt), then the newest blocks (greedy=True)."""
+    """Countdown's hand-written rule: the block holding the target (the token after token id `marker`), then
+    the newest blocks (greedy=True)."""
     def score(psi, keys, alive, at):
         after = torch.cat([torch.zeros_like(at.prompts[:, :1], dtype=torch.bool), at.prompts[:, :-1] == marker], 1)
         target_pos = torch.where(after.any(1), after.float().argmax(1), -1)  # (N,) the target's position, -1: none
@@ -100,8 +80,7 @@ def task_rule(marker: int):
 
 
 def number_rule(is_number):
-    """Countdown's rule with the numbers: keep the blocks holding the prompt's numbers (its target and the
-    numbers it gives: the tokens where is_number (V,) bool is True), then the newest blocks (greedy=True)."""
+    """The blocks holding the prompt's numbers (the tokens where is_number (V,) is True), then the newest."""
     def score(psi, keys, alive, at):
         P = at.prompts.shape[1]
         in_prompt = at.key_pos < at.prompt_lens[:, None]  # (N, S)
@@ -112,8 +91,8 @@ def number_rule(is_number):
 
 @torch.no_grad()
 def future_attention(model, reference: Rollout):
-    """Per layer, (B, T + 1, T): row t is the attention that the queries at positions < t of the
-    reference rollout paid to each key position (mean over heads), summed: a cumulative sum over queries."""
+    """Per layer, (B, T + 1, T): row t sums the attention (mean over heads) that the reference rollout's queries
+    at positions < t paid to each key position."""
     B, T = reference.tokens.shape
     pos = torch.arange(T, device=reference.tokens.device).expand(B, T)
     real = pos < reference.lengths[:, None]  # (B, T): the reference's own tokens
@@ -129,11 +108,9 @@ def future_attention(model, reference: Rollout):
 
 
 def lookahead(cumulative, delta: int):
-    """The oracle (greedy=True): keep the blocks that the full-cache rollout's next δ tokens attend to
-    most. A round after token t scores each key by the attention the reference's queries t+1..t+δ
-    paid it (cumulative: future_attention of that rollout, made from the same noise), so while the
-    evicting rollout follows the reference, the round keeps exactly what the next δ tokens will
-    read; ties (past the reference's end) go to the newer key."""
+    """The oracle (greedy=True): a round after token t scores each key by the attention the full-cache rollout's
+    queries t+1..t+δ paid it (cumulative: its future_attention, made from the same noise), so while the evicting
+    rollout follows it, the round keeps what the next δ tokens will read; ties go to the newer key."""
     def score(psi, keys, alive, at):
         c = cumulative[at.layer][at.rows]  # (N, T + 1, T)
         T = c.shape[2]
@@ -146,48 +123,33 @@ def lookahead(cumulative, delta: int):
     return score
 
 
-
-# ---------------------------------------------------------------------------------------
-# The policies by name: what eval.py --policy builds
-
-
 class Given(NamedTuple):
     """What eval.py hands every policy it builds."""
     layout: Eviction  # the run's δ, b and w, and the ε evaluated
-    model: object  # the Qwen2 evaluated
-    tokenizer: object  # its tokenizers.Tokenizer
-    task: str  # countdown or math
+    model: object
+    tokenizer: object
+    task: str
     reference: Callable[[], Rollout] | None = None  # rolls out the batch's full cache from the noise the policy's
     # rollout will draw; None while eval.py checks its flags, before any batch (a binding then only checks)
 
 
 class Policy(NamedTuple):
     greedy: bool  # keep the top K blocks; False: Gumbel-top-k with the block means as logits
-    score: Callable | None  # the per-key score (for a policy that binds, the function bind completes); None: NGC's ψ
+    score: Callable | None  # the per-key score (or the function bind completes); None: NGC's ψ
     help: str  # its line in eval.py --help
     bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
-    kind: str = "agnostic"  # reproduce.py's tables: ngc, agnostic (knows nothing of the task), rule (hand-written
-    # for Countdown's prompt) or oracle
+    kind: str = "agnostic"  # reproduce.py's: ngc, agnostic (knows nothing of the task), rule (Countdown only), oracle
 
 
 def build(name: str, given: Given) -> Eviction:
-    """--policy `name` at given.layout's δ, b, w and ε, its score bound to what it reads."""
     p = POLICIES[name]
+    if p.kind == "rule" and given.task != "countdown":
+        raise ValueError(f"--policy {name} keeps the block of a Countdown prompt's target; this evaluation's task is "
+                         f"{given.task}: leave {name} out")
     return replace(given.layout, greedy=p.greedy, score=p.bind(given) if p.bind else p.score)
 
 
-TARGET_MARKER = "reach"  # the tiny prompt's word before the target
-
-
-def countdown_only(name: str, given: Given):
-    if given.task != "countdown":
-        raise ValueError(f"--policy {name} keeps the block of a Countdown prompt's target; this evaluation's task is "
-                         f"{given.task}: leave {name} out")
-
-
 def target_marker(given: Given) -> int:
-    """task-rule's marker: the token id of the word before a Countdown prompt's target."""
-    countdown_only("task-rule", given)
     marker = given.tokenizer.token_to_id(TARGET_MARKER)
     if marker is None:
         raise ValueError(f"--policy task-rule keeps the token after '{TARGET_MARKER}' (the tiny prompt's target); "
@@ -196,17 +158,16 @@ def target_marker(given: Given) -> int:
 
 
 def number_tokens(given: Given):
-    """number-rule's table: (V,) bool, True for the tokenizer's tokens that are a number."""
-    countdown_only("number-rule", given)
+    """(V,) bool on the model's device: True for the tokenizer's tokens that are a number."""
     vocab = given.tokenizer.get_vocab()
     is_number = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
     is_number[[i for text, i in vocab.items() if text.isdigit()]] = True
-    return is_number.to(given.model.lm_head.weight.device)  # indexed by the prompts, on the model's device
+    return is_number.to(given.model.lm_head.weight.device)
 
 
 def oracle(given: Given):
-    """lookahead bound to the batch's full-cache rollout, made from the same noise. Without one (eval.py's
-    check, before any batch) a score that refuses to run: never NGC's ψ in its place."""
+    """lookahead on the batch's full-cache rollout; without one (eval.py's check) a score that refuses to run,
+    never ψ in its place."""
     if given.reference is None:
         def unbound(*args):
             raise ValueError("the oracle reads the batch's full-cache rollout: build it with Given.reference")

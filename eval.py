@@ -25,6 +25,7 @@ peak under the policy (each a mean over the k samples), averaged over problems. 
 per policy x rate.
 """
 import argparse
+import contextlib
 import sys
 from dataclasses import replace
 from math import comb
@@ -44,9 +45,8 @@ from tasks import TASK_REWARD, check_prompt, held_out, prompt_encoder
 
 POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --policy name -> its --help line
             "none": "the full cache: one row, reported at ε = 0 (reduction 1.0)"}
-MACHINE = ["device", "dtype", "compile"]  # settings.py's flags that eval.py shares with train.py ...
 RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta", "block",
-       "window"]  # ... and those that replace the run's settings
+       "window"]  # settings.py's flags that replace the run's settings
 HELPS = {"model": "Qwen2 checkpoint directory (required)",
          "task": "countdown or math (default: the checkpoint's ngc.json, else countdown)",
          "question_field": "math: the question's field in --eval-data rows (a.b for nested)",
@@ -56,27 +56,19 @@ HELPS = {"model": "Qwen2 checkpoint directory (required)",
 
 
 def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction | None:
-    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError.
-    reference: a batch's full-cache rollout (baselines.Given)."""
+    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError."""
     if name == "none":
         return None
     layout = Eviction(c.delta, c.block, c.window, rate)
     return baselines.build(name, baselines.Given(layout, model, tokenizer, c.task, reference))
 
 
-# ---------------------------------------------------------------------------------------
-# Held-out evaluation (paper §5.1): train.py, make_tiny.py, show.py and reproduce.py call these too
-
-
 @torch.no_grad()
 def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
                        generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None):
-    """Roll out `samples` completions per problem. Returns rewards, completion lengths, rounds and
-    peak KV entries, each (problems, samples), and the completions' texts (problems x samples).
-    encode(tokenizer, problem) gives a prompt's ids (default: countdown's plain prompt). policy: in
-    place of eviction, policy(reference) -> each batch's Eviction (compare's --policy), reference()
-    rolling out the batch's full cache from the same noise (the oracle reads it). With several
-    processes each rolls out every world-th job and all of them get all the results."""
+    """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each (problems, samples),
+    and the texts. policy: in place of eviction, policy(reference) -> each batch's Eviction, reference() rolling
+    out the batch's full cache from the same noise. Under torchrun each process rolls out every world-th job."""
     encode = encode or countdown.encode
     rank, world = distributed.rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]
@@ -105,17 +97,26 @@ def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, enco
 
 
 def kv_reduction(ref_peak, peak) -> float:
-    """§5.1: mean over problems of peak(no eviction) / peak(policy); rows are problems, columns
-    samples (a problem's peak is the mean over its samples)."""
+    """§5.1: mean over problems of peak(no eviction) / peak(policy), a problem's peak the mean over its samples."""
     return (ref_peak.mean(1) / peak.mean(1)).mean().item()
+
+
+def standard_error(reward) -> float:
+    """1 SE of pass@1 over problems (the paper's error bars); reward: (problems, samples)."""
+    per_problem = reward.mean(1)
+    return (per_problem.std(correction=1) / len(per_problem) ** 0.5).item() if len(per_problem) > 1 else 0.0
+
+
+def pass_at_k(n: int, c, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021), averaged over problems: 1 - C(n-c, k) / C(n, k)."""
+    return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
 
 
 def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
              batch_size=64, progress=False, meta_token=None, compile=False, sampling=None, samples=0, seed=0):
-    """The held-out numbers train.py logs every --eval-every steps, with the full cache and under
-    `eviction` (NGC with greedy top-K): greedy accuracy and the peak-KV reduction; with `samples`,
-    also pass@1 over that many completions per problem drawn at `sampling` (the paper's metric,
-    §5.1), with 1 SE over problems. meta_token: g's id, forced before each round under `eviction`."""
+    """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and under `eviction`
+    (greedy top-K), and with `samples` pass@1 ± 1 SE over that many completions per problem drawn at `sampling`.
+    meta_token: g's id, forced before each round."""
     greedy = replace(eviction, greedy=True)
 
     def score(s, ev, k, what):
@@ -137,15 +138,13 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, enc
 
 
 def eval_line(step, r, rate) -> str:
-    """train.py's line for evaluation r (evaluate's) after `step` updates."""
     sampled = f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}" if "pass1" in r else ""
     return (f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={rate:g} {r['acc']:.1%} (greedy "
             f"tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
 
 def before_after(evals, rate, seconds, problems=None) -> str:
-    """The table train.py ends with: its first and last evaluation. pass@1 over sampled tokens
-    (± 1 SE over problems) where the evaluations have it, greedy tokens beside; evictions greedy top-K."""
+    """The table train.py ends with: its first and last evaluation."""
     first, last = evals[0], evals[-1]
     pm = lambda r, k: f"{r[k]:6.1%} ± {100 * r[k + '_se']:.1f}" if k in r else f"{'':>12s}"
     lines = [f"{f'held-out ({problems} problems)' if problems else 'held-out':32s} {'before':>12s} {'after':>12s}"]
@@ -160,78 +159,57 @@ def before_after(evals, rate, seconds, problems=None) -> str:
     return "\n".join(lines)
 
 
-def pass_at_k(n: int, c, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021), averaged over problems: 1 - C(n-c, k) / C(n, k)."""
-    return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
-
-
 def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=64, progress=True,
             compile=False, tag=None):
-    """One result row per (policy, rate), all against one shared no-eviction reference run. tag: the
-    budget tag of the evicting runs' prompts: None, the run's (--interoception: the rate evaluated);
-    "rate", the rate evaluated; "blind", the tag without it; a number, that rate whatever is evaluated."""
+    """One result row per (policy, rate). tag: the evicting runs' budget tag: None, the run's (--interoception:
+    the rate evaluated); "rate", the rate evaluated; "blind", the tag without it; a number, that rate."""
     n = samples or 1
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
                         top_p=c.eval_top_p or c.top_p, greedy=samples is None,
                         meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
-    device = model.lm_head.weight.device
+    tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
 
     def run(name, rate):
         evicts = name != "none"
-        tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
         written = tag if isinstance(tag, float) else rate
         encode = prompt_encoder(c.task, c.prompt, written if tagged and evicts else None, blind)
-        gen = torch.Generator(device=device).manual_seed(c.seed)
+        gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(c.seed)
         return roll_out_and_score(model, tokenizer, problems, sampling, None, encode, TASK_REWARD[c.task], gen, n,
                                   batch_size, (f"{name} ε={rate:g}" if evicts else "no eviction") if progress else None,
                                   compile, lambda reference: make_eviction(name, c, rate, model, tokenizer, reference))
 
+    def row(name, rate):
+        out = ref if name == "none" else run(name, rate)
+        r = {"policy": name, "eviction_rate": rate, "problems": len(problems), "samples": n,
+             "accuracy": out["reward"].mean().item(), "se": standard_error(out["reward"]),
+             "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
+             "peak_kv": out["peak_kv"].mean().item(), "kv_reduction": kv_reduction(ref["peak_kv"], out["peak_kv"])}
+        if samples:
+            ks = sorted({min(2 ** i, n) for i in range(n.bit_length() + 1)})
+            r["pass_at_k"] = {str(k): pass_at_k(n, out["reward"].sum(1), k) for k in ks}
+        return r
+
     ref = run("none", 0.0)
-    rows = []
-    for name in policies:
-        for rate in [0.0] if name == "none" else rates:
-            out = ref if name == "none" else run(name, rate)
-            correct = out["reward"].sum(1)
-            row = {"policy": name, "eviction_rate": rate,
-                   "problems": len(problems), "samples": n, "accuracy": out["reward"].mean().item(),
-                   "se": standard_error(out["reward"]),
-                   "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
-                   "peak_kv": out["peak_kv"].mean().item(),
-                   "kv_reduction": kv_reduction(ref["peak_kv"], out["peak_kv"])}
-            if samples:
-                ks = sorted({min(2 ** i, n) for i in range(n.bit_length() + 1)})
-                row["pass_at_k"] = {str(k): pass_at_k(n, correct, k) for k in ks}
-            rows.append(row)
-    return rows
+    return [row(name, rate) for name in policies for rate in ([0.0] if name == "none" else rates)]
 
 
 def table(rows) -> str:
     n = rows[0]["samples"]
-    head = f"{'policy':<13} {'ε':>5} {'pass@1':>7}" + (f" {f'pass@{n}':>8}" if n > 1 else "")
-    lines = [head + f" {'length':>7} {'rounds':>6} {'peak KV':>8} {'KV reduction':>12}"]
+    k = f" {f'pass@{n}':>8}" if n > 1 else ""
+    lines = [f"{'policy':<13} {'ε':>5} {'pass@1':>7}{k} {'length':>7} {'rounds':>6} {'peak KV':>8} {'KV reduction':>12}"]
     for r in rows:
-        line = f"{r['policy']:<13} {r['eviction_rate']:>5.2f} {r['accuracy']:>7.1%}"
-        line += f" {r['pass_at_k'][str(n)]:>8.1%}" if n > 1 else ""
-        lines.append(line + f" {r['length']:>7.1f} {r['rounds']:>6.2f} {r['peak_kv']:>8.0f}"
-                            f" {r['kv_reduction']:>11.2f}x")
+        k = f" {r['pass_at_k'][str(n)]:>8.1%}" if n > 1 else ""
+        lines.append(f"{r['policy']:<13} {r['eviction_rate']:>5.2f} {r['accuracy']:>7.1%}{k} {r['length']:>7.1f} "
+                     f"{r['rounds']:>6.2f} {r['peak_kv']:>8.0f} {r['kv_reduction']:>11.2f}x")
     return "\n".join(lines)
 
 
-def standard_error(reward) -> float:
-    """1 SE of pass@1 over problems (the paper's error bars): the standard deviation of the problems'
-    mean rewards (reward: (problems, samples)) over sqrt(problems)."""
-    per_problem = reward.mean(1)
-    return (per_problem.std(correction=1) / len(per_problem) ** 0.5).item() if len(per_problem) > 1 else 0.0
-
-
 def error_bar(r) -> float:
-    """A row's error bar: the spread across seeds for reproduce.py's rows over several seeds, else
-    1 SE over problems (rows written before it was kept: the binomial sqrt(p(1 - p) / (problems x samples)))."""
+    """A row's error bar: the sd across seeds (reproduce.py's rows over several), else 1 SE over problems (rows
+    written before it was kept: the binomial sqrt(p(1 - p) / (problems x samples)))."""
     if r.get("seeds", 1) > 1:
         return r["accuracy_sd"]
-    if "se" in r:
-        return r["se"]
-    return (r["accuracy"] * (1 - r["accuracy"]) / (r["problems"] * r["samples"])) ** 0.5
+    return r["se"] if "se" in r else (r["accuracy"] * (1 - r["accuracy"]) / (r["problems"] * r["samples"])) ** 0.5
 
 
 def error_bar_note(rows) -> str:
@@ -240,8 +218,7 @@ def error_bar_note(rows) -> str:
 
 
 def plot(rows, path):
-    """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, one line per policy
-    (the paper's Figure 3, right, and its pass@32 against compression for math)."""
+    """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, a line per policy (Figure 3, right)."""
     plt = pyplot("--plot")
     n = rows[0]["samples"]
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
@@ -265,34 +242,30 @@ def tag_flag(text: str):
     """--tag: rate, blind, or a rate in [0, 1]."""
     if text in ("rate", "blind"):
         return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give rate, blind or a rate in [0, 1]")
-    return value
+    with contextlib.suppress(ValueError):
+        if 0 <= float(text) <= 1:
+            return float(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: give rate, blind or a rate in [0, 1]")
 
 
 def flags(argv):
-    """eval.py's command line: its own flags, and settings.py's that it shares with train.py."""
     p = parser(__doc__)
     p.epilog = "policies (--policy):\n" + "\n".join(f"  {name:14s} {text}" for name, text in POLICIES.items())
     p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(POLICIES) + " (below)")
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
-    p.add_argument("--samples", type=int, default=None, help="k sampled completions per problem: pass@1 ± 1 SE and "
-                   "pass@k; 0: greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' "
-                   "sampling, 32 for math at T=0.6, top-p 0.95)")
+    p.add_argument("--samples", type=int, help="k sampled completions per problem: pass@1 ± 1 SE and pass@k; 0: "
+                   "greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' sampling, 32 for "
+                   "math at T=0.6, top-p 0.95)")
     p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "
                    "ε evaluated), blind (the tag without the rate) or a rate in [0, 1] whatever ε is evaluated "
                    "(default: the run's; with --interoception, rate): does the model read the tag?")
-    p.add_argument("--problems", type=int, default=None, help="held-out problems to use, the first N (default: the "
-                   "run's eval_problems)")
-    p.add_argument("--out", default=None, help="JSONL file, one line per policy x rate")
-    p.add_argument("--plot", default=None, help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
+    p.add_argument("--problems", type=int, help="held-out problems to use, the first N (default: the run's "
+                   "eval_problems)")
+    p.add_argument("--out", help="JSONL file, one line per policy x rate")
+    p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
-    add_flags(p, None, ["model"] + MACHINE + RUN, HELPS, required=["model"])  # RUN: the run's unless given
+    add_flags(p, None, ["model", "device", "dtype", "compile"] + RUN, HELPS, required=["model"])
     return p.parse_args(argv)
 
 
@@ -301,9 +274,8 @@ def run_settings(args) -> Settings:
     bad = [x for x in args.policy if x not in POLICIES]
     if bad:
         raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
-    if args.samples is not None and args.samples < 0:
-        raise ValueError(f"--samples {args.samples} must be at least 0 (0: greedy tokens)")
-    check_values(args, {"problems": at_least(1), "batch_size": at_least(1)})
+    check_values(args, {"samples": lambda v: v >= 0 or "must be at least 0 (0: greedy tokens)",
+                        "problems": at_least(1), "batch_size": at_least(1)})
     if args.plot:
         need("matplotlib", "--plot")
     for flag in ("out", "plot"):
@@ -328,12 +300,11 @@ def run_settings(args) -> Settings:
 
 
 def evaluate_policies(args, c, model, tokenizer, problems):
-    """compare() on --device in --dtype; under torchrun the problems are split across the processes, and
-    every process gets every row. Returns the rows on the first process, None on the others."""
+    """compare() in --dtype, the problems split across torchrun's processes: the rows on the first, None elsewhere."""
     device = torch.device(args.device)
     distributed.start(device)  # after every check: no process fails alone after the rendezvous
     rank = distributed.rank_and_world()[0]
-    bf16 = (args.dtype or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
+    bf16 = args.dtype == "bf16" if args.dtype else device.type == "cuda"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
@@ -342,10 +313,21 @@ def evaluate_policies(args, c, model, tokenizer, problems):
     return None if rank else rows
 
 
-def write(args, problems, rows):
-    """The table on stdout, the rows to --out and the figure to --plot."""
-    print(f"{args.model}: {len(problems)} held-out problems, "
-          + (f"{args.samples} samples each" if args.samples else "greedy"))
+@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
+def main(argv=None):
+    args = flags(argv)
+    with one_line_errors(ValueError, RuntimeError):  # every check (problems, device, load) before any rollout
+        c = run_settings(args)
+        problems = held_out(c, args.problems)
+        model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
+        check_prompt(c, tokenizer, args.model)
+        for name in args.policy:
+            make_eviction(name, c, args.eviction_rate[0], model, tokenizer)  # the tokenizer has what the policy reads
+    rows = evaluate_policies(args, c, model, tokenizer, problems)
+    if rows is None:
+        return
+    each = f"{args.samples} samples each" if args.samples else "greedy"
+    print(f"{args.model}: {len(problems)} held-out problems, {each}")
     print(table(rows))
     try:
         if args.out:
@@ -354,22 +336,6 @@ def write(args, problems, rows):
             plot(rows, args.plot)
     except OSError as e:
         raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
-
-
-@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
-def main(argv=None):
-    args = flags(argv)
-    with one_line_errors(ValueError, RuntimeError):  # every check before the first rollout (a problem set it
-        # cannot draw, a device or a load that fails)
-        c = run_settings(args)
-        problems = held_out(c, args.problems)
-        model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
-        check_prompt(c, tokenizer, args.model)
-        for name in args.policy:
-            make_eviction(name, c, args.eviction_rate[0], model, tokenizer)  # the tokenizer has what the policy reads
-    rows = evaluate_policies(args, c, model, tokenizer, problems)
-    if rows is not None:
-        write(args, problems, rows)
 
 
 if __name__ == "__main__":

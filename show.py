@@ -50,24 +50,22 @@ from settings import run_defaults, trained_task
 from tasks import TASK_REWARD, held_out, prompt_encoder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TINY_DIR = os.path.join(HERE, "tiny")
-BEFORE = {"countdown": TINY_DIR, "math": os.path.join(HERE, "tiny-math")}  # --before's default, per task
+BEFORE = {"countdown": os.path.join(HERE, "tiny"), "math": os.path.join(HERE, "tiny-math")}  # --before's default
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
 ALIVE_COLOUR = "#d9d9d9"
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)
 
 
 def fates(ro, row: int, tokenizer):
-    """The token texts of rollout row `row` (prompt + completion) and its death rounds (L, T): the
-    0-based round that evicted key s at layer l, ALIVE (-1) where no round did."""
+    """Rollout row `row`'s token texts (prompt + completion) and death rounds (L, T): the 0-based round that
+    evicted key s at layer l, ALIVE (-1) where none did."""
     one = ro.select([row])
     T = int(one.lengths[0])
     texts = tokenizer.decode_batch([[t] for t in one.tokens[0, :T].tolist()], skip_special_tokens=False)
-    L = one.kept.shape[2]
     if one.eviction is None:  # the full cache: nothing is ever evicted
-        return texts, torch.full((L, T), ALIVE)
+        return texts, torch.full((one.kept.shape[2], T), ALIVE)
     death = death_times(one.kept, one.n_rounds, T, one.eviction.delta, one.eviction.block)[0]  # (L, T)
-    return texts, evicted_by(death, one.eviction.delta)  # ALIVE (-1) where no round evicted the key
+    return texts, evicted_by(death, one.eviction.delta)
 
 
 def round_colour(r: int, n: int) -> str:
@@ -79,8 +77,7 @@ def round_colour(r: int, n: int) -> str:
 
 
 def summary(run) -> str:
-    """The completion's length and the fractions of prompt and of completion keys that no round
-    evicted, averaged over layers (every layer holds the same tokens)."""
+    """The completion's length and the fractions of prompt and of completion keys never evicted, over layers."""
     alive = (run["rounds"] == ALIVE).float()  # (L, T)
     P = run["prompt_len"]
     return (f"{alive.shape[1] - P} new tokens, not evicted: prompt {alive[:, :P].mean():.0%}, "
@@ -88,9 +85,8 @@ def summary(run) -> str:
 
 
 def trace_rollouts(model, tokenizer, c, problems, ev: Eviction | None):
-    """The greedy rollouts of `problems` by `model` under ev (None: the full cache): per problem its
-    verdict, token texts, prompt length and death rounds (L, T). With c.meta_token, g is forced
-    before each round, as in eval.py."""
+    """The greedy rollouts of `problems` under ev (None: the full cache), g forced as in eval.py: per problem its
+    verdict, token texts, prompt length and death rounds (L, T)."""
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None, c.blind_tag)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
@@ -114,30 +110,29 @@ def target_position(run, problem) -> int:
 
 
 def survival(runs, problems, max_round: int = 3) -> dict:
-    """Per round k ≤ max_round, over the rollouts that reached it: the mean fraction of layers whose
-    cache still holds the target's key after round k, and that of the other prompt keys; then the
-    accuracy of the rollouts whose target outlived round 1 in some layer, and of the rest."""
+    """Per round k ≤ max_round, over the rollouts that reached it: the mean fraction of layers whose cache still
+    holds the target's key after round k, and that of the other prompt keys; then the accuracy of the rollouts
+    whose target outlived round 1 in some layer, and of the rest."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    after = lambda run, k: (run["rounds"] == ALIVE) | (run["rounds"] >= k)  # (L, T): alive after round k
     per_round = []
     for k in range(1, max_round + 1):
         target, other = [], []
         for run, problem in zip(runs, problems):
             if run["n_rounds"] < k:
                 continue
-            alive = ((run["rounds"] == ALIVE) | (run["rounds"] >= k)).float()  # (L, T) after round k
-            t, P = target_position(run, problem), run["prompt_len"]
+            alive, t, P = after(run, k).float(), target_position(run, problem), run["prompt_len"]
             target.append(alive[:, t].mean().item())
             other.append(torch.cat([alive[:, :t], alive[:, t + 1:P]], 1).mean().item())
-        mean = lambda xs: sum(xs) / len(xs) if xs else None
         per_round.append(dict(round=k, rollouts=len(target), target=mean(target), other_prompt=mean(other)))
-    kept = [run["n_rounds"] == 0 or bool(((run["rounds"] == ALIVE) | (run["rounds"] >= 1))[:, target_position(
-        run, problem)].any()) for run, problem in zip(runs, problems)]
+    kept = [run["n_rounds"] == 0 or bool(after(run, 1)[:, target_position(run, problem)].any())
+            for run, problem in zip(runs, problems)]
     split = lambda flag: [r["correct"] for r, k in zip(runs, kept) if k == flag]
-    acc = lambda xs: sum(xs) / len(xs) if xs else None
     restated = [restatements(run, problem) for run, problem in zip(runs, problems)]
-    return dict(rounds=per_round, accuracy=acc([r["correct"] for r in runs]),
-                kept_target=dict(rollouts=len(split(True)), accuracy=acc(split(True))),
-                lost_target=dict(rollouts=len(split(False)), accuracy=acc(split(False))),
-                restated=dict(rollouts=acc([n > 0 for n in restated]), per_rollout=acc(restated)))
+    return dict(rounds=per_round, accuracy=mean([r["correct"] for r in runs]),
+                kept_target=dict(rollouts=len(split(True)), accuracy=mean(split(True))),
+                lost_target=dict(rollouts=len(split(False)), accuracy=mean(split(False))),
+                restated=dict(rollouts=mean([n > 0 for n in restated]), per_rollout=mean(restated)))
 
 
 def restatements(run, problem) -> int:
@@ -150,9 +145,8 @@ OPERATORS = {"+", "-", "*", "/", "="}
 
 
 def first_divergence(full, evicted, delta: int):
-    """Where a rollout under eviction first writes a token other than the same model's full-cache
-    rollout of the same prompt (both greedy): (the rounds fired before it, how many tokens after the
-    last of them, what the full cache wrote there), or None where one completion is a prefix of the
+    """Where the greedy rollout under eviction first leaves the full cache's: (the rounds fired before, the tokens
+    since the last of them, what the full cache wrote there), or None where one completion is a prefix of the
     other. Token t is written by the query at t - 1, which sees every round k with kδ ≤ t - 1."""
     a, b, P = full["tokens"], evicted["tokens"], full["prompt_len"]
     t = next((i for i in range(P, min(len(a), len(b))) if a[i] != b[i]), None)
@@ -167,8 +161,8 @@ def first_divergence(full, evicted, delta: int):
 
 
 def failures(full_runs, evicted_runs, delta: int) -> dict:
-    """The rollouts under eviction that fail: how many the full cache fails too, and for the rest
-    where they first leave the full cache's completion (first_divergence), as counts."""
+    """The rollouts that fail under eviction: how many fail with the full cache too, and the rest's
+    first_divergence, as counts."""
     wrong = [(f, e) for f, e in zip(full_runs, evicted_runs) if not e["correct"]]
     found = [first_divergence(f, e, delta) for f, e in wrong if f["correct"]]
     diverged = [x for x in found if x is not None]
@@ -181,8 +175,7 @@ def failures(full_runs, evicted_runs, delta: int) -> dict:
 
 
 def failure_line(f) -> str:
-    """failures() in words: how many rollouts fail under eviction, and where the ones the full cache
-    solves first leave its completion (only the parts there is something to say about)."""
+    """failures() in words, only the parts there is something to say about."""
     if not f["wrong"]:
         return "none wrong under eviction"
     parts = [f"{f['wrong']} wrong under eviction, {f['full_cache_wrong_too']} of them also with the full cache"]
@@ -210,7 +203,7 @@ th.l{text-align:right;padding-right:4px}
 
 
 def grid(run) -> str:
-    """One rollout's table: a header row of token texts, then a row of fate-coloured cells per layer."""
+    """A header row of token texts, then a row of fate-coloured cells per layer."""
     P = run["prompt_len"]
     head = ["<th></th>"]
     for t, text in enumerate(run["tokens"]):
@@ -226,8 +219,7 @@ def grid(run) -> str:
 
 
 def render_html(problems, runs: dict, info: dict) -> str:
-    """The page: settings and legend, then per problem the runs of `runs` ({name: [run per problem]})
-    side by side."""
+    """The page: settings and legend, then per problem the runs ({name: [run per problem]}) side by side."""
     n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)  # rounds that evicted anything
     colours = "".join(f".r{r}{{background:{round_colour(r, n)}}}" for r in range(n))
     legend = '<span class="key alive"></span>not evicted (in the cache at the end)' + "".join(
@@ -286,20 +278,20 @@ def parse_args(argv=None):
     settings.add_flags(p, None, ["model"], {"model": "the trained checkpoint directory (a run's checkpoint/), "
                                             "required; its ngc.json gives the task, problems, δ, b, w and prompts"},
                        required=["model"])
-    p.add_argument("--before", default=None, help="the untrained model to compare with, trained on the same task "
+    p.add_argument("--before", help="the untrained model to compare with, trained on the same task "
                    "(default: tiny/ for Countdown, tiny-math/ for math)")
     p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
     p.add_argument("--eviction-rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round")
-    p.add_argument("--out", default=None, help="the HTML page to write")
-    p.add_argument("--png", default=None, help="also a PNG of the same grids (needs matplotlib)")
-    p.add_argument("--survival", default=None, help="a JSON file of the target's survival per round (Countdown)")
+    p.add_argument("--out", help="the HTML page to write")
+    p.add_argument("--png", help="also a PNG of the same grids (needs matplotlib)")
+    p.add_argument("--survival", help="a JSON file of the target's survival per round (Countdown)")
     settings.add_flags(p, None, ["device"])
     return p.parse_args(argv)
 
 
 def check(args):
-    """The run's settings, NGC's evaluation policy and the held-out problems, once every flag and both
-    checkpoints are checked (a one-line ValueError); fills in args.device and args.before."""
+    """The run's settings, NGC's evaluation policy and the held-out problems, every flag and both checkpoints
+    checked first (a one-line ValueError); fills in args.device and args.before."""
     check_values(args, {"problems": at_least(1)})
     if args.out is None and args.survival is None:
         raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
@@ -325,8 +317,7 @@ def check(args):
 
 
 def trace_models(args, c, problems, ev):
-    """Both models' rollouts ({name: runs}) and, with --survival, their measures ({name: survival
-    and failures}, the full cache rolled out beside)."""
+    """Both models' rollouts ({name: runs}) and with --survival their survival and failures ({name: measures})."""
     runs, measures = {}, {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
         model, tokenizer = load(path, args.device, c.meta_token)
@@ -338,7 +329,6 @@ def trace_models(args, c, problems, ev):
 
 
 def print_lines(problems, runs, measures, page: bool):
-    """A line per problem and model (with the page), then --survival's per model."""
     if page:
         for i in range(len(problems)):
             for name, rs in runs.items():
@@ -350,23 +340,6 @@ def print_lines(problems, runs, measures, page: bool):
         print(f"{'':>9}  {failure_line(k['failures'])}")
 
 
-def write(args, problems, runs, measures, info):
-    """--survival's file, the page and its PNG; an OSError is a one-line Exit."""
-    try:
-        if args.survival:
-            write_json(args.survival, dict(info, eviction=vars(info["eviction"]), problems=len(problems), **measures))
-            print(f"wrote {args.survival}")
-        if not args.out:
-            return
-        write_text(args.out, render_html(problems, runs, info))
-        print(f"wrote {args.out}")
-        if args.png:
-            render_png(problems, runs, args.png)
-            print(f"wrote {args.png}")
-    except OSError as e:
-        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
-
-
 @exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     args = parse_args(argv)
@@ -376,7 +349,18 @@ def main(argv=None):
     print_lines(problems, runs, measures, page=bool(args.out))
     info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
-    write(args, problems, runs, measures, info)
+    try:
+        if args.survival:
+            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **measures))
+            print(f"wrote {args.survival}")
+        if args.out:
+            write_text(args.out, render_html(problems, runs, info))
+            print(f"wrote {args.out}")
+        if args.out and args.png:
+            render_png(problems, runs, args.png)
+            print(f"wrote {args.png}")
+    except OSError as e:
+        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
 
 
 if __name__ == "__main__":
