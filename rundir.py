@@ -1,11 +1,8 @@
-"""A run directory: log.jsonl and checkpoint/, kept whole through crashes, signals and resumes.
-
-checkpoint/ is a Hugging Face model directory plus ngc.json (the run's settings) and trainer.pt (the
-step and the optimizer state), replaced by a swap (files.swap_in). log.jsonl holds a JSON record per
-optimizer step and per held-out evaluation; a signal stops the run between an update and the next, never
-between an update and its record, so a resume takes exactly the steps an uninterrupted run would.
-One process at a time trains in a run directory: it holds a flock on `lock` there, which ends with the
-process. The training loop runs inside guard(), which ends a stopped run in RunStopped (cli.exits).
+"""A run directory, kept whole through crashes, signals and resumes: log.jsonl (a JSON record per optimizer
+step and per held-out evaluation) and checkpoint/ (a Hugging Face model directory plus ngc.json, the settings,
+and trainer.pt, the step and optimizer state), replaced by a swap (files.swap_in). A signal stops the run
+between an update and the next, never between an update and its record, so a resume takes exactly the steps
+an uninterrupted run would. One process at a time trains there, holding a flock on `lock`.
 """
 import contextlib
 import json
@@ -296,17 +293,6 @@ def signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-@contextlib.contextmanager
-def stop_on_signals():
-    """SIGINT/SIGTERM raise Interrupted inside the block."""
-    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 class RunStopped(Exit):
     """The run stopped before its last step; `status` is the script's exit (cli.Exit)."""
 
@@ -351,28 +337,30 @@ def check_finite(values: dict):
 
 @contextlib.contextmanager
 def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
-    """The training loop of `run` runs inside; what stops it ends in RunStopped. A signal saves the state
-    after run.step steps (not under --fsdp), exit code 128 + signum; divergence, a failed save or write is
-    a one-line error (exit code 2) that says which checkpoint is kept. The run's lock is let go at the end."""
-    with stop_on_signals():
-        try:
-            yield run
-        except Interrupted as e:
-            if fsdp:  # saving is a collective, and the processes may be inside different ones now
-                say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
-            else:
-                try:
-                    saved = run.try_save()
-                    say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}"
-                        if saved else f"\n{e}: step {run.step} is not saved; {run.kept()}")
-                except Diverged as d:  # weights that are not finite are never saved
-                    say(f"\n{e}: step {run.step} is not saved ({d}); {run.kept()}")
-            raise RunStopped(128 + e.signum)
-        except Diverged as e:
-            raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})")
-        except SaveFailed as e:
-            raise RunStopped(f"error: {e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}")
-        except OSError as e:  # the log
-            raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
-        finally:
-            release(run.out)
+    """The training loop of `run` runs inside (SIGINT/SIGTERM raise Interrupted); what stops it ends in RunStopped.
+    A signal saves the state after run.step steps (not under --fsdp), exit code 128 + signum; divergence, a failed
+    save or write is a one-line error (exit code 2) saying which checkpoint is kept. The lock is let go at the end."""
+    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield run
+    except Interrupted as e:
+        if fsdp:  # saving is a collective, and the processes may be inside different ones now
+            say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
+        else:
+            try:
+                saved = run.try_save()
+                say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}"
+                    if saved else f"\n{e}: step {run.step} is not saved; {run.kept()}")
+            except Diverged as d:  # weights that are not finite are never saved
+                say(f"\n{e}: step {run.step} is not saved ({d}); {run.kept()}")
+        raise RunStopped(128 + e.signum)
+    except Diverged as e:
+        raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})")
+    except SaveFailed as e:
+        raise RunStopped(f"error: {e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}")
+    except OSError as e:  # the log
+        raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
+    finally:
+        release(run.out)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
