@@ -1,9 +1,6 @@
-"""Checkpoints in the Hugging Face layout: config.json, (sharded) *.safetensors and tokenizer.json.
-
-Read and written without transformers, checking every tensor's name and shape on the way in, so
-that R1's own directory and the tiny models load through the same code. Also the meta-token's
-surgery on a checkpoint (paper, Appendix "Compression via Meta-Tokens").
-"""
+"""Checkpoints in the Hugging Face layout (config.json, (sharded) *.safetensors, tokenizer.json), read and
+written without transformers, so R1's own directory and the tiny models load through the same code; and
+the meta-token's surgery on a checkpoint (paper, Appendix "Compression via Meta-Tokens")."""
 import json
 import os
 import re
@@ -47,25 +44,13 @@ def config_from_dict(d: dict) -> Qwen2Config:
     return cfg
 
 
-def config_to_dict(cfg: Qwen2Config) -> dict:
-    d = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-            "use_sliding_window": False, "rope_scaling": None, **d}
-
-
 def _weight_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        return sorted({os.path.join(path, name) for name in read_index(index).values()})
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-
-
-def read_index(index: str) -> dict:
-    """The weight_map of a sharded checkpoint's model.safetensors.index.json (tensor name -> shard
-    file), or a one-line CheckpointError naming the file."""
+    """model.safetensors, or the shards that model.safetensors.index.json's weight_map names."""
+    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        if os.path.exists(single):
+            return [single]
+        raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     try:
         with open(index, encoding="utf-8") as f:
             d = json.load(f)
@@ -76,7 +61,7 @@ def read_index(index: str) -> dict:
         raise CheckpointError(f"{index} has no weight_map of tensor names to shard files "
                               f"({{\"weight_map\": {{\"model.norm.weight\": \"model-00001-of-00002.safetensors\", ...}}}}); "
                               f"re-download it or re-save the checkpoint")
-    return weight_map
+    return sorted({os.path.join(path, name) for name in weight_map.values()})
 
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -101,16 +86,12 @@ def load_config(path: str) -> Qwen2Config:
     return config_from_dict(d)
 
 
-def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
 def _token_id(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test, in words)
-    **{k: (_count, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
+    **{k: (lambda v: _token_id(v) and v > 0, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
     **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
        for k in ("rope_theta", "rms_norm_eps")},
     "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
@@ -152,8 +133,7 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
 
 
 def load_errors(e: RuntimeError, shown: int = 3) -> str:
-    """torch's load_state_dict error in one line: the first `shown` missing, unexpected and
-    mis-shaped tensors."""
+    """torch's load_state_dict error in one line: the first `shown` missing, unexpected and mis-shaped tensors."""
     text, parts = str(e), []
 
     def listed(items, sep=", "):
@@ -170,33 +150,29 @@ def load_errors(e: RuntimeError, shown: int = 3) -> str:
 
 def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32):
     """The model and tokenizer of checkpoint directory `path`; meta_token: with the meta-token g
-    (added if the checkpoint lacks it, see add_meta_token). A tokenizer with ids past the model's
-    vocabulary (another model's) is a CheckpointError."""
+    (added if the checkpoint lacks it, see add_meta_token)."""
     model, tokenizer = from_pretrained(path, dtype=dtype, device=device), load_tokenizer(path)
-    check_vocab(tokenizer, model.config, path)
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= model.config.vocab_size:  # another model's tokenizer (R1's config has spare rows past its ids)
+        raise CheckpointError(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
+                              f"{os.path.join(path, 'config.json')} gives the model only vocab_size "
+                              f"{model.config.vocab_size} rows: the tokenizer is another model's; use the "
+                              f"tokenizer.json of these weights")
     if meta_token:
         add_meta_token(model, tokenizer)
     return model, tokenizer
 
 
-def check_vocab(tokenizer, cfg: Qwen2Config, path: str):
-    """A CheckpointError unless every id of the tokenizer (added tokens too) has a row in the
-    model's embedding: config.json's vocab_size (R1's has spare rows past its tokenizer's ids)."""
-    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= cfg.vocab_size:
-        raise CheckpointError(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
-                              f"{os.path.join(path, 'config.json')} gives the model only vocab_size {cfg.vocab_size} "
-                              f"rows: the tokenizer is another model's; use the tokenizer.json of these weights")
-
-
 def save_pretrained(model: Qwen2, path: str, state: dict | None = None):
-    """Write config.json and model.safetensors (model's weights, or the given state dict) into
-    path, each file via a temporary name."""
+    """Write config.json and model.safetensors (model's weights, or the given state dict) into path."""
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in (state or model.state_dict()).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    config = {**config_to_dict(model.config), "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+              "use_sliding_window": False, "rope_scaling": None,
+              **{f.name: getattr(model.config, f.name) for f in fields(model.config)},
+              "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
     write_json(os.path.join(path, "config.json"), config, indent=2)
     write_atomic(os.path.join(path, "model.safetensors"), lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
 
@@ -213,10 +189,9 @@ def load_tokenizer(path: str):
 
 
 def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = None):
-    """Write tokenizer.json, tokenizer_config.json and generation_config.json into path, so that
-    Hugging Face's AutoTokenizer and generate() need no guessing. The source checkpoint's two
-    config files (chat template and all) are carried over; what they lack is filled in from
-    cfg's special-token ids."""
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json into path, so that Hugging
+    Face's AutoTokenizer and generate() need no guessing: the source checkpoint's two config files (chat
+    template and all), what they lack filled in from cfg's special-token ids."""
     def source_json(name):
         file = os.path.join(source, name) if source else ""
         return json.loads(Path(file).read_text()) if os.path.isfile(file) else {}
@@ -242,14 +217,11 @@ META_TOKEN = "<|meta|>"
 
 @torch.no_grad()
 def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = META_TOKEN) -> int:
-    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added to the
-    tokenizer as a special token and to the model when the checkpoint lacks it; its embedding row
-    (and an untied LM head's row) is the mean of the rows of `text`'s tokens. A checkpoint that
-    has g already (one saved by a run that used it) is left as it is: g's row may be trained.
-
-    Grows embed_tokens and lm_head (and config.vocab_size) only when g's id has no row; R1's
-    checkpoints have spare rows past the tokenizer's vocabulary, so there g just takes one. Call
-    it before making the optimizer. save_pretrained and save_tokenizer then carry g."""
+    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added to the tokenizer
+    as a special token and to the model when the checkpoint lacks it; its embedding row (and an untied LM
+    head's row) is the mean of the rows of `text`'s tokens. A checkpoint that has g already is left as it
+    is: g's row may be trained. Grows embed_tokens and lm_head only when g's id has no row (R1's checkpoints
+    have spare rows past the tokenizer's vocabulary). Call it before making the optimizer."""
     from tokenizers import AddedToken
     g = tokenizer.token_to_id(token)
     if g is not None and g < model.config.vocab_size:
@@ -265,15 +237,10 @@ def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = ME
         print(f"note: the tokenizer has no tokens for {text!r}; {token}'s embedding is the mean of all rows")
         ids = list(range(embed.num_embeddings))
     if g >= model.config.vocab_size:  # rows up to g: g's is set below (any between stay zero)
-        grow = g + 1 - model.config.vocab_size
-        embed.weight = nn.Parameter(torch.cat([embed.weight, embed.weight.new_zeros(grow, embed.embedding_dim)]))
-        embed.num_embeddings = model.config.vocab_size = g + 1
-        if model.config.tie_word_embeddings:
-            model.lm_head.weight = embed.weight
-        else:
-            head = model.lm_head.weight
-            model.lm_head.weight = nn.Parameter(torch.cat([head, head.new_zeros(grow, head.shape[1])]))
-        model.lm_head.out_features = g + 1
+        grow = lambda w: nn.Parameter(torch.cat([w, w.new_zeros(g + 1 - model.config.vocab_size, w.shape[1])]))
+        embed.weight = grow(embed.weight)
+        model.lm_head.weight = embed.weight if model.config.tie_word_embeddings else grow(model.lm_head.weight)
+        embed.num_embeddings = model.lm_head.out_features = model.config.vocab_size = g + 1
     embed.weight[g] = embed.weight[ids].mean(0)
     if not model.config.tie_word_embeddings:
         model.lm_head.weight[g] = model.lm_head.weight[ids].mean(0)

@@ -1,10 +1,8 @@
 """Several processes under torchrun: data parallel, or FSDP2 with --fsdp.
 
-Each process rolls out its share of a step's prompts (whole groups) and replays them; the
-gradients are then averaged across processes, so one step equals the single-process step over
-all the rollouts. Held-out evaluation splits the problems across processes the same way. With
-one process every function here is a no-op. Only shard() imports FSDP (fully_shard is public
-from torch 2.6), so a run without --fsdp does not need it.
+Each process rolls out and replays its share of a step's prompts (whole groups) and the gradients are
+averaged, so one step equals the single-process step over all the rollouts; held-out evaluation splits
+the problems the same way. With one process every function here is a no-op.
 """
 import atexit
 import contextlib
@@ -17,19 +15,13 @@ from torch.distributed.tensor import DTensor
 
 
 def launched() -> bool:
-    """Whether torchrun started this process (one process per device)."""
+    """Whether torchrun started this process."""
     return "RANK" in os.environ
 
 
-def local_device(name: str) -> str:
-    """Under torchrun, a bare "cuda" is this process's own GPU, cuda:LOCAL_RANK."""
-    if name == "cuda" and "LOCAL_RANK" in os.environ:
-        return f"cuda:{os.environ['LOCAL_RANK']}"
-    return name
-
-
 def pick_device(name: str | None) -> str:
-    """--device checked (default: cuda when present), or a one-line ValueError."""
+    """--device checked (default: cuda when present), or a one-line ValueError. Under torchrun a bare
+    "cuda" is this process's own GPU, cuda:LOCAL_RANK."""
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
@@ -38,7 +30,7 @@ def pick_device(name: str | None) -> str:
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"--device {name}: " + ("no CUDA GPU is visible here; use --device cpu"
                                                  if device.type == "cuda" else "use cpu, cuda or cuda:N"))
-    return local_device(name)
+    return f"cuda:{os.environ['LOCAL_RANK']}" if name == "cuda" and "LOCAL_RANK" in os.environ else name
 
 
 def start(device: torch.device):
@@ -82,16 +74,8 @@ def average_gradients(params, grads=None):
         g.div_(world)
 
 
-def max_over_processes(n: int) -> int:
-    if rank_and_world()[1] == 1:
-        return n
-    t = torch.tensor([n], device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
 def mean_over_processes(values: dict) -> dict:
-    """Each value averaged over the processes (every process holds the same number of rollouts)."""
+    """Each value averaged over the processes (each holds the same number of rollouts)."""
     world = rank_and_world()[1]
     t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
     if world > 1:
@@ -101,8 +85,7 @@ def mean_over_processes(values: dict) -> dict:
 
 
 def gather_in_order(mine: list, n: int) -> list:
-    """The results of n jobs dealt out round-robin (process r took jobs r, r + world, ...), each
-    process holding its own: every process gets all of them, back in job order."""
+    """All processes' results of n jobs dealt out round-robin (process r took r, r + world, ...), in job order."""
     world = rank_and_world()[1]
     if world == 1:
         return mine
@@ -111,13 +94,9 @@ def gather_in_order(mine: list, n: int) -> list:
     return [parts[i % world][i // world] for i in range(n)]
 
 
-# ---------------------------------------------------------------------------------------
-# FSDP2 (--fsdp): the model, its gradients and the optimizer state sharded across processes
-
-
 def shard(model):
-    """Every decoder layer, and the rest of the model, sharded across the processes. Gradients
-    are then averaged by FSDP's reduce-scatter."""
+    """FSDP2 (--fsdp): every decoder layer, and the rest of the model, sharded across the processes (FSDP's
+    reduce-scatter averages the gradients). Only this imports FSDP: a run without --fsdp does not load it."""
     from torch.distributed.fsdp import fully_shard
     for block in model.layers:
         fully_shard(block)
@@ -125,20 +104,19 @@ def shard(model):
 
 
 def is_sharded(module) -> bool:
-    """Whether fully_shard sharded `module`, without importing FSDP: until it is loaded nothing
-    can be, and before torch 2.6 torch.distributed.fsdp has no FSDPModule."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not loaded: nothing is sharded
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def pad_micro_batches(model, chunks: list, device) -> list:
     """Under FSDP each backward is a collective, so every process must run as many: the micro-batches
-    (rows, advantages) padded to the most that any process has with one row of advantage 0 (a zero
-    gradient). Without FSDP, chunks as they are."""
+    (rows, advantages) padded to the most any process has with one row of advantage 0 (a zero gradient)."""
     if not is_sharded(model):
         return chunks
+    most = torch.tensor([len(chunks)], device=comm_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
     row = chunks[0][0][:1] if chunks else torch.zeros(1, dtype=torch.long, device=device)
-    return chunks + [(row, torch.zeros(1, device=device))] * (max_over_processes(len(chunks)) - len(chunks))
+    return chunks + [(row, torch.zeros(1, device=device))] * (int(most) - len(chunks))
 
 
 @contextlib.contextmanager

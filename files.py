@@ -1,7 +1,6 @@
-"""Output files that are whole or absent: every write goes to a temporary name first, then a rename.
-
-A crash or a full disk can leave a stray `<path>.tmp` behind, never half of `<path>` itself.
-"""
+"""Output files that are whole or absent: each write goes to `<path>.tmp`, then a rename, so a crash or a
+full disk can leave a stray `<path>.tmp` behind, never half of `<path>`."""
+import contextlib
 import json
 import os
 import shutil
@@ -44,7 +43,6 @@ def save_figure(fig, path: str, dpi: int):
 
 
 def swap_in(final: str):
-    """Replace directory `final` by the complete directory `final`.tmp."""
     tmp, old = final + ".tmp", final + ".old"
     if os.path.exists(final):
         os.replace(final, old)
@@ -53,15 +51,12 @@ def swap_in(final: str):
 
 
 def abandon_swap(final: str):
-    """Undo a swap that failed part way (a full disk): the previous `final` (if any) back in place,
-    `final`.tmp deleted. Best effort: what it cannot undo, recover_swap puts right later."""
-    tmp, old = final + ".tmp", final + ".old"
-    try:
-        if not os.path.exists(final) and os.path.exists(old):
-            os.replace(old, final)
-    except OSError:
-        pass
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Undo a swap that failed part way: the previous `final` back in place, `final`.tmp deleted. Best
+    effort: what it cannot undo, recover_swap puts right later."""
+    with contextlib.suppress(OSError):
+        if not os.path.exists(final) and os.path.exists(final + ".old"):
+            os.replace(final + ".old", final)
+    shutil.rmtree(final + ".tmp", ignore_errors=True)
 
 
 def recover_swap(final: str):

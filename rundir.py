@@ -1,18 +1,8 @@
-"""A run directory: log.jsonl and checkpoint/, kept whole through crashes, signals and resumes.
-
-checkpoint/ is a Hugging Face model directory plus ngc.json (the run's settings) and trainer.pt
-(the step and the optimizer state). It is replaced by a swap (files.swap_in) that leaves a
-complete checkpoint at every instant. log.jsonl holds one JSON object per line: a record per
-optimizer step and one per held-out evaluation. SIGINT and SIGTERM stop the run between an
-update and the next, never between an update and its record, so a resume continues with
-exactly the steps an uninterrupted run would have taken.
-
-One process at a time trains in a run directory: it holds an exclusive lock (flock) on the file
-`lock` there, which names its process id; the lock ends with the process, so a killed run leaves
-nothing stuck, and a second run on the same directory stops with one line before writing.
-
-The training loop runs inside guard(): a signal, a diverging run or a failed save ends it in
-RunStopped, carrying the one line and the exit code the script ends with (cli.exits).
+"""A run directory, kept whole through crashes, signals and resumes: log.jsonl (a JSON record per optimizer
+step and per held-out evaluation) and checkpoint/ (a Hugging Face model directory plus ngc.json, the settings,
+and trainer.pt, the step and optimizer state), replaced by a swap (files.swap_in). A signal stops the run
+between an update and the next, never between an update and its record, so a resume takes exactly the steps
+an uninterrupted run would. One process at a time trains there, holding a flock on `lock`.
 """
 import contextlib
 import json
@@ -21,6 +11,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -37,23 +28,15 @@ except ImportError:  # Windows: no run directory lock
 
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
 LOCK = "lock"  # held by the process that trains in the directory; not a file of the run (--overwrite keeps it)
-
-
-# ---------------------------------------------------------------------------------------
-# One process at a time: the lock
-
-
 _held = {}  # run directory (real path) -> the open file that holds its lock, for the process's life
 
 
 def holder(out: str) -> int | None:
-    """The id of the live process that holds out's lock, as it wrote it there (None: unknown).
-    It writes it just after taking the lock, so a run that meets the lock at that instant waits
-    for it a moment."""
+    """The id of the live process that holds out's lock (None: unknown); it writes it just after taking
+    the lock, so this waits for it a moment."""
     for _ in range(100):
         try:
-            with open(os.path.join(out, LOCK)) as f:
-                text = f.read().strip()
+            text = Path(out, LOCK).read_text().strip()
         except OSError:
             return None
         if text.isdigit():
@@ -69,7 +52,6 @@ def holder(out: str) -> int | None:
 
 
 def in_use(out: str) -> str:
-    """The one line for a run directory whose lock another process holds."""
     pid = holder(out)
     who = "another process" if pid is None else f"process {pid}"
     return (f"{out} is in use: {who} is training there (it holds {os.path.join(out, LOCK)}); wait for it to end "
@@ -77,8 +59,7 @@ def in_use(out: str) -> str:
 
 
 def check_free(out: str):
-    """A ValueError (in_use) if another process holds out's lock. Writes nothing: a probe with a
-    shared lock, let go at once."""
+    """A ValueError (in_use) if another process holds out's lock; writes nothing (a shared lock, let go)."""
     path = os.path.join(out, LOCK)
     if fcntl is None or os.path.realpath(out) in _held or not os.path.isfile(path):
         return
@@ -95,12 +76,15 @@ def check_free(out: str):
 
 
 def hold(out: str):
-    """Take out's lock for the rest of this process (until release), writing this process's id
-    into it; a ValueError (in_use) if another process holds it."""
-    key = os.path.realpath(out)
+    """Take out's lock until release (or the process ends), writing this process's id into it; a
+    ValueError if another process holds it or it cannot be opened."""
+    key, path = os.path.realpath(out), os.path.join(out, LOCK)
     if fcntl is None or key in _held:
         return
-    fd = open_lock(out)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ValueError(lock_error(path, e.strerror)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -111,35 +95,20 @@ def hold(out: str):
     _held[key] = fd
 
 
-def open_lock(out: str) -> int:
-    """out's lock file, opened (created) to be written, or a one-line ValueError saying why not."""
-    path = os.path.join(out, LOCK)
-    try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise ValueError(lock_error(path, e.strerror)) from None
-
-
 def lock_error(path: str, why: str) -> str:
     return (f"cannot open the run directory's lock {path} ({why}); it must be a file this user can write: fix its "
             f"permissions or remove it")
 
 
 def release(out: str):
-    """Let go of out's lock (the end of the process does too)."""
     fd = _held.pop(os.path.realpath(out), None)
     if fd is not None:
         os.close(fd)
 
 
-# ---------------------------------------------------------------------------------------
-# The run directory
-
-
 def check_run_dir(out: str, resume: bool, overwrite: bool):
-    """A new run never writes into a directory that holds another run, unless --overwrite, nor
-    into one where another process trains; a run directory that cannot be created or written is
-    a one-line error before anything starts."""
+    """One-line errors before anything starts: a new run never writes into a directory that holds another run
+    (unless --overwrite), nor where another process trains, nor where it cannot create or write."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file; the run directory must be a directory")
     if os.path.isdir(out):
@@ -158,11 +127,9 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
 
 
 def prepare(out: str, overwrite: bool, state: dict | None, settings: dict) -> list[dict]:
-    """Create the run directory and take its lock (the first writes of a run), with --overwrite
-    remove the earlier run's files, and keep the log records of the steps before the resumed
-    checkpoint's; they are returned. A resume (state: load_trainer_state's) prints the settings
-    (settings: what train.py runs with now) it changes. A ValueError if the directory cannot be
-    created or another process holds it; CheckpointError for a log line that is not JSON."""
+    """The first writes of a run: create the run directory and take its lock, with --overwrite remove the
+    earlier run's files, and keep (and return) the log records of the steps before the resumed checkpoint's
+    (state: load_trainer_state's). A resume prints the settings it changes (settings: those it runs with)."""
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -174,8 +141,9 @@ def prepare(out: str, overwrite: bool, state: dict | None, settings: dict) -> li
             for name in RUN_FILES:
                 path = os.path.join(out, name)
                 shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-        step = state["step"] if state else 0
-        kept = keep_log_before(os.path.join(out, "log.jsonl"), step)
+        step, log = state["step"] if state else 0, os.path.join(out, "log.jsonl")
+        kept = [r for r in read_log(log) if r["step"] < step]  # later steps will run again
+        write_jsonl(log, kept)
     except BaseException:
         release(out)
         raise
@@ -193,26 +161,19 @@ def resume_from(run_dir: str, out: str | None, state: dict | None = None):
     return (state or load_trainer_state(run_dir))["config"], os.path.join(run_dir, "checkpoint"), run_dir
 
 
-# ---------------------------------------------------------------------------------------
-# The checkpoint
-
-
 class Diverged(Exception):
     """A non-finite loss, gradient or weight: the run stops and no checkpoint holds it."""
 
 
 class SaveFailed(Exception):
-    """A checkpoint that could not be written, whatever raised (OSError, safetensors'
-    SafetensorError, torch.save's RuntimeError on a full disk); the previous one is in place and
-    the temporary one is gone. The message names the file and the cause."""
+    """A checkpoint that could not be written, whatever raised (a full disk is safetensors' SafetensorError,
+    torch.save's RuntimeError); the previous one is in place and the temporary one is gone."""
 
 
 def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict, session: dict | None = None):
-    """Write checkpoint/ for the state after `step` optimizer steps, by a swap. Every process
-    calls this (FSDP gathers the shards); the first one writes. Weights that are not finite are
-    never written (Diverged), so the checkpoint on disk stays the last finite one. settings go to
-    ngc.json and trainer.pt, session (the machine settings: device, dtype, ...) to trainer.pt.
-    A failed write raises SaveFailed, the previous checkpoint kept and checkpoint.tmp/ removed."""
+    """Write checkpoint/ for the state after `step` optimizer steps, by a swap. Every process calls this
+    (FSDP gathers the shards); the first one writes. Weights that are not finite are never written
+    (Diverged). settings go to ngc.json and trainer.pt, session (device, dtype, ...) to trainer.pt."""
     model_state, opt_state = distributed.full_state(model, opt)
     if distributed.rank_and_world()[0] != 0:
         return
@@ -241,8 +202,7 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
 
 
 def load_trainer_state(run_dir) -> dict:
-    """The step, optimizer state and settings of the run saved in run_dir (finishing or undoing
-    a checkpoint swap that a crash interrupted)."""
+    """The step, optimizer state and settings of the run saved in run_dir (after recover_swap)."""
     recover_swap(os.path.join(run_dir, "checkpoint"))
     path = os.path.join(run_dir, "checkpoint", "trainer.pt")
     if not os.path.exists(path):
@@ -264,13 +224,8 @@ def saved_step(run_dir) -> int | None:
 
 
 def changed_settings(saved: dict, now: dict) -> list[str]:
-    """'name old → new' for each setting a resume changes (of those the run recorded: a trainer.pt
-    written before the session settings were recorded has none of those)."""
+    """'name old → new' for each setting a resume changes, of those the run recorded."""
     return [f"{k} {saved[k]} → {now[k]}" for k in saved if k in now and now[k] != saved[k]]
-
-
-# ---------------------------------------------------------------------------------------
-# The log: one JSON object per line, every step record with the keys train.step_gradients gives it
 
 
 def json_safe(value):
@@ -286,12 +241,11 @@ def write_log(path, record):
 
 
 def read_log(path) -> list[dict]:
-    """The records of log.jsonl, each an object with its step (an integer); a last line cut short
-    by a crash is dropped, any other bad line is a CheckpointError naming the file and the line."""
+    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is a
+    CheckpointError naming the file and the line."""
     if not os.path.exists(path):
         return []
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = Path(path).read_bytes()
     try:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
@@ -315,8 +269,7 @@ def read_log(path) -> list[dict]:
 
 
 def record_error(record) -> str | None:
-    """Why `record` cannot be a line of log.jsonl (None: it can): an object with an integer step ≥ 0,
-    an evaluation's record with its results as an object."""
+    """Why `record` cannot be a line of log.jsonl (None: it can)."""
     if not isinstance(record, dict):
         return f"is {json.dumps(record)}, not a record (a JSON object with its step)"
     step = record.get("step")
@@ -325,18 +278,6 @@ def record_error(record) -> str | None:
     if "eval" in record and not isinstance(record["eval"], dict):
         return "has an eval that is not a JSON object"
     return None
-
-
-def keep_log_before(path, step) -> list[dict]:
-    """On resume, keep the log records of the steps before `step` (later ones will run again);
-    they are returned."""
-    kept = [r for r in read_log(path) if r["step"] < step]
-    write_jsonl(path, kept)
-    return kept
-
-
-# ---------------------------------------------------------------------------------------
-# SIGINT and SIGTERM: stop at once and save, but never between an update and its record
 
 
 @contextlib.contextmanager
@@ -350,21 +291,6 @@ def signals_held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """SIGINT/SIGTERM raise Interrupted inside the block."""
-    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-# ---------------------------------------------------------------------------------------
-# The run guard: a run that cannot go on ends with one line and an exit code, its checkpoint kept
 
 
 class RunStopped(Exit):
@@ -391,8 +317,8 @@ class Run:
         return f"continue with --resume {self.out}" if self.saved is not None else "start again with --overwrite"
 
     def try_save(self) -> bool:
-        """A periodic save (signals held: a save is never cut short) that fails (SaveFailed: a
-        full disk, ...) keeps the previous checkpoint, says so in one line, and training goes on."""
+        """A save (signals held: never cut short) that fails keeps the previous checkpoint, says so in one
+        line, and training goes on."""
         try:
             with signals_held():
                 self.save()
@@ -411,33 +337,30 @@ def check_finite(values: dict):
 
 @contextlib.contextmanager
 def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
-    """The training loop of `run` runs inside; what stops it ends in RunStopped. SIGINT/SIGTERM
-    (Interrupted): the state after run.step steps is saved (not under --fsdp) and the exit code is
-    128 + signum. Diverged, a failed save (SaveFailed) or write (OSError): a one-line error (exit
-    code 2) that says which checkpoint is kept. say prints (the first process's tqdm.write). The
-    run directory's lock is let go when the block ends."""
-    with stop_on_signals():
-        try:
-            yield run
-        except Interrupted as e:
-            if fsdp:  # saving is a collective, and the processes may be inside different ones now
-                say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
-                raise RunStopped(128 + e.signum)
+    """The training loop of `run` runs inside (SIGINT/SIGTERM raise Interrupted); what stops it ends in RunStopped.
+    A signal saves the state after run.step steps (not under --fsdp), exit code 128 + signum; divergence, a failed
+    save or write is a one-line error (exit code 2) saying which checkpoint is kept. The lock is let go at the end."""
+    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield run
+    except Interrupted as e:
+        if fsdp:  # saving is a collective, and the processes may be inside different ones now
+            say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
+        else:
             try:
                 saved = run.try_save()
+                say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}"
+                    if saved else f"\n{e}: step {run.step} is not saved; {run.kept()}")
             except Diverged as d:  # weights that are not finite are never saved
                 say(f"\n{e}: step {run.step} is not saved ({d}); {run.kept()}")
-                raise RunStopped(128 + e.signum)
-            if saved:
-                say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}")
-            else:
-                say(f"\n{e}: step {run.step} is not saved; {run.kept()}")
-            raise RunStopped(128 + e.signum)
-        except Diverged as e:
-            raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})")
-        except SaveFailed as e:
-            raise RunStopped(f"error: {e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}")
-        except OSError as e:  # the log
-            raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
-        finally:
-            release(run.out)
+        raise RunStopped(128 + e.signum)
+    except Diverged as e:
+        raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})")
+    except SaveFailed as e:
+        raise RunStopped(f"error: {e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}")
+    except OSError as e:  # the log
+        raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
+    finally:
+        release(run.out)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
