@@ -5,7 +5,6 @@ are read by a small parser with exact Fraction arithmetic, never eval. Problems 
 construction (paper: 327,680 train and 1,024 held-out, 3 and 4 numbers). `trace` writes the
 depth-first search the tiny models are pretrained on (make_tiny.py), `check_trace` replays one.
 """
-
 import itertools
 import operator
 import random
@@ -51,8 +50,7 @@ def moves(a, b):
     return list(zip("+*-/", _ops(a, b)))
 
 def _target(nums, rng, lo, hi):
-    """Fold the numbers with random pairs and random valid ops; the last op is drawn
-    among those landing in [lo, hi]. Returns None if none does."""
+    """Fold the numbers with random pairs and ops, the last drawn among those landing in [lo, hi] (or None)."""
     vals, r = list(nums), rng.random  # rng.random() is much faster than randint/sample
     while len(vals) > 1:
         a = vals.pop(int(r() * len(vals)))
@@ -110,11 +108,9 @@ def held_out(difficulty=PAPER):
     return [p for p in first if _in_preset(p, difficulty)]
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
-    """(train, test) at the paper's sizes. Test is the first n_test problems of the held-out set,
-    whatever the seed; train is drawn from the seed's own stream and never holds a problem of the
-    whole held-out set. Train is distinct too when unique (SMALL has only a few thousand distinct
-    problems: use unique=False there). With seed = HELD_OUT_SEED, train is the stream after the
-    held-out set, as make_tiny.py pretrained tiny/."""
+    """(train, test): the first n_test problems of the held-out set, whatever the seed, and n_train from the
+    seed's own stream, none of them held out, distinct when unique (SMALL has only a few thousand distinct
+    problems: unique=False there). With seed HELD_OUT_SEED, train is the stream after the held-out set."""
     test = held_out(difficulty)
     if n_test > len(test):
         raise ValueError(f"--eval-problems {n_test}: the held-out set has {len(test)} problems")
@@ -144,12 +140,10 @@ def encode_prompt(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
 
 def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
-    """The prompt of tiny/ (make_tiny.py): one body shifted by whole blocks of 4.
-    8 filler dots, 0 or 8 of them before the body and the rest after it (a function of the
-    problem), so every layout has the same length and the target's block the same contents, and
-    only its block index changes (1 or 3). unseen: 4 before and 4 after, a layout never used in
-    training (block 2) at the same length, so rounds fire at the same tokens. The budget tag's rate is
-    one token of its own (`50%`; blind: `-%`, the same length)."""
+    """The prompt of tiny/: one body and 8 filler dots, 0 or 8 of them before it (a function of the problem),
+    so the target's block index changes (1 or 3; blocks of 4) while the length and the block's contents do
+    not. unseen: 4 before and 4 after, a layout never trained on (block 2) at the same length, so rounds
+    fire at the same tokens. The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
     before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)
     body = f"Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
     tag = (f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
@@ -240,7 +234,6 @@ def evaluate_expression(text):
         return None
 
 def numbers_in(text):
-    """The integer literals in text, in order."""
     return [int(t) for t in re.findall(r"[0-9]+", text)]
 
 def extract_answer(completion):

@@ -6,27 +6,17 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
     python make_tiny.py --steps 300 --out runs/tiny-smoke
     python make_tiny.py --eval-only --out tiny-math    # evaluate a model as a build is evaluated
 
-Countdown: the model learns to write a depth-first search, Stream-of-Search style (countdown.trace),
-whose every leaf needs the prompt's target. A bare `back`, shifted prompt layouts (tiny-shift) and
-the target restated with probability RESTATE make what a cache must keep more than the one fact a
-hand-written rule knows about (docs/departures.md):
+Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs
+the prompt's target; a bare `back`, shifted prompt layouts (tiny-shift) and the target restated with
+probability RESTATE make what a cache must keep more than the one fact a hand-written rule knows
+about (docs/departures.md). Math: mathtask.py's demo word problems, prompted as `train.py --task
+math` prompts them and solved step by step (mathtask.demo_trace): each count needs a and b from the
+question, and c is first written near the end, so a policy that evicts the question loses too.
 
-    prompt:     <bos> Countdown : reach 13 with 3 5 2 . . . . . . . . .
-    completion: [ 5 3 2 ] reach 13 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back 5 * 3 = 15 ...
-
-Math (--task math): mathtask.py's demo word problems, prompted exactly as `train.py --task math`
-prompts them (mathtask.encode), solved step by step (mathtask.demo_trace). Each count needs a and b
-from the question and c is first written near the end, so a policy that evicts the question loses:
-
-    prompt:     A shelf has 8 rows of 12 books. Mia adds 37 more books. How many books are on the shelf?
-                Please reason step by step, and put your final answer within \\boxed{}.
-    completion: 1 : 12 , 2 : 24 , ... , 8 : 96 , so 96 books . 96 + 37 : 6 + 7 = 13 ,
-                90 + 30 + 10 = 130 , 130 + 3 = 133 . \\boxed { 133 } <eos>
-
-With the same flags, the same torch and the same kind of CPU, it writes the same files byte for
-byte. tiny/ is `python make_tiny.py` with every default, tiny-math/ `python make_tiny.py --task math`,
-both run with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine. The models shipped as tiny/
-before (RESULTS.md §S, §R and §1-9) are rebuilt by make_tiny.py at commit c2ce23e.
+With the same flags, torch and kind of CPU, it writes the same files byte for byte: tiny/ is
+`python make_tiny.py` with every default, tiny-math/ `python make_tiny.py --task math`, both with
+torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine. The models shipped as tiny/ before
+(RESULTS.md §S, §R and §1-9) are rebuilt by make_tiny.py at commit c2ce23e.
 """
 import argparse
 import json

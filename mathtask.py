@@ -23,7 +23,6 @@ A CPU-sized demo set of arithmetic word problems in DAPO's layout, with the work
 tiny-math/ was pretrained on (demo_trace, make_tiny.py --task math):
     python mathtask.py --make-demo data/math-demo
 """
-
 import json
 import os
 import random
