@@ -216,8 +216,11 @@ def _parse(toks):
             v = _ARITH[op](v, operand(depth))
         return v
 
+    def term(depth):
+        return chain(depth, atom, "*/")
+
     def expr(depth):
-        return chain(depth, lambda d: chain(d, atom, "*/"), "+-")
+        return chain(depth, term, "+-")
 
     v = expr(0)
     if pos != len(toks):
