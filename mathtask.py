@@ -13,11 +13,9 @@ at run time. Save each set once, on a machine with network, with `datasets` (pip
     load_dataset("MathArena/aime_2025", split="train").to_json("data/aime25.jsonl")
     load_dataset("math-ai/amc23", split="test").to_json("data/amc23.jsonl")
 
-`load` reads DAPO's layout (`prompt` a chat of {"role", "content"} or the user message, the answer
-`reward_model.ground_truth`), AIME/AMC's (`problem` or `question`, and `answer`: AMC 2025 has no
-canonical copy, any such file works), and others whose fields question_field / answer_field name
-(dotted paths reach into nested records). The prompt is the question, then DeepSeek-R1's instruction
-for math (INSTRUCTION), in R1's chat template; DAPO's "Answer: ..." wrapper is stripped.
+`load` reads DAPO's layout, AIME/AMC's (`problem` or `question`, and `answer`: AMC 2025 has no canonical
+copy, any such file works) and others through question_field / answer_field (_question, _answer). The
+prompt is the question, then DeepSeek-R1's instruction for math (INSTRUCTION), in R1's chat template.
 
 A CPU-sized demo set of arithmetic word problems in DAPO's layout, with the worked solutions that
 tiny-math/ was pretrained on (demo_trace, make_tiny.py --task math):
@@ -112,7 +110,7 @@ def demo_hint(path: str) -> str:
 
 
 def load(path, question_field=None, answer_field=None):
-    """The problems of a local .jsonl / .parquet file, in file order (layouts: module docstring).
+    """The problems of a local .jsonl / .parquet file, in file order (layouts: _question, _answer).
     Raises ValueError with one line naming the file and line on bad input."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file" + (demo_hint(path) or " (datasets are read from local files; see "
@@ -237,9 +235,8 @@ def demo_problem(rng):
     return Problem(text.format(n=rng.choice(NAMES), a=a, b=b, c=c), str(answer(a, b, c)))
 
 def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
-    """(train, test): distinct problems, test disjoint from train, reproducible from seed. A
-    ValueError when `patience` draws in a row bring no new problem (the templates allow about
-    148,000 distinct ones)."""
+    """(train, test): distinct problems, reproducible from seed; a ValueError when `patience` draws in a
+    row bring no new one (the templates allow about 148,000)."""
     rng, seen, out, misses = random.Random(seed), set(), [], 0
     while len(out) < n_train + n_test:
         p = demo_problem(rng)
