@@ -1,30 +1,17 @@
+"""The Countdown task of the NGC paper (Stream-of-Search / TinyZero style): numbers and a target, e.g.
+(3, 5, 2) and 16; the reward is 1.0 when the last <answer> ... </answer> is an equation using every
+number exactly once with + - * / and parentheses whose value is the target, e.g. (3 + 5) * 2. Answers
+are read by a small parser with exact Fraction arithmetic, never eval. Problems are solvable by
+construction (paper: 327,680 train and 1,024 held-out, 3 and 4 numbers). `trace` writes the
+depth-first search the tiny models are pretrained on (make_tiny.py), `check_trace` replays one.
 """
-The Countdown task (Stream-of-Search / TinyZero style), as used by the NGC paper.
-
-A problem is a few numbers and a target, e.g. nums (3, 5, 2), target 16. The model
-must write an equation that uses every number exactly once with + - * / and
-parentheses, e.g. <answer> (3 + 5) * 2 </answer>. The reward is 1.0 when the last
-<answer> ... </answer> in the completion holds such an equation whose value is the
-target, else 0.0. Answers are read by a tiny hand-written parser with exact
-Fraction arithmetic; nothing is ever passed to eval/exec.
-
-Problems are generated solvable by construction: sample the numbers, combine them
-at random (non-negative integer intermediates) until one is left, keep it as the
-target if it lands in the target range. The paper uses 327,680 train and 1,024
-held-out test problems with 3 and 4 input numbers.
-
-The tiny models (make_tiny.py) are pretrained on the depth-first search a solver writes,
-Stream-of-Search style: `trace` writes it, `check_trace` replays one.
-"""
-
 import itertools
+import operator
 import random
 import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
-
-# -----------------------------------------------------------------------------
-# problems and difficulty presets
+from functools import partial
 
 @dataclass(frozen=True)
 class Problem:
@@ -51,24 +38,19 @@ def backtracks(p) -> bool:
     a, b, c = sorted(p.nums, reverse=True)
     return all(w != p.target for w in _ops(max(a + b, c), min(a + b, c)))
 
-def _key(p):
-    """A problem's identity: sorted numbers and target."""
+def _key(p):  # a problem's identity
     return (tuple(sorted(p.nums)), p.target)
 
-# -----------------------------------------------------------------------------
-# generator
-
 def _ops(a, b):
-    """Values of a + b, a * b, a - b and a / b, given a >= b: subtraction never goes
-    negative, division only when exact."""
-    out = [a + b, a * b, a - b]
-    if b != 0 and a % b == 0:
-        out.append(a // b)
-    return out
+    """The values of a + b, a * b, a - b and a / b for a >= b: nothing negative, division only when exact."""
+    return [a + b, a * b, a - b, a // b] if b and a % b == 0 else [a + b, a * b, a - b]
+
+def moves(a, b):
+    """(op, value) for a >= b, in search order."""
+    return list(zip("+*-/", _ops(a, b)))
 
 def _target(nums, rng, lo, hi):
-    """Fold the numbers with random pairs and random valid ops; the last op is drawn
-    among those landing in [lo, hi]. Returns None if none does."""
+    """Fold the numbers with random pairs and ops, the last drawn among those landing in [lo, hi] (or None)."""
     vals, r = list(nums), rng.random  # rng.random() is much faster than randint/sample
     while len(vals) > 1:
         a = vals.pop(int(r() * len(vals)))
@@ -109,12 +91,10 @@ def _take(stream, n, skip=frozenset(), unique=False, patience=50_000):
         out.append(p)
     return out
 
-def _in_preset(p, difficulty) -> bool:
-    """Whether a problem of the preset's stream is one of its problems (all are, unless it asks for backtracking)."""
+def _in_preset(p, difficulty) -> bool:  # all of the stream's problems are, unless it asks for backtracking
     return not difficulty.backtracks or backtracks(p)
 
 def _problems(rng, difficulty):
-    """The preset's problems: its stream, less those _in_preset leaves out."""
     return (p for p in _stream(rng, difficulty) if _in_preset(p, difficulty))
 
 def generate(n, seed, difficulty=PAPER):
@@ -128,19 +108,14 @@ def held_out(difficulty=PAPER):
     return [p for p in first if _in_preset(p, difficulty)]
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
-    """(train, test) at the paper's sizes. Test is the first n_test problems of the held-out set,
-    whatever the seed; train is drawn from the seed's own stream and never holds a problem of the
-    whole held-out set. Train is distinct too when unique (SMALL has only a few thousand distinct
-    problems: use unique=False there). With seed = HELD_OUT_SEED, train is the stream after the
-    held-out set, as make_tiny.py pretrained tiny/."""
+    """(train, test): the first n_test problems of the held-out set, whatever the seed, and n_train from the
+    seed's own stream, none of them held out, distinct when unique (SMALL has only a few thousand distinct
+    problems: unique=False there). With seed HELD_OUT_SEED, train is the stream after the held-out set."""
     test = held_out(difficulty)
     if n_test > len(test):
         raise ValueError(f"--eval-problems {n_test}: the held-out set has {len(test)} problems")
     train = _take(_problems(random.Random(seed), difficulty), n_train, skip={_key(p) for p in test}, unique=unique)
     return train, test[:n_test]
-
-# -----------------------------------------------------------------------------
-# prompt
 
 def prompt_text(problem, eviction_rate=None, blind=False):
     """The task text; with eviction_rate, the paper's budget tag is appended (blind: the tag
@@ -151,8 +126,7 @@ def prompt_text(problem, eviction_rate=None, blind=False):
             f"equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
     if eviction_rate is not None:
         pct = 100 * eviction_rate
-        pct = f"{round(pct)}" if abs(pct - round(pct)) < 1e-9 else f"{pct:.1f}"
-        pct = "-" if blind else pct
+        pct = "-" if blind else f"{round(pct)}" if abs(pct - round(pct)) < 1e-9 else f"{pct:.1f}"
         text += f"\n<eviction_rate>{pct}%</eviction_rate>"
     return text
 
@@ -165,28 +139,19 @@ def encode_prompt(tokenizer, text):
         text = f"{bos}{user}{text}{assistant}<think>\n"
     return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
 
-def rate_tag(eviction_rate=None, blind=False):
-    """The budget tag of the tiny-shift prompts, its rate one token of its own (`50%`; blind: `-%`,
-    the same length); empty without a rate."""
-    if eviction_rate is None:
-        return ""
-    return f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
-
 def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
-    """The prompt of tiny/ (make_tiny.py): one body shifted by whole blocks of 4.
-    8 filler dots, 0 or 8 of them before the body and the rest after it (a function of the
-    problem), so every layout has the same length and the target's block the same contents, and
-    only its block index changes (1 or 3). unseen: 4 before and 4 after, a layout never used in
-    training (block 2) at the same length, so rounds fire at the same tokens."""
+    """The prompt of tiny/: one body and 8 filler dots, 0 or 8 of them before it (a function of the problem),
+    so the target's block index changes (1 or 3; blocks of 4) while the length and the block's contents do
+    not. unseen: 4 before and 4 after, a layout never trained on (block 2) at the same length, so rounds
+    fire at the same tokens. The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
     before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)
     body = f"Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
-    return "<bos>" + " ." * before + f" {body}" + " ." * (8 - before) + rate_tag(eviction_rate, blind)
-
-def unseen_shift_prompt(problem, eviction_rate=None, blind=False):
-    return shift_prompt(problem, eviction_rate, blind, unseen=True)
+    tag = (f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
+           if eviction_rate is not None else "")
+    return "<bos>" + " ." * before + f" {body}" + " ." * (8 - before) + tag
 
 PROMPTS = {"plain": prompt_text, "tiny-shift": shift_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
-           "tiny-shift-unseen": unseen_shift_prompt}
+           "tiny-shift-unseen": partial(shift_prompt, unseen=True)}
 SHIFTED = {"tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK}  # --difficulty name -> preset
 
@@ -196,12 +161,12 @@ def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
         raise ValueError(f"unknown prompt style {style!r}; choose one of {', '.join(PROMPTS)}")
     return encode_prompt(tokenizer, PROMPTS[style](problem, eviction_rate, blind))
 
-# -----------------------------------------------------------------------------
-# reward: a small recursive-descent parser, exact Fraction arithmetic, no eval
+# The reward: a small recursive-descent parser, exact Fraction arithmetic, no eval
 
 MAX_CHARS, MAX_DIGITS, MAX_DEPTH = 200, 6, 32
 _TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/×÷()]))\s*")
 _ALIASES = {"×": "*", "÷": "/"}
+_ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 def _tokenize(text):
     """Integers, + - * / (also × ÷) and parentheses; ValueError on anything else."""
@@ -245,19 +210,17 @@ def _parse(toks):
             raise ValueError("expected )")
         return v
 
-    def term(depth):
-        v = atom(depth)
-        while op := next_if("*", "/"):
-            w = atom(depth)
-            v = v * w if op == "*" else v / w
+    def chain(depth, operand, ops):  # operand (op operand)*, left to right
+        v = operand(depth)
+        while op := next_if(*ops):
+            v = _ARITH[op](v, operand(depth))
         return v
 
+    def term(depth):
+        return chain(depth, atom, "*/")
+
     def expr(depth):
-        v = term(depth)
-        while op := next_if("+", "-"):
-            w = term(depth)
-            v = v + w if op == "+" else v - w
-        return v
+        return chain(depth, term, "+-")
 
     v = expr(0)
     if pos != len(toks):
@@ -274,7 +237,6 @@ def evaluate_expression(text):
         return None
 
 def numbers_in(text):
-    """The integer literals in text, in order."""
     return [int(t) for t in re.findall(r"[0-9]+", text)]
 
 def extract_answer(completion):
@@ -296,21 +258,13 @@ def reward(completion, problem):
     if answer is None or len(answer) > MAX_CHARS:
         return 0.0
     lhs, *rhs = answer.split("=")
-    if len(rhs) > 1 or any(evaluate_expression(r) != problem.target for r in rhs):
-        return 0.0
-    if evaluate_expression(lhs) != problem.target:
+    if len(rhs) > 1 or any(evaluate_expression(side) != problem.target for side in [lhs, *rhs]):
         return 0.0
     return 1.0 if sorted(numbers_in(lhs)) == sorted(problem.nums) else 0.0
 
-# -----------------------------------------------------------------------------
-# search traces: the depth-first search the tiny models learn to write (make_tiny.py pretrains on them)
+# Search traces: the depth-first search the tiny models learn to write (make_tiny.py pretrains on them)
 
 MAX_LEAF = 999  # larger leaves are not written: the tiny models' vocabulary has the integers 0..999
-
-def moves(a, b):
-    """(op, value) for a >= b, in search order: + * - and / when exact."""
-    out = [("+", a + b), ("*", a * b), ("-", a - b)]
-    return out + [("/", a // b)] if b and a % b == 0 else out
 
 def numbers(nums) -> str:
     return "[ " + " ".join(map(str, sorted(nums, reverse=True))) + " ]"
@@ -330,8 +284,7 @@ def trace(problem, restate: float = 0.0, rng=None) -> str:
         a, b, c = nums[i], nums[j], nums[3 - i - j]
         for op, v in moves(a, b):
             out.append(f"{a} {op} {b} = {v} {numbers([v, c])}{reach()}")
-            x, y = max(v, c), min(v, c)
-            for op2, w in moves(x, y):
+            for op2, w in moves(max(v, c), min(v, c)):
                 if w > MAX_LEAF:
                     continue
                 if w != problem.target:

@@ -6,43 +6,17 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
     python make_tiny.py --steps 300 --out runs/tiny-smoke
     python make_tiny.py --eval-only --out tiny-math    # evaluate a model as a build is evaluated
 
-Countdown: the model learns to write a depth-first search, Stream-of-Search style (countdown.trace).
-The target is given in the prompt, and every leaf's yes/no needs it, so a KV-cache policy that
-evicts it loses. tiny/ is built so that what a cache must keep is more than the one fact a
-hand-written rule knows about:
+Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs
+the prompt's target; a bare `back`, shifted prompt layouts (tiny-shift) and the target restated with
+probability RESTATE make what a cache must keep more than the one fact a hand-written rule knows
+about (docs/departures.md). Math: mathtask.py's demo word problems, prompted as `train.py --task
+math` prompts them and solved step by step (mathtask.demo_trace): each count needs a and b from the
+question, and c is first written near the end, so a policy that evicts the question loses too.
 
-* A bare `back`: a dead end returns with `back` alone, so the move after it reads the numbers
-  left from far back in the trace. A rule that keeps the target's block (and the newest) solves
-  few of the problems whose search goes back (train.py's --difficulty tiny-back, tiny/'s default
-  run), while the full cache solves nearly all of them.
-* Shifted layouts (the prompt style tiny-shift): one prompt body, 0 or 8 filler dots before it,
-  so the target's block index changes while every block keeps its contents and the prompt its
-  length (tiny-shift-unseen: 4 and 4, the same length, for the layout test). The budget tag's
-  rate is one token of its own (`<eviction_rate> 50% </eviction_rate>`).
-* Restating: after each `[ ... ]` the trace restates the target (`reach <target>`) with
-  probability RESTATE (0.25), and so does each `back`.
-
-    prompt:     <bos> Countdown : reach 13 with 3 5 2 . . . . . . . . .
-    completion: [ 5 3 2 ] reach 13 5 + 3 = 8 [ 8 2 ] + 10 no * 16 no - 6 no / 4 no back 5 * 3 = 15 ...
-
-The models shipped as tiny/ before it (slipped verdicts, `back [ ... ]`, other prompt layouts:
-RESULTS.md §S, §R and §1-9) are rebuilt by make_tiny.py at commit c2ce23e.
-
-Math (--task math): the word problems of mathtask.py's demo set, prompted exactly as
-`train.py --task math` prompts them (mathtask.encode: the question, then R1's instruction; this
-vocabulary has no chat template), and solved step by step (mathtask.demo_trace). Each count
-needs a and b from the question and c is first written near the end, so a policy that evicts
-the question loses here too:
-
-    prompt:     A shelf has 8 rows of 12 books. Mia adds 37 more books. How many books are on the shelf?
-                Please reason step by step, and put your final answer within \\boxed{}.
-    completion: 1 : 12 , 2 : 24 , ... , 8 : 96 , so 96 books . 96 + 37 : 6 + 7 = 13 ,
-                90 + 30 + 10 = 130 , 130 + 3 = 133 . \\boxed { 133 } <eos>
-
-With the same flags (--seed, --steps, --threads, ...), the same torch and the same kind of CPU,
-it writes the same files byte for byte. tiny/ is `python make_tiny.py` with every default (one
-thread), run with torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine; tiny-math/ is
-`python make_tiny.py --task math` the same way.
+With the same flags, torch and kind of CPU, it writes the same files byte for byte: tiny/ is
+`python make_tiny.py` with every default, tiny-math/ `python make_tiny.py --task math`, both with
+torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine. The models shipped as tiny/ before
+(RESULTS.md §S, §R and §1-9) are rebuilt by make_tiny.py at commit c2ce23e.
 """
 import argparse
 import json
@@ -67,7 +41,7 @@ from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling
-from settings import read_ngc_json
+from settings import add_flags, read_ngc_json
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompts of 18 tokens, full-cache completions ~110 on the problems that go back,
@@ -93,7 +67,6 @@ MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
     max_new_tokens=MATH_RUN["max_new_tokens"])
 RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]` or a `back`
-MAX_NUM = cd.MAX_LEAF  # every integer 0..MAX_NUM is one token (no trace writes a larger one)
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = (["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
           "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>", "none"]
@@ -103,14 +76,14 @@ MATH_WORDS = sorted(  # the demo questions' words without their placeholders, R1
     {w for text, _, _ in mathtask.TEMPLATES for w in text.split()} - {"{n}", "{a}", "{b}", "{c}"}
     | set(mathtask.NAMES) | set(mathtask.INSTRUCTION.split())
     | {":", ",", ".", "so", "+", "-", "/", "=", "\\boxed", "{", "}"})
-
-# ---------------------------------------------------------------------------------------
-# Tokenizer, data and model
+AT_LEAST = {"steps": 1, "threads": 1, "batch": 1, "micro": 1, "warmup": 0, "d": 1, "layers": 1, "heads": 1, "ffn": 1,
+            "n_test": 1, "train_problems": 1, "max_new_tokens": 1}
+OUT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "ngc.json"}  # what a build writes into --out
 
 
 def build_tokenizer(words=WORDS) -> Tokenizer:
-    """Word-level: the prompt and trace words and every integer 0..999 are single tokens."""
-    vocab = SPECIALS + words + [str(n) for n in range(MAX_NUM + 1)]
+    """Word-level: the words and every integer 0..cd.MAX_LEAF (the largest a trace writes) are single tokens."""
+    vocab = SPECIALS + words + [str(n) for n in range(cd.MAX_LEAF + 1)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(SPECIALS)
@@ -118,9 +91,8 @@ def build_tokenizer(words=WORDS) -> Tokenizer:
 
 
 def split_problems(seed: int, n_test: int, n_train: int = 300_000):
-    """countdown.splits at the SMALL difficulty (the tiny model's): pretraining never sees a problem of the
-    held-out set (countdown.held_out, whatever n_test), on which train.py and eval.py evaluate
-    every seed."""
+    """countdown.splits at the tiny difficulty: pretraining never sees a problem of the held-out set
+    (whatever n_test), on which train.py and eval.py evaluate every seed."""
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
@@ -144,8 +116,8 @@ def batches(tok, problems, rng, n: int, micro: int, example=countdown_example):
     targets -100 on the prompt and padding, so only the completion and EOS are learned."""
     eos = tok.token_to_id("<eos>")
     examples = []
-    for p in (problems[rng.randrange(len(problems))] for _ in range(n)):
-        prompt, completion = example(tok, p, rng)
+    for _ in range(n):
+        prompt, completion = example(tok, problems[rng.randrange(len(problems))], rng)
         examples.append((prompt, completion + [eos]))
     examples.sort(key=lambda e: len(e[0]) + len(e[1]))
     for i in range(0, n, micro):
@@ -157,17 +129,6 @@ def batches(tok, problems, rng, n: int, micro: int, example=countdown_example):
             x[r, : len(a) + len(b)] = torch.tensor(a + b)
             y[r, len(a) - 1: len(a) + len(b) - 1] = torch.tensor(b)
         yield x, y
-
-
-def tiny_config(tok, d=192, layers=4, heads=4, kv_heads=2, ffn=512) -> Qwen2Config:
-    return Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=d, intermediate_size=ffn,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       tie_word_embeddings=True, max_position_embeddings=1024,
-                       bos_token_id=tok.token_to_id("<bos>"), eos_token_id=tok.token_to_id("<eos>"))
-
-
-# ---------------------------------------------------------------------------------------
-# The two builds
 
 
 @dataclass(frozen=True)
@@ -207,7 +168,11 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     if not args.eval_only:
         tok = build_tokenizer(task.words)
-        model = init_weights(Qwen2(tiny_config(tok, args.d, args.layers, args.heads, ffn=args.ffn)), seed=args.seed)
+        config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=args.d, intermediate_size=args.ffn,
+                             num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
+                             tie_word_embeddings=True, max_position_embeddings=1024,
+                             bos_token_id=tok.token_to_id("<bos>"), eos_token_id=tok.token_to_id("<eos>"))
+        model = init_weights(Qwen2(config), seed=args.seed)
         print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(pretraining)} training / "
               f"{len(test)} held-out problems")
         pretrain(model, tok, pretraining, task.example, args)
@@ -225,8 +190,8 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps; the lr schedule spans them")
     ap.add_argument("--minutes", type=float, default=0, help="stop early after this many minutes (0 = never); "
                     "an early stop makes the result depend on the machine's speed")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1; the bits of the result depend on it)")
+    add_flags(ap, None, names=["threads"], helps={"threads": "torch CPU threads (default 1; the bits of the result "
+                                                             "depend on it)"})
     ap.add_argument("--batch", type=int, default=64, help="examples per optimizer step")
     ap.add_argument("--micro", type=int, default=16, help="examples per forward pass (length-sorted)")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine to 10%%)")
@@ -241,19 +206,19 @@ def parse_args(argv) -> argparse.Namespace:
                     help="completion cap of the held-out evaluation (default: the run's, ngc.json)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training (Countdown: "
                     "prompted as tiny/ is, tiny-shift)")
-    ap.add_argument("--task", choices=list(TASKS), default="countdown",
-                    help="countdown (tiny/) or math (tiny-math/, with the defaults of MATH_BUILD)")
+    add_flags(ap, None, names=["task"], helps={"task": "countdown (tiny/) or math (tiny-math/, with the defaults of "
+                                                       "MATH_BUILD)"})
     with one_line_errors():  # CheckpointError too
-        task = chosen_task(argv, ap)
-    ap.set_defaults(**TASKS[task].flags, task=task)
+        task = chosen_task(argv)
+    ap.set_defaults(**TASKS[task].flags, task=task, threads=1)
     return ap.parse_args(argv)
 
 
-def chosen_task(argv, ap) -> str:
+def chosen_task(argv) -> str:
     """--task; with --eval-only, the task of --out's ngc.json unless --task names it (another is a
     one-line ValueError: the model would be scored on prompts it never learned)."""
     pre = parser(add_help=False)
-    pre.add_argument("--task", choices=list(TASKS))
+    add_flags(pre, None, names=["task"])
     pre.add_argument("--eval-only", action="store_true")
     pre.add_argument("--out", default="tiny")
     known = pre.parse_known_args(argv)[0]
@@ -269,11 +234,6 @@ def chosen_task(argv, ap) -> str:
         raise ValueError(f"--out {known.out} is prompted {run['prompt']} (its ngc.json); make_tiny.py evaluates "
                          f"{TINY_RUN['prompt']}, tiny/'s: evaluate it with eval.py")
     return task
-
-
-AT_LEAST = {"steps": 1, "threads": 1, "batch": 1, "micro": 1, "warmup": 0, "d": 1, "layers": 1, "heads": 1, "ffn": 1,
-            "n_test": 1, "train_problems": 1, "max_new_tokens": 1}
-OUT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "ngc.json"}  # what a build writes into --out
 
 
 def check_flags(args):
@@ -309,10 +269,6 @@ def draw_problems(task, args):
         return task.splits(args.seed, args.n_test, args.train_problems)
     except ValueError as e:  # mathtask.demo_splits: train and held-out problems distinct
         raise ValueError(f"--train-problems {args.train_problems} --n-test {args.n_test}: {e}")
-
-
-# ---------------------------------------------------------------------------------------
-# Pretraining, saving, evaluating
 
 
 def lr_at(step, steps, lr, warmup):
@@ -377,23 +333,17 @@ def save_build(model, tok, run, out):
 
 
 def report(model, tok, test, task, max_new_tokens):
+    """Accuracy (mean reward; greedy tokens, or pass@1 of one completion sampled at temperature 1 from a
+    generator seeded 0), the fraction of correct traces and the mean length, full cache and ε = 0.5."""
     ev = Eviction(task.run["delta"], task.run["block"], task.run["window"], rate=0.5, greedy=True)
     for name, eviction in [("full cache", None), (f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}", ev)]:
         for tokens, greedy in [("greedy tokens", True), ("pass@1", False)]:
-            acc, valid, length = trace_accuracy(model, tok, test, task, eviction, max_new_tokens, greedy=greedy)
-            print(f"{name}, {tokens}:  accuracy {acc:.3f}  valid traces {valid:.3f}  mean length {length:.0f}  "
-                  f"({len(test)} held out, at most {max_new_tokens} tokens)")
-
-
-def trace_accuracy(model, tok, problems, task, eviction=None, max_new_tokens=400, batch=128, greedy=True):
-    """Accuracy (mean reward; greedy tokens, or pass@1 of one sampled completion at temperature 1
-    from a generator seeded 0), the fraction of completions that are correct traces, and the mean
-    completion length."""
-    sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)
-    out = roll_out_and_score(model, tok, problems, sampling, eviction, encode=task.encode, reward_fn=task.reward,
-                             batch_size=batch, generator=torch.Generator().manual_seed(0))
-    valid = sum(task.valid(p, texts[0]) for p, texts in zip(problems, out["texts"]))
-    return out["reward"].mean().item(), valid / len(problems), out["length"].mean().item()
+            sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)
+            out = roll_out_and_score(model, tok, test, sampling, eviction, encode=task.encode, reward_fn=task.reward,
+                                     batch_size=128, generator=torch.Generator().manual_seed(0))
+            valid = sum(task.valid(p, texts[0]) for p, texts in zip(test, out["texts"])) / len(test)
+            print(f"{name}, {tokens}:  accuracy {out['reward'].mean().item():.3f}  valid traces {valid:.3f}  mean "
+                  f"length {out['length'].mean().item():.0f}  ({len(test)} held out, at most {max_new_tokens} tokens)")
 
 
 if __name__ == "__main__":

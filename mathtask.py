@@ -1,42 +1,26 @@
-"""
-The math task of the NGC paper (§5.4): train on DAPO-Math-17k, evaluate on AMC and AIME.
+"""The math task of the NGC paper (§5.4): train on DAPO-Math-17k, evaluate on AMC and AIME. The reward
+is 1.0 when the last \\boxed{...} of the completion equals the answer after normalisation (integers
+and simple fractions compared as exact numbers); answers are read, never evaluated.
 
-A problem is a question and its answer as a string. The model reasons, then writes
-its final answer in \\boxed{...}. The reward is 1.0 when the last \\boxed{...} of the
-completion equals the answer after normalisation (integers and simple fractions are
-compared as exact numbers), else 0.0. Answers are read, never evaluated.
-
-Data is read from local files, JSONL always, Parquet when pyarrow is installed; nothing
-is downloaded at run time. Save each set once, on a machine with network, with the
-`datasets` library (pip install datasets):
+Data is read from local files, JSONL always, Parquet when pyarrow is installed; nothing is downloaded
+at run time. Save each set once, on a machine with network, with `datasets` (pip install datasets):
 
     from datasets import load_dataset
-    # DAPO-Math-17k, the training set. The original, BytedTsinghua-SIA/DAPO-Math-17k, repeats
-    # each of its ~17.4k problems about 100 times (1.79M rows); this copy is deduplicated
-    # and keeps the original's reward_model.ground_truth:
+    # DAPO-Math-17k, the training set, deduplicated (the original, BytedTsinghua-SIA/DAPO-Math-17k,
+    # repeats each of its ~17.4k problems about 100 times), with the original's reward_model.ground_truth:
     load_dataset("open-r1/DAPO-Math-17k-Processed", "all", split="train").to_json("data/dapo17k.jsonl")
-    # AIME 2025 (30 problems, integer answers 0-999):
+    # AIME 2025 (30 problems, integer answers 0-999) and AMC 2023 (40 problems):
     load_dataset("MathArena/aime_2025", split="train").to_json("data/aime25.jsonl")
-    # AMC 2023 (40 problems):
     load_dataset("math-ai/amc23", split="test").to_json("data/amc23.jsonl")
 
-AMC 2025 has no canonical copy: any file with a `problem` (or `question`) and an `answer`
-column works, as does any file in DAPO's layout. `load` reads both layouts:
-- DAPO: `prompt` is a chat, a list of {"role", "content"} (or the user message as a string),
-  and the answer is `reward_model.ground_truth`;
-- AIME/AMC: `problem` or `question`, and `answer`;
-other layouts name their fields with question_field / answer_field (dotted paths reach
-into nested records, e.g. "reward_model.ground_truth").
+`load` reads DAPO's layout, AIME/AMC's (`problem` or `question`, and `answer`: AMC 2025 has no canonical
+copy, any such file works) and others through question_field / answer_field (_question, _answer). The
+prompt is the question, then DeepSeek-R1's instruction for math (INSTRUCTION), in R1's chat template.
 
-The prompt is the question followed by DeepSeek-R1's recommended instruction for math,
-INSTRUCTION, in R1's chat template. DAPO's own rows ask for an "Answer: ..." last line
-instead; `load` strips that wrapper so the prompt asks for the \\boxed{} the reward reads.
-
-A CPU-sized demonstration set of arithmetic word problems in DAPO's layout, and their worked
-solutions (demo_trace: what tiny-math/ was pretrained on, make_tiny.py --task math):
+A CPU-sized demo set of arithmetic word problems in DAPO's layout, with the worked solutions that
+tiny-math/ was pretrained on (demo_trace, make_tiny.py --task math):
     python mathtask.py --make-demo data/math-demo
 """
-
 import json
 import os
 import random
@@ -44,12 +28,9 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from cli import Exit, at_least, check_values, exits, make_output_dir, need, one_line_errors, parser
+from cli import at_least, check_values, exits, make_output_dir, need, one_line_errors, parser
 from countdown import encode_prompt  # the R1 chat template, shared with Countdown
 from files import write_jsonl
-
-# -----------------------------------------------------------------------------
-# problems and loading
 
 @dataclass(frozen=True)
 class Problem:
@@ -61,17 +42,14 @@ DAPO_HEAD = ("Solve the following math problem step by step. The last line of yo
              "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 
-def _field(row, path):
-    """row[a][b]... for the dotted path "a.b...", or None when a key is missing."""
-    for key in path.split("."):
-        if not isinstance(row, dict) or key not in row:
-            return None
-        row = row[key]
-    return row
-
-def _first(row, names):
-    """The value of the first of the dotted paths names that row has, or None."""
-    return next((v for v in (_field(row, n) for n in names) if v is not None), None)
+def _first(row, paths):
+    """The value at the first of the dotted paths ("a.b": row[a][b]) that row has, or None."""
+    for path in paths:
+        value = row
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            return value
 
 def _question(row, field):
     """The question text of a row (None if there is none): the named field, else DAPO's chat
@@ -132,7 +110,7 @@ def demo_hint(path: str) -> str:
 
 
 def load(path, question_field=None, answer_field=None):
-    """The problems of a local .jsonl / .parquet file, in file order (layouts: module docstring).
+    """The problems of a local .jsonl / .parquet file, in file order (layouts: _question, _answer).
     Raises ValueError with one line naming the file and line on bad input."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file" + (demo_hint(path) or " (datasets are read from local files; see "
@@ -155,9 +133,6 @@ def load(path, question_field=None, answer_field=None):
         problems.append(Problem(question, answer))
     return problems
 
-# -----------------------------------------------------------------------------
-# prompt
-
 def prompt_text(problem):
     """The user message: the question, then R1's math instruction unless it is already there."""
     q = problem.question
@@ -167,23 +142,17 @@ def encode(tokenizer, problem):
     """A problem's prompt token ids, in the R1 chat template when the vocab has it."""
     return encode_prompt(tokenizer, prompt_text(problem))
 
-# -----------------------------------------------------------------------------
-# reward: the last \boxed{...}, normalised, compared exactly; nothing is evaluated
+# The reward: the last \boxed{...}, normalised, compared exactly; nothing is evaluated
 
 MAX_ANSWER_CHARS = 1000  # longer boxed answers score 0 (and are not scanned past this)
+_BOX = re.compile(r"\\boxed *\{")
 
 def last_boxed(text):
     """The content of the last \\boxed{...} (or \\boxed {...}) in text, braces nested; None when
     there is none, when it does not close, or when it is over MAX_ANSWER_CHARS long. A bare
     "\\boxed" not followed by a brace is not a box. Linear time."""
-    start = len(text)
-    while (start := text.rfind("\\boxed", 0, start)) >= 0:
-        i = start + len("\\boxed")
-        while i < len(text) and text[i] == " ":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            break
-    else:
+    i = max((m.end() - 1 for m in _BOX.finditer(text)), default=None)  # the last box's opening brace
+    if i is None:
         return None
     depth = 0
     for j in range(i, min(len(text), i + MAX_ANSWER_CHARS + 2)):  # + the box's own two braces
@@ -245,9 +214,6 @@ def reward(completion, problem):
     boxed = last_boxed(completion)
     return 1.0 if boxed is not None and equivalent(boxed, problem.answer) else 0.0
 
-# -----------------------------------------------------------------------------
-# a CPU-sized demonstration set: arithmetic word problems in DAPO's layout
-
 NAMES = ["Tom", "Ana", "Lena", "Ravi", "Mia", "Omar", "Yuki", "Sam"]
 TEMPLATES = [  # (question with a name n and numbers a, b, c in that order, c drawn given a * b, answer)
     ("{n} has {a} boxes of {b} apples and gives away {c} apples. How many apples are left?",
@@ -269,9 +235,8 @@ def demo_problem(rng):
     return Problem(text.format(n=rng.choice(NAMES), a=a, b=b, c=c), str(answer(a, b, c)))
 
 def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
-    """(train, test): distinct problems, test disjoint from train, reproducible from seed. A
-    ValueError when `patience` draws in a row bring no new problem (the templates allow about
-    148,000 distinct ones)."""
+    """(train, test): distinct problems, reproducible from seed; a ValueError when `patience` draws in a
+    row bring no new one (the templates allow about 148,000)."""
     rng, seen, out, misses = random.Random(seed), set(), [], 0
     while len(out) < n_train + n_test:
         p = demo_problem(rng)
@@ -286,24 +251,18 @@ def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
         out.append(p)
     return out[n_test:], out[:n_test]
 
-def dapo_row(problem):
-    """A problem as a row of DAPO-Math-17k: chat prompt with the instruction, ground truth."""
-    return {"data_source": "ngc-demo", "prompt": [{"role": "user", "content": prompt_text(problem)}],
-            "ability": "MATH", "reward_model": {"style": "rule", "ground_truth": problem.answer}}
-
 def make_demo(out_dir, seed=0, n_train=2000, n_test=200, splits=None):
-    """Write out_dir/train.jsonl and out_dir/test.jsonl in DAPO's layout (splits: demo_splits' result
-    for these arguments, if already drawn)."""
-    if n_train < 1 or n_test < 1:
-        raise ValueError(f"the demo set needs at least one train and one test problem, got {n_train} and {n_test}")
+    """Write out_dir/train.jsonl and out_dir/test.jsonl as rows of DAPO-Math-17k (splits: demo_splits'
+    result for these arguments, if already drawn)."""
     train, test = splits or demo_splits(seed, n_train, n_test)
     make_output_dir(out_dir)
     for name, problems in (("train", train), ("test", test)):
-        write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [dapo_row(p) for p in problems])
+        write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [
+            {"data_source": "ngc-demo", "prompt": [{"role": "user", "content": prompt_text(p)}], "ability": "MATH",
+             "reward_model": {"style": "rule", "ground_truth": p.answer}} for p in problems])
     return train, test
 
-# -----------------------------------------------------------------------------
-# the demo set's worked solutions: the traces tiny-math/ was pretrained on (make_tiny.py --task math)
+# The demo set's worked solutions: the traces tiny-math/ was pretrained on (make_tiny.py --task math)
 
 DEMO_LAST_STEP = {  # the unit after b -> the last step as (x, op, y), from the total a·b and c
     "apples": lambda total, c: (total, "-", c), "books": lambda total, c: (total, "+", c),
@@ -330,10 +289,10 @@ def demo_trace(problem) -> str:
     the answer in `\\boxed { N }` (spaced, so that \\boxed, {, N and } are one word each)."""
     words = problem.question.split()
     at = [i for i, w in enumerate(words) if w.isdigit()]  # a, b, c in this order
-    if len(at) != 3 or words[at[1] + 1].rstrip(".") not in DEMO_LAST_STEP:
+    unit = words[at[1] + 1].rstrip(".") if len(at) == 3 else None
+    if unit not in DEMO_LAST_STEP:
         raise ValueError(f"not one of mathtask.TEMPLATES' word problems: {problem.question!r}")
     a, b, c = (int(words[i]) for i in at)
-    unit = words[at[1] + 1].rstrip(".")
     x, op, y = DEMO_LAST_STEP[unit](a * b, c)
     answer = {"+": x + y, "-": x - y, "/": x // y}[op]
     last = f"{x} / {y} = {answer}" if op == "/" else f"{x} {op} {y} : {columns(x, op, y)}"
@@ -349,18 +308,16 @@ def main(argv=None):
     ap.add_argument("--train", type=int, default=2000, help="training problems")
     ap.add_argument("--test", type=int, default=200, help="held-out problems")
     args = ap.parse_args(argv)
-    with one_line_errors():
+    with one_line_errors():  # a folder that cannot be made too
         check_values(args, {"train": at_least(1), "test": at_least(1)})
-    try:
-        splits = demo_splits(args.seed, args.train, args.test)
-    except ValueError as e:
-        raise Exit(f"error: --train {args.train} --test {args.test}: {e}") from None
-    try:
-        train, test = make_demo(args.make_demo, args.seed, args.train, args.test, splits)
-    except ValueError as e:  # the folder cannot be made
-        raise Exit(f"error: {e}") from None
-    except OSError as e:
-        raise Exit(f"error: could not write {e.filename or args.make_demo} ({e.strerror})") from None
+        try:
+            splits = demo_splits(args.seed, args.train, args.test)
+        except ValueError as e:
+            raise ValueError(f"--train {args.train} --test {args.test}: {e}") from None
+        try:
+            train, test = make_demo(args.make_demo, args.seed, args.train, args.test, splits)
+        except OSError as e:
+            raise ValueError(f"could not write {e.filename or args.make_demo} ({e.strerror})") from None
     print(f"wrote {len(train)} train and {len(test)} test problems to {args.make_demo}")
 
 

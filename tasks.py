@@ -10,15 +10,13 @@ TASK_REWARD = {"countdown": countdown.reward, "math": mathtask.reward}
 
 
 def data_seed(c) -> int:
-    """The seed of a run's problems and their order: --data-seed, else --seed (which always seeds
-    the rollouts and evictions)."""
+    """The seed of a run's problems and their order: --data-seed, else --seed (which also seeds the rollouts)."""
     return c.seed if c.data_seed is None else c.data_seed
 
 
 def load_problems(c):
     """(training problems in the data seed's order, held-out problems) of settings c: Countdown's
-    are generated from the data seed, math problems are read from --data and --eval-data (a bad
-    file is a one-line ValueError naming it)."""
+    generated, math's read from --data and --eval-data (a bad file is a one-line ValueError)."""
     if c.task == "countdown":
         difficulty = countdown.DIFFICULTIES[c.difficulty]
         train, test = countdown.splits(data_seed(c), c.train_problems, c.eval_problems, difficulty, unique=False)
@@ -47,8 +45,8 @@ def held_out(c, n: int | None = None) -> list:
 
 
 def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blind: bool = False):
-    """encode(tokenizer, problem) -> prompt ids for the task (Countdown: in prompt style `style`,
-    with the budget tag when eviction_rate is given, the rate hidden when blind)."""
+    """encode(tokenizer, problem) -> prompt ids for the task (Countdown: in `style`, with the budget tag
+    when eviction_rate is given, the rate hidden when blind)."""
     if task == "math":
         return mathtask.encode
     return lambda tokenizer, problem: countdown.encode(tokenizer, problem, style, eviction_rate, blind)
