@@ -295,11 +295,10 @@ def main(argv=None, reward_fn=None):
 def parse_args(argv=None):
     """One flag per setting (settings.py); --help shows the paper's defaults, or --model's ngc.json over them."""
     pre = parser(add_help=False)
-    pre.add_argument("--model", default=settings.COUNTDOWN.model)
-    pre.add_argument("--task", choices=list(settings.RECIPES))
+    settings.add_flags(pre, None, ["model", "task"])
     known = pre.parse_known_args(argv)[0]
     try:
-        defaults = settings.run_defaults(known.model, known.task)
+        defaults = settings.run_defaults(known.model or settings.COUNTDOWN.model, known.task)
     except CheckpointError:
         defaults = settings.RECIPES[known.task or "countdown"]  # resolve() reports the broken ngc.json
     p = parser(__doc__)
