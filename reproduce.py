@@ -222,8 +222,10 @@ def curves(out, names, seeds, path):
     """Reward (moving mean of 5 steps) and grad-norm curves of the runs, means over seeds (Figure 5)."""
     fig, axes = pyplot("plots").subplots(1, 3, figsize=(13, 3.6))
     for name in names:
-        logs = [{s["step"]: s for s in rundir.read_log(os.path.join(out, "runs", run_name(name, k), "log.jsonl"))
-                 if "reward" in s} for k in range(seeds)]
+        paths = [os.path.join(out, "runs", run_name(name, k), "log.jsonl") for k in range(seeds)]
+        if missing := [p for p in paths if not os.path.exists(p)]:  # a mean over fewer seeds than asked
+            raise FileNotFoundError(f"no log {missing[0]} to draw Figure 5 from")
+        logs = [{s["step"]: s for s in rundir.read_log(p) if "reward" in s} for p in paths]
         x = sorted(set.intersection(*(set(log) for log in logs)))
         reward = [statistics.fmean(log[i]["reward"] for log in logs) for i in x]
         axes[0].plot(x, [sum(reward[max(0, i - 4): i + 1]) / min(i + 1, 5) for i in range(len(x))], label=name)
