@@ -138,7 +138,7 @@ class Policy(NamedTuple):
     score: Callable | None  # the per-key score (or the function bind completes); None: NGC's ψ
     help: str  # its line in eval.py --help
     bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
-    kind: str = "agnostic"  # reproduce.py's: ngc, agnostic (knows nothing of the task), rule (Countdown only), oracle
+    kind: str = "agnostic"  # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle
 
 
 def build(name: str, given: Given) -> Eviction:

@@ -152,7 +152,7 @@ def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat)
     never_ends = not eos_ids
     eos = eos_ids or [hf.config.eos_token_id or 0]
 
-    def generate():  # generate runs without autograd of itself
+    def generate():  # Hugging Face's generate is itself no_grad
         torch.manual_seed(0)
         return hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=s.temperature,
                            top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens, pad_token_id=0,

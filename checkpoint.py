@@ -90,8 +90,12 @@ def _token_id(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _count(v) -> bool:
+    return _token_id(v) and v > 0
+
+
 CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test, in words)
-    **{k: (lambda v: _token_id(v) and v > 0, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
+    **{k: (_count, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
     **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
        for k in ("rope_theta", "rms_norm_eps")},
     "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
@@ -237,7 +241,8 @@ def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = ME
         print(f"note: the tokenizer has no tokens for {text!r}; {token}'s embedding is the mean of all rows")
         ids = list(range(embed.num_embeddings))
     if g >= model.config.vocab_size:  # rows up to g: g's is set below (any between stay zero)
-        grow = lambda w: nn.Parameter(torch.cat([w, w.new_zeros(g + 1 - model.config.vocab_size, w.shape[1])]))
+        extra = g + 1 - model.config.vocab_size
+        grow = lambda w: nn.Parameter(torch.cat([w, w.new_zeros(extra, w.shape[1])]))
         embed.weight = grow(embed.weight)
         model.lm_head.weight = embed.weight if model.config.tie_word_embeddings else grow(model.lm_head.weight)
         embed.num_embeddings = model.lm_head.out_features = model.config.vocab_size = g + 1

@@ -62,7 +62,8 @@ def reasoning_claims(studies):
 
 def policy_claims(studies):
     """NGC against the best task-agnostic baseline and task rule on either model, the oracle, and its ablations."""
-    ngc, token, dropout = (at(studies, study, "ngc") for study in ("ngc", "token-only", "targeted-dropout"))
+    ngc, token = at(studies, "ngc", "ngc"), at(studies, "token-only", "ngc")
+    dropout = at(studies, "targeted-dropout", "ngc")
     both = studies["baselines"] + studies["ngc"]  # each baseline on the no-evict model and on NGC's own
     best, rule = best_of(both, AGNOSTIC), best_of(both, RULES)
     own_best, oracle = best_of(studies["ngc"], BASELINES), at(studies, "ngc", "oracle")

@@ -1,7 +1,8 @@
 """What every script's command line shares: errors in one line, the exit, optional extras, output paths.
 
-Library code never ends the process: it raises. A script's main, decorated with `exits`, turns an Exit
-raised below it (a bad flag, a ValueError inside `one_line_errors`, a failed child run) into one line and exit 2."""
+Library code never ends the process: it raises. A script's main, decorated with `exits`, turns a FlagError
+(a bad flag) or an Exit raised below it (a ValueError inside `one_line_errors`, a failed child run) into one
+line and exit 2."""
 import argparse
 import contextlib
 import functools

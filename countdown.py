@@ -126,7 +126,8 @@ def prompt_text(problem, eviction_rate=None, blind=False):
             f"equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
     if eviction_rate is not None:
         pct = 100 * eviction_rate
-        pct = "-" if blind else f"{round(pct)}" if abs(pct - round(pct)) < 1e-9 else f"{pct:.1f}"
+        pct = f"{round(pct)}" if abs(pct - round(pct)) < 1e-9 else f"{pct:.1f}"
+        pct = "-" if blind else pct
         text += f"\n<eviction_rate>{pct}%</eviction_rate>"
     return text
 

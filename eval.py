@@ -67,8 +67,9 @@ def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction |
 def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
                        generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None):
     """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each (problems, samples),
-    and the texts. policy: in place of eviction, policy(reference) -> each batch's Eviction, reference() rolling
-    out the batch's full cache from the same noise. Under torchrun each process rolls out every world-th job."""
+    and the texts. encode: a prompt's ids (default: Countdown's plain prompt). policy: in place of eviction,
+    policy(reference) -> each batch's Eviction, reference() rolling out the batch's full cache from the same
+    noise. Under torchrun each process rolls out every world-th job, and every process gets every result."""
     encode = encode or countdown.encode
     rank, world = distributed.rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]

@@ -254,6 +254,8 @@ def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
 def make_demo(out_dir, seed=0, n_train=2000, n_test=200, splits=None):
     """Write out_dir/train.jsonl and out_dir/test.jsonl as rows of DAPO-Math-17k (splits: demo_splits'
     result for these arguments, if already drawn)."""
+    if n_train < 1 or n_test < 1:
+        raise ValueError(f"the demo set needs at least one train and one test problem, got {n_train} and {n_test}")
     train, test = splits or demo_splits(seed, n_train, n_test)
     make_output_dir(out_dir)
     for name, problems in (("train", train), ("test", test)):

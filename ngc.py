@@ -47,7 +47,7 @@ Round = namedtuple("Round", "rows layer key_pos query_pos prompts prompt_lens")
 
 
 def check_eviction(delta, block, window, rate):
-    """Raise ValueError with a one-line message for arguments the method cannot use; rate: ε or (B,) of them."""
+    """Raise ValueError with a one-line message for arguments the method cannot use; rate: ε, or a (B,) tensor."""
     if not all(0 < r <= 1 for r in (rate.tolist() if torch.is_tensor(rate) else [rate])):
         raise ValueError(f"eviction rate ε={rate} must lie in (0, 1]: it is the fraction of blocks evicted per round")
     if block < 1:
@@ -206,11 +206,12 @@ def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
     Paper Appendix A.2: if c_k is a layer's cache just before round k and a round keeps the fraction
     1-ε, then c_{k+1} = (1-ε)c_k + δ, which rises to δ/ε. Our rounds keep K = keep_count(N, ε) whole
     blocks of the N = ceil(c/b) (the last may be short), so a round leaves at most g(c) = c if K = N,
-    else K·b, and c_{k+1} <= g(c_k) + δ with c_1 = δ (a longer prompt is prefilled in chunks ending on
-    the boundaries, a round after each). g never decreases as c grows (K(N+1) >= N where K(N) = N), so
-    c_k <= u_k, u_1 = δ, u_{k+1} = g(u_k) + δ: the cache of a policy that always keeps K whole blocks,
-    so the bound is reached. The u_k rise to a fixed point u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε),
-    δ/ε plus under 1.5 blocks over ε. The cache only grows between rounds, so with R = tokens // δ
+    else K·b (keeping the short block leaves fewer), and c_{k+1} <= g(c_k) + δ with c_1 = δ (a longer
+    prompt is prefilled in chunks ending on the boundaries, a round after each). g never decreases as c
+    grows (K(N) never decreases, and K(N+1) >= N where K(N) = N), so c_k <= u_k, u_1 = δ, u_{k+1} =
+    g(u_k) + δ: the cache of a policy that always keeps K whole blocks, so the bound is reached. The u_k
+    never decrease (u_2 >= u_1) and, as K <= (1-ε)N + 1/2 and N < c/b + 1, stop at a fixed point
+    u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε): δ/ε plus under 1.5 blocks over ε. The cache only grows between rounds, so with R = tokens // δ
     rounds a layer never holds more than max(u_R, g(u_R) + tokens - R·δ)."""
     def survivors(c):  # g(c)
         n = -(-c // block)
@@ -365,7 +366,8 @@ ROW_STEP = 16  # the decoded batch shrinks in steps of this many rows
 def drop_ended_rows(s: RolloutState, active, going: int):
     """Once ROW_STEP rows have ended, the cache and query window keep only the rows still going, padded with
     ended ones to a multiple of ROW_STEP (so each shrink pays for its copy). A row's results do not depend
-    on which rows share its batch: bit for bit on one thread (a test), else up to float rounding."""
+    on which rows share its batch: bit for bit on one thread (a test), else up to float rounding (a CPU
+    kernel splits its work over threads by batch size)."""
     live = torch.arange(len(active), device=active.device) if s.live is None else s.live
     size = min(len(live), -(-going // ROW_STEP) * ROW_STEP)
     if size == len(live):
@@ -419,7 +421,7 @@ def eviction_round(layers: list[LayerCache], window: QueryWindow, in_cache, rate
     """One eviction round at every layer for cache rows in_cache (N,) at eviction rates (N,) (§4.1–4.3); at:
     their Round for a baseline's score (each layer fills in its layer and positions). Returns σ of each layer
     [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round (N, L)."""
-    qpos = window.pos[in_cache]  # (N, w) positions of the w newest tokens
+    qpos = window.pos[in_cache]  # (N, w) positions of the w newest tokens (δ > w: all w are scored by a round)
     sigmas, logps, before = [], [], []
     for layer, c in enumerate(layers):
         alive, keys, kpos = c.alive[in_cache], c.k.index_select(0, in_cache), c.pos[in_cache]  # (N, S), (N, Hkv, S, D)

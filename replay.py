@@ -37,7 +37,8 @@ def evicted_by(death, delta: int):
 
 
 def visibility(death):
-    """(B, T, T) bool replay mask of one layer from its death times (B, T): s <= t < death[s]."""
+    """(B, T, T) bool replay mask of one layer from its death times (B, T): s <= t < death[s]. A key dies
+    after its own token (death[s] > s), so every token sees itself."""
     t = torch.arange(death.shape[1], device=death.device)
     return (t[None, None, :] <= t[None, :, None]) & (t[None, :, None] < death[:, None, :])
 

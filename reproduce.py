@@ -2,13 +2,30 @@
 
     python reproduce.py                 # everything, one seed, into results/back/
     python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
+    python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
     python reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
 
-It trains ngc, no-evict, the ablations token-only and targeted-dropout, and interoception with its blind-tag control
-from --model into OUT/runs/<name>[-seed<k>] unless finished, scores them with eval.py (§5.1: pass@1 over --samples
-sampled completions, evictions greedy top-K) and writes OUT/<study>.jsonl and .png, claims.md (the paper's claims
-beside this run's), summary.md (sections 0-6; 5, the limit study, is at commit c2ce23e), the figures and forgets.html.
+It trains six runs from --model, seeds 0..N-1, into OUT/runs/<name>[-seed<k>] (OUT: --out), each unless finished:
+
+    ngc                  the method                          train.py
+    no-evict             the full-cache model                train.py --mode no-evict
+    token-only           ablation: no eviction loss          train.py --mode token-only
+    targeted-dropout     ablation: causal log-probs          train.py --mode targeted-dropout
+    interoception        ε written into the prompt           train.py --interoception
+    interoception-blind  its control: the tag without ε      train.py --interoception --blind-tag
+
+scores them with eval.py (§5.1: pass@1 over --samples sampled completions, evictions greedy top-K) into
+OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the figures and forgets.html:
+
+    0. claims         the paper's Countdown claims, a goal for each, this run's numbers; the untrained model
+    1. baselines      the baselines and the oracle at ε = 0.5 on the no-evict model and on NGC's (Figure 3)
+    2. sweep          NGC and the strongest baselines at stricter ε than training saw (0.5 -> 0.8)
+    3. ablations      ngc vs token-only vs targeted-dropout, with reward and grad-norm curves (Figure 5)
+    4. interoception  budget-aware NGC against its blind-tag control, and whether it reads the tag (Figure 6)
+    6. layout shift   NGC, the untrained model and the baselines on prompt layouts never trained on
+
+(Section 5 was the limit study, reproduce.py --limit at commit c2ce23e.)
 """
 import contextlib
 import json
@@ -94,7 +111,8 @@ def check_runs(out, model, runs, jobs, extra):
             raise ValueError(f"--train-args sets --task {given.task}; reproduce.py's studies are Countdown's")
         for name, flags in runs.items():
             run_dir, checkpoint = os.path.join(out, name), os.path.join(out, name, "checkpoint")
-            argv = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)[2:]
+            cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)
+            argv = cmd[2:]  # after python and train.py
             now = settings.saved(train.resolve(train.parse_args(argv)))  # bad values: train.py's one-line errors
             del now["threads"]  # threads change the bits, not the run
             recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back in place, as a resume would

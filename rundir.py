@@ -2,7 +2,8 @@
 step and per held-out evaluation) and checkpoint/ (a Hugging Face model directory plus ngc.json, the settings,
 and trainer.pt, the step and optimizer state), replaced by a swap (files.swap_in). A signal stops the run
 between an update and the next, never between an update and its record, so a resume takes exactly the steps
-an uninterrupted run would. One process at a time trains there, holding a flock on `lock`.
+an uninterrupted run would. One process at a time trains there, holding a flock on `lock`: the lock ends with
+the process, so a killed run leaves nothing stuck.
 """
 import contextlib
 import json
@@ -361,6 +362,8 @@ def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
     except OSError as e:  # the log
         raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
     finally:
-        release(run.out)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        try:
+            release(run.out)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)

@@ -23,7 +23,7 @@ RUN, TASK, ROLLOUT, EVICTION, OPTIM, EVAL = ("run", "task and run", "rollouts", 
                                            "optimisation", "evaluation and checkpoints")
 
 
-def in_unit(low_open: bool):  # a rule (cli.at_least): (0, 1] or [0, 1)
+def in_unit(low_open: bool):  # a rule like cli.at_least: (0, 1] or [0, 1)
     return lambda v: (0 < v <= 1 if low_open else 0 <= v < 1) or f"must lie in {'(0, 1]' if low_open else '[0, 1)'}"
 
 

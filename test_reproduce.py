@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import claims
 import eval as evaluation
 import reproduce
 import settings
@@ -69,7 +70,7 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
         run=run, policy=policy, eviction_rate=rate, accuracy=acc, accuracy_sd=0.01, accuracy_se=0.02, seeds=3,
         kv_reduction=2.2, length=length)
     baselines = [row("no-evict", "none", 0.96, 0.0), row("no-evict", "oracle", 0.8)] + [
-        row("no-evict", p, 0.4 if p == "task-rule" else 0.05) for p in reproduce.BASELINES]
+        row("no-evict", p, 0.4 if p == "task-rule" else 0.05) for p in claims.BASELINES]
     sweep = [row("ngc", "ngc", 0.8 - e / 2, e) for e in reproduce.SWEEP]  # 0.5, 0.45, 0.4 at ε = 0.6, 0.7, 0.8
     studies = {"untrained": [row("u", "none", 0.6, 0.0), row("u", "ngc", 0.1)],
                "baselines": baselines, "ngc": [row("ngc", "none", 0.98, 0.0), row("ngc", "ngc", 0.6),
@@ -78,19 +79,19 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
                "greedy": [row("ngc", "ngc", 0.55)], "token-only": [row("t", "ngc", 0.3)],
                "targeted-dropout": [row("d", "ngc", 0.02)], "sweep": sweep,
                "sweep-baselines": [row("no-evict", "task-rule", 0.45 if e == 0.8 else 0.2, e) for e in reproduce.SWEEP[1:]],
-               "interoception": [row("i", "ngc", 0.2, e, 90.0) for e in reproduce.INTERO_SWEEP],
-               "interoception-blind": [row("b", "ngc", 0.05, e) for e in reproduce.INTERO_SWEEP],
-               "tag-0.25": [row("i", "ngc", 0.1, reproduce.TAG_CHECK, 70.0)],
-               "tag-blind": [row("i", "ngc", 0.12, reproduce.TAG_CHECK, 75.0)],
+               "interoception": [row("i", "ngc", 0.2, e, 90.0) for e in claims.INTERO_SWEEP],
+               "interoception-blind": [row("b", "ngc", 0.05, e) for e in claims.INTERO_SWEEP],
+               "tag-0.25": [row("i", "ngc", 0.1, claims.TAG_CHECK, 70.0)],
+               "tag-blind": [row("i", "ngc", 0.12, claims.TAG_CHECK, 75.0)],
                "shifted-ngc": [row("ngc", "none", 0.97, 0.0), row("ngc", "ngc", 0.3)],
                "shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.1)],
                "shifted-baselines": [row("no-evict", "task-rule", 0.35)]}
 
-    def claims(studies):
-        text = reproduce.claims_markdown(studies)
+    def claimed(studies):
+        text = claims.claims_markdown(studies)
         return text, {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:]}
 
-    text, lines = claims(studies)
+    text, lines = claimed(studies)
     assert "full cache before training 60.0% ± 1.0, after no-evict training 96.0% ± 1.0 (+36.0 points) | yes" \
         in lines["the model learns to reason"]
     assert "60.0% ± 1.0 at 2.20× (62% of 96.0% ± 1.0;" in text and lines["NGC keeps the reasoning under a smaller " \
@@ -99,6 +100,7 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
     # the best task-agnostic baseline is random on NGC's own model (10%), not the task rule (40-45%)
     assert "best random 10.0% ± 1.0 on NGC's own model: NGC is 6.0× it" in text
     assert "NGC closes 33% of the gap from it to the oracle there (90.0% ± 1.0)" in text  # (0.6 - 0.45) / (0.9 - 0.45)
+    assert lines["NGC beats every baseline"].endswith("| yes |")  # 6.0× ≥ 2×
     assert "best task-rule 45.0% ± 1.0 on NGC's own model: NGC +15.0 points (2 SE = 5.7) | yes" in text  # 2 √(2 × 0.02²)
     assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
     assert "targeted dropout 2.0% ± 1.0 | yes" in text
@@ -112,19 +114,19 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
     assert "best baseline oracle" not in text and "best oracle" not in text
     closer = dict(studies, ngc=[r if r["policy"] != "task-rule" else row("ngc", "task-rule", 0.55)
                                 for r in studies["ngc"]])
-    assert "NGC +5.0 points (2 SE = 5.7) | **no**" in claims(closer)[0]
+    assert "NGC +5.0 points (2 SE = 5.7) | **no**" in claimed(closer)[0]
     above = dict(studies, **{"token-only": [row("t", "ngc", 0.65)]})
-    assert claims(above)[1]["the token policy learns to write for eviction"].endswith("| **no** |")
+    assert claimed(above)[1]["the token policy learns to write for eviction"].endswith("| **no** |")
     fell = dict(studies, untrained=[row("u", "none", 0.99, 0.0), row("u", "ngc", 0.1)])
-    assert claims(fell)[1]["training NGC keeps the full cache's reasoning"].endswith("| **no** |")
+    assert claimed(fell)[1]["training NGC keeps the full cache's reasoning"].endswith("| **no** |")
     kept = dict(studies, **{"shifted-ngc": [row("ngc", "none", 0.4, 0.0), row("ngc", "ngc", 0.3)]})
-    assert claims(kept)[1]["what NGC keeps, not where it sits"].endswith("| yes |")  # 75% of 40%, above 10%
+    assert claimed(kept)[1]["what NGC keeps, not where it sits"].endswith("| yes |")  # 75% of 40%, above 10%
     unlearned = dict(kept, **{"shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.3)]})
-    assert claims(unlearned)[1]["what NGC keeps, not where it sits"].endswith("| **no** |")
+    assert claimed(unlearned)[1]["what NGC keeps, not where it sits"].endswith("| **no** |")
     without = {k: v for k, v in studies.items() if not k.startswith(("interoception", "tag-"))}  # --no-interoception
-    assert "not measured (--no-interoception) | - |" in reproduce.claims_markdown(without)
+    assert "not measured (--no-interoception) | - |" in claims.claims_markdown(without)
     one_layout = {k: v for k, v in studies.items() if not k.startswith("shifted-")}  # a prompt of one layout
-    assert "not measured (the model's prompt has one layout) | - |" in reproduce.claims_markdown(one_layout)
+    assert "not measured (the model's prompt has one layout) | - |" in claims.claims_markdown(one_layout)
 
 
 def finished_run(train_ckpt, run_dir, *flags):
