@@ -373,6 +373,8 @@ def parse_args(argv):
     with one_line_errors():
         check_values(args, dict.fromkeys(["jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems",
                                           "samples"], at_least(1)))
+        within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs with ngc's"
+        check_values(args, dict.fromkeys(["ablation_seeds", "interoception_seeds"], within))
     return args
 
 

@@ -173,6 +173,19 @@ def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--seeds", "1", "--ablation-seeds", "2"], "--ablation-seeds 2 is more than --seeds 1"),
+    (["--seeds", "2", "--interoception-seeds", "3"], "--interoception-seeds 3 is more than --seeds 2")])
+def test_reproduce_refuses_more_seeds_of_a_study_than_of_ngc(tmp_path, monkeypatch, flags, message):
+    """The ablations and interoception are compared with ngc's runs of the same seeds (Figure 5 draws their
+    means): more seeds than ngc has would read runs that are never trained."""
+    monkeypatch.setattr(reproduce.subprocess, "Popen", reached)
+    assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), *flags])).startswith(
+        f"error: {message}")
+    assert list(tmp_path.iterdir()) == []
+    assert reproduce.parse_args(["--seeds", "2", "--ablation-seeds", "2", "--interoception-seeds", "1"]).seeds == 2
+
+
 def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
     import reproduce
     runs = reproduce.study_runs(3, 2, 1)
