@@ -135,7 +135,7 @@ class Given(NamedTuple):
 
 class Policy(NamedTuple):
     greedy: bool  # keep the top K blocks; False: Gumbel-top-k with the block means as logits
-    score: Callable | None  # the per-key score (or the function bind completes); None: NGC's ψ
+    score: Callable | None  # the per-key score; None: NGC's ψ, or the one bind makes
     help: str  # its line in eval.py --help
     bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
     kind: str = "agnostic"  # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle
@@ -186,11 +186,11 @@ POLICIES = {  # --policy name -> Policy, in eval.py --help's order
     "random": Policy(False, uniform, "K blocks uniformly at random"),
     "random-prompt": Policy(False, random_prompt, "the prompt's blocks, then random completion blocks (Random "
                             "Attention, 2026)"),
-    "task-rule": Policy(True, task_rule, "Countdown's hand-written rule: the block holding the target, then the "
+    "task-rule": Policy(True, None, "Countdown's hand-written rule: the block holding the target, then the "
                         "newest", bind=lambda given: task_rule(target_marker(given)), kind="rule"),
-    "number-rule": Policy(True, number_rule, "the same with the numbers: the blocks holding the prompt's target and "
+    "number-rule": Policy(True, None, "the same with the numbers: the blocks holding the prompt's target and "
                           "numbers, then the newest", bind=lambda given: number_rule(number_tokens(given)),
                           kind="rule"),
-    "oracle": Policy(True, lookahead, "the blocks the full-cache rollout's next δ tokens attend to most (an upper "
+    "oracle": Policy(True, None, "the blocks the full-cache rollout's next δ tokens attend to most (an upper "
                      "bar)", bind=oracle, kind="oracle"),
 }

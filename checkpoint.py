@@ -44,6 +44,15 @@ def config_from_dict(d: dict) -> Qwen2Config:
     return cfg
 
 
+def read_json(path: str, advice: str = ""):
+    """The JSON in path, or a one-line CheckpointError that ends with `advice`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}){advice}") from None
+
+
 def _weight_files(path: str) -> list[str]:
     """model.safetensors, or the shards that model.safetensors.index.json's weight_map names."""
     single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
@@ -51,11 +60,7 @@ def _weight_files(path: str) -> list[str]:
         if os.path.exists(single):
             return [single]
         raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    try:
-        with open(index, encoding="utf-8") as f:
-            d = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index} is not valid JSON ({e}); re-download it or re-save the checkpoint")
+    d = read_json(index, "; re-download it or re-save the checkpoint")
     weight_map = d.get("weight_map") if isinstance(d, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
         raise CheckpointError(f"{index} has no weight_map of tensor names to shard files "
@@ -72,11 +77,7 @@ def load_config(path: str) -> Qwen2Config:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})")
+    d = read_json(cfg_path)
     missing = [k for k in REQUIRED if not isinstance(d, dict) or k not in d]
     if missing:
         raise CheckpointError(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")

@@ -95,6 +95,15 @@ def one_line_errors(*kinds):
         raise Exit(f"error: {e}") from None
 
 
+@contextlib.contextmanager
+def writing():
+    """An OSError inside (an output that cannot be written) is an Exit naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
+
+
 def at_least(n):
     """A rule for a flag's value: value -> True, or why it is wrong (after "--flag value")."""
     return lambda v: v >= n or f"must be at least {n}"

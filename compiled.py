@@ -42,11 +42,14 @@ def captured_decode(model, step, new_state, state_args: tuple):
     captured on their addresses replay instead of being captured again."""
     batch, capacity, w, dtype, device = state_args
     key = (batch, capacity, w, dtype, str(device))
-    if model not in CAPTURED or CAPTURED[model][0] != key:
+    reused = model in CAPTURED and CAPTURED[model][0] == key
+    if not reused:
         CAPTURED[model] = key, new_state(*state_args, tight=False)  # a captured step reads all S slots
     cache, window = CAPTURED[model][1]
     for t in cache.buffers() + (window.buffers() if window is not None else []):
-        t.zero_()  # handed back: the last rollout's entries go
-        torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
+        if reused:
+            t.zero_()  # handed back: the last rollout's entries go
+        else:
+            torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
     cuda = torch.device(device).type == "cuda"
     return cache, window, compiled_step(step, cuda, not cuda and capacity <= SDPA_MATH_MAX_SLOTS)

@@ -199,18 +199,16 @@ def one_round(c, block, rate, policy, prompt=None):
     layer.append(keys, keys, kpos, alive)
     window = ngc.QueryWindow(1, 1, q.shape[2], q.shape[1], q.shape[3], torch.float32, "cpu")
     window.q[0], window.pos, window.valid = q, qpos, torch.ones(qpos.shape, dtype=torch.bool)
-    record = ngc.Recorder(1, 1, "cpu")
     layout = Eviction(delta=64, block=block, window=q.shape[2], rate=rate)
     e = baselines.build(policy, baselines.Given(layout, None, None, "countdown")) if isinstance(policy, str) \
         else replace(layout, **policy)  # eval.py's construction by name; these policies read no model or tokenizer
     prompt = prompt or (kpos[:, :2], torch.tensor([2]))
     row = torch.tensor([0])
     at = ngc.Round(row, None, None, None, *prompt)
-    record.add(row, *ngc.eviction_round([layer], window, row, torch.tensor([rate]), e, at=at))
-    kept, _, logps, _ = record.tensors()
-    survivors = kept_keys(alive, kept[:, 0, 0], block)  # the rest are gone, the survivors moved to the front
+    (sigma,), logps, _ = ngc.eviction_round([layer], window, row, torch.tensor([rate]), e, at=at)
+    survivors = kept_keys(alive, sigma, block)  # the rest are gone, the survivors moved to the front
     assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and int(layer.fill) == survivors.sum()
-    return kept[0, 0, 0][kept[0, 0, 0] >= 0].tolist(), logps[0, 0, 0].item()
+    return sigma[0][sigma[0] >= 0].tolist(), logps[0, 0].item()
 
 
 def keep(policy, c, block, rate, prompt=None):

@@ -37,7 +37,7 @@ import baselines
 import countdown
 import distributed
 from checkpoint import META_TOKEN, load
-from cli import Exit, at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot
+from cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
 from settings import Settings, add_flags, run_defaults, trained_task
@@ -175,9 +175,12 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
         written = tag if isinstance(tag, float) else rate
         encode = prompt_encoder(c.task, c.prompt, written if tagged and evicts else None, blind)
         gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(c.seed)
-        return roll_out_and_score(model, tokenizer, problems, sampling, None, encode, TASK_REWARD[c.task], gen, n,
-                                  batch_size, (f"{name} ε={rate:g}" if evicts else "no eviction") if progress else None,
-                                  compile, lambda reference: make_eviction(name, c, rate, model, tokenizer, reference))
+        per_batch = evicts and baselines.POLICIES[name].kind == "oracle"  # it reads each batch's reference rollout
+        policy = lambda reference: make_eviction(name, c, rate, model, tokenizer, reference)
+        return roll_out_and_score(model, tokenizer, problems, sampling, None if per_batch else policy(None), encode,
+                                  TASK_REWARD[c.task], gen, n, batch_size,
+                                  (f"{name} ε={rate:g}" if evicts else "no eviction") if progress else None, compile,
+                                  policy if per_batch else None)
 
     def row(name, rate):
         out = ref if name == "none" else run(name, rate)
@@ -330,13 +333,11 @@ def main(argv=None):
     each = f"{args.samples} samples each" if args.samples else "greedy"
     print(f"{args.model}: {len(problems)} held-out problems, {each}")
     print(table(rows))
-    try:
+    with writing():
         if args.out:
             write_jsonl(args.out, rows)
         if args.plot:
             plot(rows, args.plot)
-    except OSError as e:
-        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
 
 
 if __name__ == "__main__":

@@ -35,13 +35,14 @@ from tqdm import tqdm
 
 import countdown as cd
 import mathtask
-from checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from checkpoint import load, save_pretrained
 from cli import Exit, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
 from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling
 from settings import add_flags, read_ngc_json
+from tasks import TASK_REWARD, prompt_encoder
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompts of 18 tokens, full-cache completions ~110 on the problems that go back,
@@ -136,19 +137,15 @@ class Task:
     words: list  # the tokenizer's words besides the specials and the integers
     splits: Callable  # (seed, n_test, n_train) -> (train, held-out) problems
     example: Callable  # (tokenizer, problem, rng) -> (prompt ids, completion ids) to pretrain on
-    encode: Callable  # (tokenizer, problem) -> prompt ids, as train.py feeds them
-    reward: Callable  # (completion text, problem) -> 1.0 or 0.0
     valid: Callable  # (problem, completion text) -> whether it is a correct trace
     run: dict  # ngc.json: train.py's default run on the model
     flags: dict  # this script's defaults that differ from Countdown's
 
 
 TASKS = {
-    "countdown": Task(WORDS, split_problems, countdown_example, lambda tok, p: cd.encode(tok, p, TINY_RUN["prompt"]),
-                      cd.reward, cd.check_trace, TINY_RUN, {}),
+    "countdown": Task(WORDS, split_problems, countdown_example, cd.check_trace, TINY_RUN, {}),
     "math": Task(MATH_WORDS, lambda seed, n_test, n_train: mathtask.demo_splits(seed, n_train, n_test), math_example,
-                 mathtask.encode, mathtask.reward, lambda p, text: text == mathtask.demo_trace(p),
-                 MATH_RUN, MATH_BUILD),
+                 lambda p, text: text == mathtask.demo_trace(p), MATH_RUN, MATH_BUILD),
 }
 
 
@@ -160,7 +157,7 @@ def main(argv=None):
         check_flags(args)
         pretraining, test = draw_problems(task, args)
         if args.eval_only:
-            model, tok = from_pretrained(args.out), load_tokenizer(args.out)
+            model, tok = load(args.out)
         else:
             check_out(args.out)
             make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
@@ -177,7 +174,7 @@ def main(argv=None):
               f"{len(test)} held-out problems")
         pretrain(model, tok, pretraining, task.example, args)
         save_build(model, tok, task.run, args.out)
-        model, tok = from_pretrained(args.out), load_tokenizer(args.out)  # evaluated as shipped
+        model, tok = load(args.out)  # evaluated as shipped
     report(model, tok, test, task, args.max_new_tokens)
 
 
@@ -336,10 +333,12 @@ def report(model, tok, test, task, max_new_tokens):
     """Accuracy (mean reward; greedy tokens, or pass@1 of one completion sampled at temperature 1 from a
     generator seeded 0), the fraction of correct traces and the mean length, full cache and ε = 0.5."""
     ev = Eviction(task.run["delta"], task.run["block"], task.run["window"], rate=0.5, greedy=True)
+    kind = task.run["task"]
+    encode, reward = prompt_encoder(kind, task.run.get("prompt")), TASK_REWARD[kind]  # as train.py's evaluations
     for name, eviction in [("full cache", None), (f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}", ev)]:
         for tokens, greedy in [("greedy tokens", True), ("pass@1", False)]:
             sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)
-            out = roll_out_and_score(model, tok, test, sampling, eviction, encode=task.encode, reward_fn=task.reward,
+            out = roll_out_and_score(model, tok, test, sampling, eviction, encode=encode, reward_fn=reward,
                                      batch_size=128, generator=torch.Generator().manual_seed(0))
             valid = sum(task.valid(p, texts[0]) for p, texts in zip(test, out["texts"])) / len(test)
             print(f"{name}, {tokens}:  accuracy {out['reward'].mean().item():.3f}  valid traces {valid:.3f}  mean "

@@ -211,8 +211,8 @@ def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
     grows (K(N) never decreases, and K(N+1) >= N where K(N) = N), so c_k <= u_k, u_1 = δ, u_{k+1} =
     g(u_k) + δ: the cache of a policy that always keeps K whole blocks, so the bound is reached. The u_k
     never decrease (u_2 >= u_1) and, as K <= (1-ε)N + 1/2 and N < c/b + 1, stop at a fixed point
-    u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε): δ/ε plus under 1.5 blocks over ε. The cache only grows between rounds, so with R = tokens // δ
-    rounds a layer never holds more than max(u_R, g(u_R) + tokens - R·δ)."""
+    u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε): δ/ε plus under 1.5 blocks over ε. The cache only grows
+    between rounds, so with R = tokens // δ rounds a layer never holds more than max(u_R, g(u_R) + tokens - R·δ)."""
     def survivors(c):  # g(c)
         n = -(-c // block)
         k = int(keep_count(torch.tensor([n]), rate))

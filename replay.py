@@ -49,7 +49,8 @@ def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     B, R = kept.shape[:2]
     ends = round_end(torch.arange(R, device=q.device), ev.delta)  # the token after which round r fires
     rows = (ends[:, None] - ev.window + 1 + torch.arange(ev.window, device=q.device)).flatten()  # its w queries
-    _, logits, _ = round_logits(q[:, :, rows], k, mask[:, rows], mask[:, ends], ev.block)  # alive: (B, R, T)
+    seen = mask[:, rows]  # (B, R·w, T); the last of a round's queries is its end, which sees the alive keys
+    _, logits, _ = round_logits(q[:, :, rows], k, seen, seen.view(B, R, ev.window, -1)[:, :, -1], ev.block)
     logp = plackett_luce_log_prob(logits.flatten(0, 1), kept.flatten(0, 1)).view(B, R)
     return torch.where(torch.arange(R, device=q.device) < n_rounds[:, None], logp, 0.0)
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 import distributed
 from checkpoint import CheckpointError, save_pretrained, save_tokenizer
-from cli import Exit, Interrupted, raise_interrupted
+from cli import Exit, Interrupted
 from files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
 try:
@@ -338,10 +338,9 @@ def check_finite(values: dict):
 
 @contextlib.contextmanager
 def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
-    """The training loop of `run` runs inside (SIGINT/SIGTERM raise Interrupted); what stops it ends in RunStopped.
-    A signal saves the state after run.step steps (not under --fsdp), exit code 128 + signum; divergence, a failed
+    """The training loop of `run` runs inside a main under cli.exits (where SIGINT/SIGTERM raise Interrupted);
+    what stops it ends in RunStopped. A signal saves the state after run.step steps (not under --fsdp), exit code 128 + signum; divergence, a failed
     save or write is a one-line error (exit code 2) saying which checkpoint is kept. The lock is let go at the end."""
-    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield run
     except Interrupted as e:
@@ -362,8 +361,4 @@ def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
     except OSError as e:  # the log
         raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
     finally:
-        try:
-            release(run.out)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        release(run.out)

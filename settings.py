@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import countdown
 import mathtask
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, read_json
 from cli import at_least, check_values, positive
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -170,11 +170,7 @@ def read_ngc_json(model_dir: str) -> dict:
     path = os.path.join(model_dir, "ngc.json")
     if not os.path.exists(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            extra = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete it")
+    extra = read_json(path, "; fix or delete it")
     if not isinstance(extra, dict):
         raise CheckpointError(f"{path} holds a JSON {type(extra).__name__}; it must be an object of train.py's "
                               f"settings, such as {{\"steps\": 60}}")

@@ -42,7 +42,7 @@ import torch
 import distributed
 import settings
 from checkpoint import META_TOKEN, load, load_config
-from cli import Exit, at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot
+from cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
 from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
@@ -349,18 +349,16 @@ def main(argv=None):
     print_lines(problems, runs, measures, page=bool(args.out))
     info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
-    try:
+    with writing():
         if args.survival:
             write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **measures))
             print(f"wrote {args.survival}")
         if args.out:
             write_text(args.out, render_html(problems, runs, info))
             print(f"wrote {args.out}")
-        if args.out and args.png:
-            render_png(problems, runs, args.png)
-            print(f"wrote {args.png}")
-    except OSError as e:
-        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
+            if args.png:
+                render_png(problems, runs, args.png)
+                print(f"wrote {args.png}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
 """bench.py: its checks, and the profile of a run's time."""
-import json
 import sys
 
 import pytest
@@ -7,6 +6,7 @@ import pytest
 import bench
 
 from conftest import Reached, one_line_error, reached, run_train
+from files import write_jsonl
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -51,7 +51,7 @@ def test_bench_profile_sums_a_runs_logged_phases(train_ckpt, tmp_path, capsys):
         sum(r["step_time"] for r in steps), abs=0.11)
     assert rows["evaluation at step 2"] == pytest.approx(evals[1]["eval_time"], abs=0.051)
     older = [{k: v for k, v in r.items() if k not in ("rollout_time", "replay_time")} for r in log]
-    (tmp_path / "run" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in older))
+    write_jsonl(str(tmp_path / "run" / "log.jsonl"), older)
     rows_older = profiled()
     assert rows_older["rollouts"] == pytest.approx(rows["rollouts"], abs=0.051)
     assert rows_older["replay fwd+bwd and the rest"] == pytest.approx(

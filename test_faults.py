@@ -212,7 +212,7 @@ def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
 
 def test_make_tiny_eval_only_takes_the_task_of_the_model(monkeypatch):
     monkeypatch.setattr(make_tiny, "report", reached)
-    monkeypatch.setattr(make_tiny, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(make_tiny, "load", lambda path: (None, None))
     with pytest.raises(Reached) as r:
         make_tiny.main(["--eval-only", "--out", TINY_MATH, "--threads", "1"])
     assert r.value.args[3].run["task"] == "math"
@@ -224,7 +224,7 @@ def test_make_tiny_eval_only_refuses_a_countdown_model_prompted_otherwise(tmp_pa
     """make_tiny.py evaluates tiny/'s prompt; a model whose ngc.json names another is refused, not
     scored on prompts it never learned. The control: tiny/ itself reaches the evaluation."""
     monkeypatch.setattr(make_tiny, "report", reached)
-    monkeypatch.setattr(make_tiny, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(make_tiny, "load", lambda path: (None, None))
     with pytest.raises(Reached):
         make_tiny.main(["--eval-only", "--out", TINY, "--threads", "1"])
     plain = edited_copy(Path(TINY), tmp_path / "plain", "ngc.json", "prompt", "plain")

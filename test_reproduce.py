@@ -12,24 +12,22 @@ import settings
 import train
 
 from conftest import STEP_KEYS, files_under, one_line_error, reached
+from files import write_jsonl
 
 
 def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
     """reproduce.py draws Figure 5 from logs whose steps may carry null grad norms (no learning
     signal, or --no-term-grad-norms): the figure is written, nothing raises."""
     pytest.importorskip("matplotlib")
-    import reproduce
-    for name, norms in (("ngc", [0.5, None, 0.7]), ("token-only", [None, None, None])):
+    logs = {name: [{**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.5, "grad_norm_token": g, "grad_norm_mem": g}
+                   for step, g in enumerate(norms)]
+            for name, norms in (("ngc", [0.5, None, 0.7]), ("token-only", [None, None, None]))}
+    # a second seed of ngc, with other norms: the figure shows means over seeds
+    logs["ngc-seed1"] = [{**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
+                          "grad_norm_mem": None} for step in range(3)]
+    for name, rows in logs.items():
         (tmp_path / "runs" / name).mkdir(parents=True)
-        with open(tmp_path / "runs" / name / "log.jsonl", "w") as f:
-            for step, g in enumerate(norms):
-                f.write(json.dumps({**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.5,
-                                    "grad_norm_token": g, "grad_norm_mem": g}) + "\n")
-    for seed in (1,):  # a second seed of ngc, with other norms: the figure shows means over seeds
-        (tmp_path / "runs" / f"ngc-seed{seed}").mkdir(parents=True)
-        (tmp_path / "runs" / f"ngc-seed{seed}" / "log.jsonl").write_text("".join(
-            json.dumps({**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
-                        "grad_norm_mem": None}) + "\n" for step in range(3)))
+        write_jsonl(str(tmp_path / "runs" / name / "log.jsonl"), rows)
     reproduce.curves(str(tmp_path), ["ngc", "token-only"], 1, str(tmp_path / "ablations.png"))
     assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(FileNotFoundError):  # token-only has no second seed
@@ -41,7 +39,6 @@ def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
 def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
     """over_seeds: one row per (run, policy, ε) with the mean over seeds, the standard deviation
     across seeds, and the mean binomial standard error sqrt(p(1-p)/n), n = problems x samples."""
-    import reproduce
     row = dict(policy="ngc", length=100.0, rounds=4.0, kv_reduction=2.0, problems=200)
     rows = [dict(row, run="ngc", eviction_rate=0.5, seed=0, accuracy=0.3, samples=2),
             dict(row, run="ngc", eviction_rate=0.5, seed=1, accuracy=0.5, samples=2, kv_reduction=3.0),
@@ -65,7 +62,6 @@ def test_reproduce_claims_compare_ngc_with_the_best_baseline_and_the_oracle():
     rule are the strongest of each kind on either model, NGC's multiple of the one and its margin
     over the other in SEs, the fraction of the gap from the best baseline to the oracle on NGC's own
     model that NGC closes; the oracle never counts as a baseline; "met" follows each goal."""
-    import reproduce
     row = lambda run, policy, acc, rate=0.5, length=80.0: dict(
         run=run, policy=policy, eviction_rate=rate, accuracy=acc, accuracy_sd=0.01, accuracy_se=0.02, seeds=3,
         kv_reduction=2.2, length=length)
@@ -138,8 +134,7 @@ def finished_run(train_ckpt, run_dir, *flags):
     (run_dir / "checkpoint").mkdir(parents=True)
     (run_dir / "checkpoint" / "ngc.json").write_text(json.dumps(settings.saved(c)))
     torch.save({"step": c.steps}, run_dir / "checkpoint" / "trainer.pt")
-    (run_dir / "log.jsonl").write_text("".join(json.dumps(dict.fromkeys(STEP_KEYS, 0.0) | {"step": s}) + "\n"
-                                               for s in range(c.steps)))
+    write_jsonl(str(run_dir / "log.jsonl"), [dict.fromkeys(STEP_KEYS, 0.0) | {"step": s} for s in range(c.steps)])
 
 
 def test_reproduce_reuses_a_run_only_with_the_settings_it_would_train(train_ckpt, tmp_path, monkeypatch):
@@ -187,7 +182,6 @@ def test_reproduce_refuses_more_seeds_of_a_study_than_of_ngc(tmp_path, monkeypat
 
 
 def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
-    import reproduce
     runs = reproduce.study_runs(3, 2, 1)
     assert sorted(runs) == sorted(os.path.join("runs", n) for n in [
         "ngc", "ngc-seed1", "ngc-seed2", "no-evict", "no-evict-seed1", "no-evict-seed2", "token-only",
@@ -197,7 +191,6 @@ def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
 
 
 def test_reproduce_reuses_an_evaluation_only_for_the_same_arguments_after_the_checkpoint(tmp_path):
-    import reproduce
     ckpt = tmp_path / "runs" / "ngc" / "checkpoint"
     ckpt.mkdir(parents=True)
     (ckpt / "model.safetensors").write_text("x")

@@ -422,10 +422,7 @@ def test_math_prompts_are_mathtask_encode_without_unk():
 
 
 def _build_small_math(out, seed):
-    make_tiny.main(["--task", "math", "--out", str(out), "--seed", str(seed), "--steps", "3", "--warmup", "1",
-                    "--batch", "8", "--micro", "4", "--d", "32", "--layers", "1", "--heads", "2", "--ffn", "64",
-                    "--train-problems", "300", "--n-test", "2", "--max-new-tokens", "16"])
-    return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
+    return _build_small(out, seed, "--task", "math", "--train-problems", "300", "--max-new-tokens", "16")
 
 
 def test_make_tiny_math_rebuilds_bit_for_bit(tmp_path, capsys):

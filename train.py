@@ -131,7 +131,10 @@ class TermGradNorms:
                     a += g
 
     def norms(self) -> dict:
+        """Each term's norm, of its gradient averaged over the processes as the step's is."""
         norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])).item()
+        for acc in self.acc.values():
+            distributed.average_gradients(self.params, acc)
         return {GRAD_NORMS[term]: norm(acc) for term, acc in self.acc.items()}
 
 
@@ -158,8 +161,6 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
         for term, loss in terms.items():
             sums[term] += loss.item()
     distributed.average_gradients(params)
-    for acc in diag.acc.values() if diag else []:
-        distributed.average_gradients(params, acc)
     sums = distributed.mean_over_processes(sums)
     norms = diag.norms() if diag else {}
     return {**{t: sums.get(t) for t in LOSSES}, **{k: norms.get(k) for k in GRAD_NORMS.values()}}
