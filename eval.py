@@ -21,8 +21,9 @@ evaluation temperature, top-k and top-p, pass@1 = mean fraction correct (± 1 SE
 pass@j = 1 - C(n-c, j)/C(n, j) (n = k samples, c correct) for j = 1, 2, 4, ..., k. Every run
 draws its noise from the same seed. --samples 0: one greedy completion per problem. The peak-KV
 reduction (§5.1) divides, per problem, the peak KV entries of one shared no-eviction run by the
-peak under the policy (each a mean over the k samples), averaged over problems. One JSONL line
-per policy x rate.
+peak under the policy (each a mean over the k samples), averaged over problems: the no-eviction
+run of --base-model (the paper's c_base: the no-evict model's full cache, one reference for every
+model), else of --model itself. One JSONL line per policy x rate.
 """
 import argparse
 import contextlib
@@ -161,39 +162,45 @@ def before_after(evals, rate, seconds, problems=None) -> str:
 
 
 def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=64, progress=True,
-            compile=False, tag=None):
+            compile=False, tag=None, base_model=None):
     """One result row per (policy, rate). tag: the evicting runs' budget tag: None, the run's (--interoception:
-    the rate evaluated); "rate", the rate evaluated; "blind", the tag without it; a number, that rate."""
+    the rate evaluated); "rate", the rate evaluated; "blind", the tag without it; a number, that rate.
+    base_model: the no-eviction baseline whose full-cache completions of the same problems are every row's
+    peak-KV reference (§5.1's c_base; None: `model`'s own full cache)."""
     n = samples or 1
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
                         top_p=c.eval_top_p or c.top_p, greedy=samples is None,
                         meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
     tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
 
-    def run(name, rate):
+    def run(name, rate, on=model):
         evicts = name != "none"
         written = tag if isinstance(tag, float) else rate
         encode = prompt_encoder(c.task, c.prompt, written if tagged and evicts else None, blind)
-        gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(c.seed)
+        gen = torch.Generator(device=on.lm_head.weight.device).manual_seed(c.seed)
         per_batch = evicts and baselines.POLICIES[name].kind == "oracle"  # it reads each batch's reference rollout
-        policy = lambda reference: make_eviction(name, c, rate, model, tokenizer, reference)
-        return roll_out_and_score(model, tokenizer, problems, sampling, None if per_batch else policy(None), encode,
+        policy = lambda reference: make_eviction(name, c, rate, on, tokenizer, reference)
+        return roll_out_and_score(on, tokenizer, problems, sampling, None if per_batch else policy(None), encode,
                                   TASK_REWARD[c.task], gen, n, batch_size,
                                   (f"{name} ε={rate:g}" if evicts else "no eviction") if progress else None, compile,
                                   policy if per_batch else None)
 
     def row(name, rate):
-        out = ref if name == "none" else run(name, rate)
+        out = own if name == "none" else run(name, rate)
         r = {"policy": name, "eviction_rate": rate, "problems": len(problems), "samples": n,
              "accuracy": out["reward"].mean().item(), "se": standard_error(out["reward"]),
              "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
-             "peak_kv": out["peak_kv"].mean().item(), "kv_reduction": kv_reduction(ref["peak_kv"], out["peak_kv"])}
+             "peak_kv": out["peak_kv"].mean().item(), "kv_reduction": kv_reduction(base["peak_kv"], out["peak_kv"]),
+             "base_length": base["length"].mean().item()}
+        if name == "none":  # per problem, the entries one layer of the full cache held: peak(p, c, 0, δ) of §5.1
+            r["full_cache_entries"] = (out["peak_kv"].mean(1) / model.config.num_hidden_layers).tolist()
         if samples:
             ks = sorted({min(2 ** i, n) for i in range(n.bit_length() + 1)})
             r["pass_at_k"] = {str(k): pass_at_k(n, out["reward"].sum(1), k) for k in ks}
         return r
 
-    ref = run("none", 0.0)
+    own = run("none", 0.0)
+    base = own if base_model is None else run("none", 0.0, on=base_model)
     return [row(name, rate) for name in policies for rate in ([0.0] if name == "none" else rates)]
 
 
@@ -222,15 +229,17 @@ def error_bar_note(rows) -> str:
 
 
 def plot(rows, path):
-    """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, a line per policy (Figure 3, right)."""
+    """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, a line per policy (Figure 3, right;
+    a row's "label", where given, names its line instead)."""
     plt = pyplot("--plot")
     n = rows[0]["samples"]
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    for name in dict.fromkeys(r["policy"] for r in rows):  # pass@k (k > 1) gets no error bar
-        pts = sorted((r["kv_reduction"], score(r), error_bar(r) if n == 1 else 0.0) for r in rows if r["policy"] == name)
-        if name == "none":
-            ax.axhline(pts[0][1], color="gray", linestyle="--", label="full cache")
+    label = lambda r: r.get("label", r["policy"])
+    for name in dict.fromkeys(map(label, rows)):  # pass@k (k > 1) gets no error bar
+        pts = sorted((r["kv_reduction"], score(r), error_bar(r) if n == 1 else 0.0) for r in rows if label(r) == name)
+        if name.startswith("none"):
+            ax.axhline(pts[0][1], color="gray", linestyle="--", label=name.replace("none", "full cache"))
         else:
             ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=name)
     ax.set_xlabel("average peak KV cache reduction (x)")
@@ -266,6 +275,9 @@ def flags(argv):
                    "(default: the run's; with --interoception, rate): does the model read the tag?")
     p.add_argument("--problems", type=int, help="held-out problems to use, the first N (default: the run's "
                    "eval_problems)")
+    p.add_argument("--base-model", help="the no-eviction baseline (a checkpoint directory of the same tokenizer) "
+                   "whose full-cache completions of the same problems every peak-KV reduction divides, as §5.1's "
+                   "c_base (default: the evaluated model's own full cache)")
     p.add_argument("--out", help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
@@ -303,7 +315,18 @@ def run_settings(args) -> Settings:
     return c
 
 
-def evaluate_policies(args, c, model, tokenizer, problems):
+def load_base_model(path, device, c, tokenizer):
+    """--base-model: a checkpoint that reads the evaluated prompts with the same tokenizer, or a one-line ValueError."""
+    trained = trained_task(path)
+    if trained and trained != c.task:
+        raise ValueError(f"--base-model {path} was trained on {trained}; this evaluation's task is {c.task}")
+    model, base_tokenizer = load(path, device)
+    if base_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"--base-model {path} has another tokenizer than --model: its completions cannot be compared")
+    return model
+
+
+def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
     """compare() in --dtype, the problems split across torchrun's processes: the rows on the first, None elsewhere."""
     device = torch.device(args.device)
     distributed.start(device)  # after every check: no process fails alone after the rendezvous
@@ -312,7 +335,8 @@ def evaluate_policies(args, c, model, tokenizer, problems):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
-                       progress=rank == 0 and sys.stderr.isatty(), compile=bool(args.compile), tag=args.tag)
+                       progress=rank == 0 and sys.stderr.isatty(), compile=bool(args.compile), tag=args.tag,
+                       base_model=base_model)
     distributed.stop()
     return None if rank else rows
 
@@ -325,13 +349,16 @@ def main(argv=None):
         problems = held_out(c, args.problems)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
         check_prompt(c, tokenizer, args.model)
+        base_model = args.base_model and load_base_model(args.base_model, args.device, c, tokenizer)
         for name in args.policy:
             make_eviction(name, c, args.eviction_rate[0], model, tokenizer)  # the tokenizer has what the policy reads
-    rows = evaluate_policies(args, c, model, tokenizer, problems)
+    rows = evaluate_policies(args, c, model, tokenizer, problems, base_model)
     if rows is None:
         return
     each = f"{args.samples} samples each" if args.samples else "greedy"
-    print(f"{args.model}: {len(problems)} held-out problems, {each}")
+    base = f"{args.base_model}'s" if args.base_model else "its own"
+    print(f"{args.model}: {len(problems)} held-out problems, {each}; peak-KV reduction against {base} full cache "
+          f"(completions of {rows[0]['base_length']:.1f} tokens on average)")
     print(table(rows))
     with writing():
         if args.out:

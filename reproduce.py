@@ -16,11 +16,16 @@ It trains six runs from --model, seeds 0..N-1, into OUT/runs/<name>[-seed<k>] (O
     interoception-blind  its control: the tag without ε      train.py --interoception --blind-tag
 
 scores them with eval.py (§5.1: pass@1 over --samples sampled completions, evictions greedy top-K) into
-OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the figures and forgets.html:
+OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the figures and forgets.html. Every
+peak-KV reduction divides the no-evict model's full-cache completions of the same problems (§5.1's c_base, the
+same seed's run), and the studies are measured at the paper's budget: the ε* at which §5.1's peak formula gives
+a 2.4× reduction on those completions (OUT/budget.json):
 
     0. claims         the paper's Countdown claims, a goal for each, this run's numbers; the untrained model
-    1. baselines      the baselines and the oracle at ε = 0.5 on the no-evict model and on NGC's (Figure 3)
-    2. sweep          NGC and the strongest baselines at stricter ε than training saw (0.5 -> 0.8)
+    1. baselines      the baselines and the oracle at ε* on the no-evict model and on NGC's (Figure 3, left)
+    2. curve          NGC and the oracle on NGC's model, the strongest baselines and the oracle on the no-evict
+                      model, over ε = 0.3 ... 0.8 and ε* (Figure 3, right: curve.png); a rate is testable where
+                      the oracle on NGC's model solves at least 20%
     3. ablations      ngc vs token-only vs targeted-dropout, with reward and grad-norm curves (Figure 5)
     4. interoception  budget-aware NGC against its blind-tag control, and whether it reads the tag (Figure 6)
     6. layout shift   NGC, the untrained model and the baselines on prompt layouts never trained on
@@ -39,12 +44,13 @@ import time
 
 import countdown
 import eval as evaluation
+import ngc
 import rundir
 import settings
 import show
 import train
 from checkpoint import load_config
-from claims import BASELINES, INTERO_SWEEP, RULES, TAG_CHECK, cell, claims_markdown
+from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown, testable
 from cli import (Exit, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors,
                  parser, pyplot)
 from files import recover_swap, save_figure, write_jsonl, write_text
@@ -53,8 +59,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
         "interoception-blind": ["--interoception", "--blind-tag"]}
-SWEEP = [0.5, 0.6, 0.7, 0.8]  # with b=4, δ=24 on tiny/, ε=0.75 keeps the same blocks as 0.7 (rounding of K)
-STRONGEST = ["task-rule", "random", "keydiff"]  # the strongest on tiny-slip/; on tiny/ KeyDiff leads the agnostic ones
+CURVE = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]  # the curve's rates, with ε* among them
+TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
+STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/back/baselines.jsonl)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
 NOT_IN_TRAIN_ARGS = ("model", "out", "resume", "overwrite", "seed")  # reproduce.py sets these per run
 STOP_WAIT = 300  # seconds a stopped train.py may take to save its step
@@ -181,37 +188,76 @@ def stop_runs(running, signum):
 
 
 # Evaluation: eval.py on each final checkpoint, its rows over seeds, their table
+def checkpoint_of(args, run, seed) -> str:
+    return args.model if run == UNTRAINED else os.path.join(args.out, "runs", run_name(run, seed), "checkpoint")
+
+
 def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
-    """A study's rows over seeds, written to OUT/<name>.jsonl (and .png): eval.py's of the run's final checkpoint at
-    each seed (of --model for UNTRAINED), reused where the same argv was evaluated after that checkpoint was written."""
-    rows = []
-    os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
-    for seed in range(seeds):
-        path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
-        model = args.model if run == UNTRAINED else os.path.join(args.out, "runs", run_name(run, seed), "checkpoint")
-        argv = ["--model", model, "--policy", *policies, "--batch-size", "250", "--eviction-rate", *map(str, rates),
-                "--out", path, "--samples", str(args.samples), *flags]
-        argv += ["--problems", str(args.problems)] if args.problems else []
-        if not evaluated(path, argv):
-            say(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")
-            evaluation.main(argv)
-            write_text(path + ".argv", " ".join(argv) + "\n")
-        with open(path) as f:
-            rows += [dict(json.loads(line), run=run, seed=seed) for line in f]
-    rows = over_seeds(rows)
+    """A study's rows over seeds, written to OUT/<name>.jsonl (and .png)."""
+    rows = over_seeds([r for seed in range(seeds) for r in eval_seed(args, name, run, policies, rates, flags, seed)])
     write_jsonl(os.path.join(args.out, name + ".jsonl"), rows)
     if have("matplotlib"):
         evaluation.plot(rows, os.path.join(args.out, name + ".png"))
     return rows
 
 
-def evaluated(path, argv) -> bool:
-    """Whether path holds eval.py's rows for exactly argv (path.argv), written after the checkpoint."""
-    checkpoint = os.path.join(argv[1], "model.safetensors")
-    if not all(map(os.path.exists, (path, path + ".argv", checkpoint))):
+def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
+    """eval.py's rows of the run's final checkpoint at one seed (of --model for UNTRAINED), its peak-KV reductions
+    against the same seed's no-evict model, reused where the same argv was evaluated after the checkpoints were
+    written."""
+    os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
+    path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
+    model, base = checkpoint_of(args, run, seed), checkpoint_of(args, "no-evict", seed)
+    argv = ["--model", model, "--policy", *policies, "--batch-size", "250", "--eviction-rate", *map(str, rates),
+            "--out", path, "--samples", str(args.samples), *flags]
+    argv += ["--base-model", base] if base != model else []
+    argv += ["--problems", str(args.problems)] if args.problems else []
+    if not evaluated(path, argv, [model, base]):
+        say(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")
+        evaluation.main(argv)
+        write_text(path + ".argv", " ".join(argv) + "\n")
+    with open(path) as f:
+        return [dict(json.loads(line), run=run, seed=seed) for line in f]
+
+
+def peak_reduction(entries, rate, delta, block) -> float:
+    """§5.1's average peak-KV reduction by its peak formula: the mean over problems of peak(p, c, 0, δ) /
+    peak(p, c, ε, δ), where peak(p, c, 0, δ) = p + c are the entries a layer of the full cache held (`entries`,
+    one per problem) and peak(p, c, ε, δ) is that of a policy keeping K whole blocks a round (ngc.cache_bound)."""
+    return statistics.fmean(n / ngc.cache_bound(delta, block, rate, round(n)) for n in entries)
+
+
+def budget_rate(entries, delta, block, target=TARGET) -> float:
+    """ε*: the mildest rate, in steps of 0.01, at which peak_reduction reaches `target`; where none does
+    (completions too short for it), the mildest at which it is largest."""
+    rates = [k / 100 for k in range(1, 100)]
+    reductions = [peak_reduction(entries, rate, delta, block) for rate in rates]
+    reached = [rate for rate, r in zip(rates, reductions) if r >= target]
+    return reached[0] if reached else rates[reductions.index(max(reductions))]
+
+
+def budget(args) -> float:
+    """ε* on the seed-0 no-evict model's full-cache completions of the held-out problems, into OUT/budget.json."""
+    full = eval_seed(args, "reference", "no-evict", ["none"], [0.5], [], 0)[0]
+    c = settings.run_defaults(checkpoint_of(args, "no-evict", 0))
+    rate = budget_rate(full["full_cache_entries"], c.delta, c.block)
+    reduction = peak_reduction(full["full_cache_entries"], rate, c.delta, c.block)
+    write_text(os.path.join(args.out, "budget.json"), json.dumps({
+        "rate": rate, "target": TARGET, "formula_reduction": reduction, "delta": c.delta, "block": c.block,
+        "reference_length": full["length"],
+        "reference": "the no-evict model's full cache (seed 0), evals/reference-seed0.jsonl"}, indent=1) + "\n")
+    short = "" if reduction >= TARGET else f" (the most these completions allow; the target is {TARGET:g}x)"
+    say(f"budget: ε* = {rate:g}, {reduction:.2f}x by §5.1's peak formula on no-evict's completions{short}")
+    return rate
+
+
+def evaluated(path, argv, models) -> bool:
+    """Whether path holds eval.py's rows for exactly argv (path.argv), written after the models' checkpoints."""
+    weights = [os.path.join(m, "model.safetensors") for m in models]
+    if not all(map(os.path.exists, [path, path + ".argv", *weights])):
         return False
     with open(path + ".argv") as f:
-        return f.read().split() == argv and os.path.getmtime(path) > os.path.getmtime(checkpoint)
+        return f.read().split() == argv and all(os.path.getmtime(path) > os.path.getmtime(w) for w in weights)
 
 
 def over_seeds(rows):
@@ -220,19 +266,35 @@ def over_seeds(rows):
     groups = {}
     for r in rows:
         groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
-    means = ("accuracy", "length", "rounds", "kv_reduction")
+    means = ("accuracy", "length", "rounds", "kv_reduction", "base_length")
     return [dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"], samples=rs[0]["samples"],
-                 seeds=len(rs), **{k: statistics.fmean(r[k] for r in rs) for k in means},
+                 seeds=len(rs), **{k: statistics.fmean(r[k] for r in rs) for k in means if all(k in r for r in rs)},
                  accuracy_sd=statistics.stdev(r["accuracy"] for r in rs) if len(rs) > 1 else 0.0,
                  accuracy_se=statistics.fmean(evaluation.error_bar(r) for r in rs))
             for (run, policy, rate), rs in groups.items()]
 
 
 def markdown(rows) -> str:
-    head = ["| run | policy | ε | pass@1 | SE | length | rounds | peak-KV reduction |", "|---|---|---|---|---|---|---|---|"]
+    head = ["| run | policy | ε | pass@1 | SE | length | no-evict length | rounds | peak-KV reduction |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    base = lambda r: f"{r['base_length']:.0f}" if "base_length" in r else "-"
     return "\n".join(head + [f"| {r['run']} | {r['policy']} | {r['eviction_rate']:g} | {cell(r)} | "
-                             f"{100 * r['accuracy_se']:.1f} | {r['length']:.0f} | {r['rounds']:.2f} | "
+                             f"{100 * r['accuracy_se']:.1f} | {r['length']:.0f} | {base(r)} | {r['rounds']:.2f} | "
                              f"{r['kv_reduction']:.2f}x |" for r in rows])
+
+
+def curve_markdown(rows, oracle) -> str:
+    """The curve as one table: a line per (model, policy), a column per ε, pass@1 and the peak-KV reduction in each
+    cell; the first line marks the rates where `oracle` (the oracle's rows on NGC's model) passes claims.testable."""
+    rates = sorted({r["eviction_rate"] for r in rows if r["policy"] != "none"})
+    mark = {r["eviction_rate"]: "testable" if testable(r) else f"untestable ({r['accuracy']:.0%})" for r in oracle}
+    lines = ["| model | policy | " + " | ".join(f"ε = {e:g}" for e in rates) + " |", "|---|---|" + "---|" * len(rates),
+             f"| | oracle on NGC's model ≥ {TESTABLE:.0%}? | " + " | ".join(mark[e] for e in rates) + " |"]
+    for run, policy in dict.fromkeys((r["run"], r["policy"]) for r in rows if r["policy"] != "none"):
+        at = {r["eviction_rate"]: r for r in rows if (r["run"], r["policy"]) == (run, policy)}
+        lines.append(f"| {run} | {policy} | " + " | ".join(f"{cell(at[e])} ({at[e]['kv_reduction']:.2f}×)"
+                                                          if e in at else "-" for e in rates) + " |")
+    return "\n".join(lines)
 
 
 # Figures 5 and 6 (Figure 3's are eval.plot's)
@@ -261,9 +323,10 @@ def curves(out, names, seeds, path):
 
 
 def figures(out, studies, ablation_seeds):
-    """Figures 3 (right), 5 and 6: ngc-vs-heuristics.png, ablations.png, interoception-vs-ngc.png."""
-    evaluation.plot(studies["baselines"][:1] + studies["sweep"] + studies["sweep-baselines"],
-                    os.path.join(out, "ngc-vs-heuristics.png"))
+    """Figures 3 (right), 5 and 6: curve.png, ablations.png, interoception-vs-ngc.png."""
+    curve = [dict(r, label=f"{r['policy']} ({'NGC' if r['run'] == 'ngc' else r['run']})")
+             for r in studies["baselines"][:1] + studies["curve"] + studies["curve-baselines"]]
+    evaluation.plot(curve, os.path.join(out, "curve.png"))
     curves(out, ["ngc", "token-only", "targeted-dropout"], ablation_seeds, os.path.join(out, "ablations.png"))
     if "interoception" not in studies:
         return
@@ -280,41 +343,47 @@ def figures(out, studies, ablation_seeds):
 
 
 # The command: train, evaluate each study, write the tables and figures
-def studies_of(args) -> list[tuple]:
-    """summary.md's studies: (key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title)."""
+def studies_of(args, budget, stricter) -> list[tuple]:
+    """summary.md's studies: (key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title).
+    budget: ε*; stricter: the curve's rates stricter than the ngc run's final ε."""
     full, few, pair, both = args.seeds, args.ablation_seeds, args.interoception_seeds, ["none", "ngc"]
-    table = [("untrained", "untrained", UNTRAINED, both, [0.5], [], 1,
+    curve = sorted({*CURVE, budget})
+    table = [("untrained", "untrained", UNTRAINED, both, [budget], [], 1,
               "0. Before training: the starting model's full cache, and NGC's scores untrained"),
-             ("baselines", "baselines", "no-evict", ["none", *BASELINES, "oracle"], [0.5], [], full,
-              "1. The baselines at ε = 0.5 on the no-evict model (the paper's heuristics, random, random-prompt, "
-              "the task rule) and the oracle"),
-             ("ngc", "baselines-ngc", "ngc", ["none", "ngc", "oracle", *RULES, "random"], [0.5], [], full,
+             ("baselines", "baselines", "no-evict", ["none", *BASELINES, "oracle"], [budget], [], full,
+              f"1. The baselines at ε* = {budget:g} on the no-evict model (the paper's heuristics, random, "
+              "random-prompt, the task rules) and the oracle"),
+             ("ngc", "baselines-ngc", "ngc", ["none", "ngc", "oracle", *RULES, "random"], [budget], [], full,
               "1. NGC on its own model, with the oracle and the strongest simple baselines there"),
-             ("greedy", "greedy", "ngc", both, [0.5], ["--samples", "0"], full,
+             ("greedy", "greedy", "ngc", both, [budget], ["--samples", "0"], full,
               "1. Greedy tokens (the second column): NGC on its model"),
-             ("sweep", "sweep", "ngc", ["ngc"], SWEEP, [], 1, "2. Stricter ε than training saw: NGC (seed 0)"),
-             ("sweep-baselines", "sweep-heuristics", "no-evict", STRONGEST, SWEEP[1::2], [], 1,
-              "2. Stricter ε: the strongest baselines on the no-evict model (seed 0)")]
-    table += [(run, f"ablation-{run}", run, both, [0.5], [], few, f"3. Ablation: {run}")
+             ("curve", "curve", "ngc", ["ngc", "oracle"], curve, [], 1, "2. The curve over ε: NGC and the oracle on "
+              "NGC's model (seed 0)"),
+             ("curve-baselines", "curve-baselines", "no-evict", [*STRONGEST, *RULES, "oracle"], curve, [], 1,
+              "2. The curve over ε: the strongest task-agnostic baselines, the task rules and the oracle on the "
+              "no-evict model (seed 0)")]
+    table += [(run, f"ablation-{run}", run, both, [budget], [], few, f"3. Ablation: {run}")
               for run in ("token-only", "targeted-dropout")]
     if not args.no_interoception:
-        table += [("interoception-ngc", "interoception-ngc", "ngc", ["ngc"], INTERO_SWEEP, [], pair,
+        intero = sorted({budget, *stricter, TAG_CHECK})  # TAG_CHECK: the tag check compares with its row
+        table += [("interoception-ngc", "interoception-ngc", "ngc", ["ngc"], intero, [], pair,
                    "4. Plain NGC at the interoception rates"),
-                  ("interoception", "interoception", "interoception", ["ngc"], INTERO_SWEEP, [], pair,
+                  ("interoception", "interoception", "interoception", ["ngc"], intero, [], pair,
                    "4. Budget-aware interoception across ε"),
-                  ("interoception-blind", "interoception-blind", "interoception-blind", ["ngc"], INTERO_SWEEP, [], pair,
+                  ("interoception-blind", "interoception-blind", "interoception-blind", ["ngc"], intero, [], pair,
                    "4. Its control: the same per-group ε, the tag without the rate")]
         table += [(f"tag-{tag}", f"tag-{tag}", "interoception", ["ngc"], [TAG_CHECK], ["--tag", tag], pair,
                    f"4. The interoception model at ε = {TAG_CHECK:g} with the tag {tag}")
                   for tag in ("0.25", "blind")]  # does the model read the tag? The same ε, another tag
     unseen = countdown.SHIFTED.get(settings.run_defaults(args.model).prompt)  # None: a prompt of one layout
     if unseen:
-        table += [("shifted-ngc", "shifted-ngc", "ngc", both, [0.5], ["--prompt", unseen], full,
+        table += [("shifted-ngc", "shifted-ngc", "ngc", both, [budget], ["--prompt", unseen], full,
                    f"6. Prompt layouts never used in training ({unseen}): NGC"),
-                  ("shifted-untrained", "shifted-untrained", UNTRAINED, both, [0.5], ["--prompt", unseen], 1,
+                  ("shifted-untrained", "shifted-untrained", UNTRAINED, both, [budget], ["--prompt", unseen], 1,
                    "6. The same layouts: the starting model"),
-                  ("shifted-baselines", "shifted-baselines", "no-evict", ["none", *STRONGEST, "oracle"], [0.5],
-                   ["--prompt", unseen], 1, "6. The same layouts: the strongest baselines on the no-evict model (seed 0)")]
+                  ("shifted-baselines", "shifted-baselines", "no-evict", ["none", *STRONGEST, *RULES, "oracle"],
+                   [budget], ["--prompt", unseen], 1,
+                   "6. The same layouts: the strongest baselines on the no-evict model (seed 0)")]
     return table
 
 
@@ -327,13 +396,20 @@ def run_studies(args):
         make_output_dir(args.out)
     t0 = time.time()
     train_all(args.out, args.model, args.jobs, runs, extra)
+    rate = budget(args)
+    trained = 1 - settings.run_defaults(checkpoint_of(args, "ngc", 0)).retention[-1]  # the ngc run's final ε
+    stricter = [e for e in CURVE if e > trained + 1e-9]
     studies, sections = {}, []
-    for key, name, *study, title in studies_of(args):
+    for key, name, *study, title in studies_of(args, rate, stricter):
         studies[key] = evaluate(args, name, *study)
         sections.append(f"## {title}\n\n{markdown(studies[key])}\n")
+    curve = curve_markdown(studies["curve"] + studies["curve-baselines"], [r for r in studies["curve"]
+                                                                            if r["policy"] == "oracle"])
+    write_text(os.path.join(args.out, "curve.md"), f"# pass@1 (peak-KV reduction) over ε\n\n{curve}\n")
+    sections.insert(0, f"## 2. The curve over ε (curve.md)\n\n{curve}\n")
     if have("matplotlib"):
         figures(args.out, studies, args.ablation_seeds)
-    claims = claims_markdown(studies)
+    claims = claims_markdown(studies, rate, trained)
     write_text(os.path.join(args.out, "claims.md"), f"# The paper's Countdown claims on {os.path.relpath(args.model)}"
                f" ({args.seeds} seeds)\n\n{claims}\n")
     say("show: what ngc forgets")

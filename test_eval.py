@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -46,6 +47,48 @@ def test_peak_kv_reduction_of_a_constructed_case(model):
     assert abs(evaluation.kv_reduction(ref, pol) - 120 / 78) > 1e-3
     # With samples, a problem's peak is the mean over its samples.
     assert abs(evaluation.kv_reduction(torch.tensor([[10.0, 30.0]]), torch.tensor([[5.0, 10.0]])) - 20 / 7.5) < 1e-6
+
+
+def test_every_row_divides_the_no_evict_models_full_cache(train_ckpt, monkeypatch):
+    """One reference (§5.1's c_base): with --base-model, every row's peak-KV reduction divides the base model's
+    full-cache peaks of the same problems, the evaluated model's own full cache included. By hand, two problems,
+    one sample: the base model's full cache peaks at 100 and 40 entries, the evaluated model's at 120 and 60,
+    its ngc rows at 40 and 40: ngc (100/40 + 40/40)/2 = 1.75, none (100/120 + 40/60)/2 = 0.75."""
+    stand_in = type("Model", (), {"lm_head": torch.nn.Linear(1, 1), "config": types.SimpleNamespace(num_hidden_layers=2)})
+    evaluated, base = stand_in(), stand_in()
+    peaks = {(evaluated, None): [120.0, 60.0], (base, None): [100.0, 40.0], (evaluated, "ngc"): [40.0, 40.0]}
+    lengths = {(evaluated, None): 90.0, (base, None): 70.0, (evaluated, "ngc"): 30.0}
+
+    def by_hand(model, tokenizer, problems, sampling, eviction, *args, **kwargs):
+        key = (model, None if eviction is None else "ngc")
+        one = lambda values: torch.tensor(values, dtype=torch.float64).view(2, 1)
+        return {"reward": one([1.0, 0.0]), "length": one([lengths[key]] * 2), "rounds": one([0.0, 0.0]),
+                "peak_kv": one(peaks[key]), "texts": [[""], [""]]}
+
+    monkeypatch.setattr(evaluation, "roll_out_and_score", by_hand)
+    monkeypatch.setattr(evaluation, "make_eviction", lambda name, *args: None if name == "none" else Eviction(8, 2, 3, 0.5))
+    c = evaluation.run_defaults(train_ckpt)
+    rows = evaluation.compare(evaluated, None, c, [0, 1], ["none", "ngc"], [0.5], samples=None, progress=False,
+                              base_model=base)
+    none, ngc = rows
+    assert ngc["kv_reduction"] == pytest.approx(1.75) and none["kv_reduction"] == pytest.approx(0.75)
+    assert ngc["base_length"] == none["base_length"] == 70.0 and ngc["length"] == 30.0
+    assert none["full_cache_entries"] == [60.0, 30.0]  # per problem, one layer's entries: 120 / 2, 60 / 2
+    # Negative control: against its own full cache (the old reference) ngc's row would read (3 + 1.5)/2 = 2.25.
+    own = evaluation.compare(evaluated, None, c, [0, 1], ["none", "ngc"], [0.5], samples=None, progress=False)
+    assert own[1]["kv_reduction"] == pytest.approx(2.25) and own[0]["kv_reduction"] == 1.0
+
+
+def test_cli_base_model_is_the_reference_of_every_row(train_ckpt, tmp_path, capsys):
+    base = write_checkpoint(tmp_path / "base", seed=7)  # the same tokenizer, other weights
+    out = tmp_path / "rows.jsonl"
+    evaluation.main(["--model", train_ckpt, "--base-model", base, "--policy", "none", "ngc", "--problems", "2",
+                     "--samples", "0", "--out", str(out)])
+    assert f"against {base}'s full cache" in capsys.readouterr().out
+    none, ngc = [json.loads(line) for line in out.read_text().splitlines()]
+    assert none["base_length"] == ngc["base_length"] and len(none["full_cache_entries"]) == 2
+    assert one_line_error(lambda: evaluation.main(["--model", train_ckpt, "--base-model", str(tmp_path / "nothing"),
+                                                   "--problems", "2"])).startswith("error: ")
 
 
 def test_pass_at_k_matches_its_closed_form():
