@@ -1,7 +1,7 @@
 """claims.md: the paper's Countdown claims (§5.2-5.3, the numbers its text states) beside a reproduction's, each
 with a goal. `studies` maps a study's key (reproduce.studies_of) to its rows over seeds; each claim is a tuple
 (claim, paper, goal, here, met), met None where it was not measured."""
-import baselines
+from lib import baselines
 
 AGNOSTIC = [name for name, p in baselines.POLICIES.items() if p.kind == "agnostic"]  # they know nothing of the task
 RULES = [name for name, p in baselines.POLICIES.items() if p.kind == "rule"]  # simple rules that could beat NGC

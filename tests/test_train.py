@@ -15,17 +15,13 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-import checkpoint
+from lib import checkpoint, files, rundir, settings, tasks
 import eval as evaluation
-import files
-import rundir
-import settings
-import tasks
 import make_tiny
-import mathtask as mt
+from lib import mathtask as mt
 import train
 
-from checkpoint import META_TOKEN, add_meta_token, from_pretrained, load_tokenizer
+from lib.checkpoint import META_TOKEN, add_meta_token, from_pretrained, load_tokenizer
 from ngc import rollout
 from tokenizers import Tokenizer, models
 

@@ -10,14 +10,13 @@ import sys
 import pytest
 import torch
 
-import baselines
+from lib import baselines, tasks
 import bench
 import countdown as cd
 import eval as evaluation
 import make_tiny
 import reproduce
 import show
-import tasks
 import train
 
 from ngc import Eviction, Sampling, rollout
@@ -153,8 +152,8 @@ def test_an_output_path_that_cannot_be_created_is_one_line(ckpt, train_ckpt, tmp
 
 def test_the_demo_set_refuses_a_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "a-file").write_text("x")
-    out = subprocess.run([sys.executable, "mathtask.py", "--make-demo", str(tmp_path / "a-file" / "d")],
-                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "lib.mathtask", "--make-demo", str(tmp_path / "a-file" / "d")],
+                         cwd=os.path.dirname(train.__file__), capture_output=True, text=True)
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: cannot create")
 
 

@@ -12,11 +12,10 @@ import torch
 
 import countdown as cd
 import eval as evaluation
-import settings
+from lib import settings, tasks
 import show
-import tasks
 
-from checkpoint import load_tokenizer
+from lib.checkpoint import load_tokenizer
 from ngc import Sampling, rollout
 from replay import death_times, visibility
 from conftest import EV, TINY_MODEL, TRAIN_DEFAULTS, prompts_of
