@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from lib import baselines, tasks
+from lib import baselines, scoring, tasks
 import bench
 import countdown as cd
 import eval as evaluation
@@ -72,7 +72,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
         calls.append((len(prompts), None if eviction is None else (eviction.score, eviction.greedy, eviction.rate)))
         return rollout(model, prompts, sampling, eviction, **kw)
 
-    monkeypatch.setattr(evaluation, "rollout", counting)
+    monkeypatch.setattr(scoring, "rollout", counting)
     out = tmp_path / "results.jsonl"
     evaluation.main(["--model", train_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
              "0.75", "--problems", "3", "--samples", "0", "--out", str(out)])  # 0: greedy tokens
@@ -109,7 +109,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory")])
 def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
-    monkeypatch.setattr(evaluation, "rollout", None)  # nothing may run
+    monkeypatch.setattr(scoring, "rollout", None)  # nothing may run
     with pytest.raises(SystemExit) as err:
         evaluation.main(["--model", train_ckpt, *flags])
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
@@ -166,7 +166,7 @@ def test_cli_evaluates_another_layout_than_the_runs(train_ckpt, monkeypatch):
         seen.append(None if eviction is None else (eviction.delta, eviction.block, eviction.window))
         return rollout(model, prompts, sampling, eviction, **kw)
 
-    monkeypatch.setattr(evaluation, "rollout", spy)
+    monkeypatch.setattr(scoring, "rollout", spy)
     flags = ["--model", train_ckpt, "--policy", "ngc", "knorm", "--problems", "2"]
     evaluation.main(flags + ["--delta", "9", "--block", "3", "--window", "2"])
     assert seen == [None, (9, 3, 2), (9, 3, 2)]  # the full-cache reference, then each policy

@@ -18,7 +18,7 @@ import bench
 import eval as evaluation
 import make_tiny
 import reproduce
-from lib import rundir
+from lib import rundir, scoring
 import show
 import train
 from lib.checkpoint import CheckpointError, from_pretrained
@@ -170,7 +170,7 @@ def test_a_lock_that_cannot_be_opened_is_one_line(train_ckpt, tmp_path, monkeypa
 
 
 def test_eval_refuses_a_policy_the_model_cannot_use_before_any_rollout(math_run, ckpt, monkeypatch):
-    monkeypatch.setattr(evaluation, "rollout", reached)
+    monkeypatch.setattr(scoring, "rollout", reached)
     assert one_line_error(lambda: evaluation.main(["--model", math_run, "--policy", "none", "task-rule"])) == (
         "error: --policy task-rule keeps the block of a Countdown prompt's target; this evaluation's task is math: "
         "leave task-rule out")

@@ -12,7 +12,7 @@ import torch
 
 import countdown as cd
 import eval as evaluation
-from lib import settings, tasks
+from lib import scoring, settings, tasks
 import show
 
 from lib.checkpoint import load_tokenizer
@@ -148,7 +148,7 @@ def test_show_prompts_are_evals_with_the_interoception_tag(train_ckpt, tmp_path,
         return record
 
     monkeypatch.setattr(show, "rollout", recording("show"))
-    monkeypatch.setattr(evaluation, "rollout", recording("eval"))
+    monkeypatch.setattr(scoring, "rollout", recording("eval"))
     show.main(["--model", str(run), "--before", str(run), "--problems", "2", "--eviction-rate", "0.25",
                "--out", str(tmp_path / "f.html")])
     evaluation.main(["--model", str(run), "--policy", "ngc", "--eviction-rate", "0.25", "--problems", "2", "--samples", "0"])
