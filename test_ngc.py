@@ -3,10 +3,10 @@ gradient reaches every q/k projection, the losses of eqs. 3-5 by hand, batch ind
 Gumbel-top-k is Plackett-Luce, the memory bound of App. A.2, one eviction round by hand and
 every policy's K blocks, the curriculum of §4.6, targeted dropout's mask and the meta-token.
 
-The rest lives in component files: test_model.py (the Qwen2 model, checkpoints), test_engine.py
+The rest lives in tests/: test_model.py (the Qwen2 model, checkpoints), test_engine.py
 (rollout engine details, sampling, the baselines' scores), test_train.py (train.py),
 test_distributed.py (torchrun), test_tasks.py (Countdown, math), test_eval.py (eval.py, show.py,
-reproduce.py), test_shipped.py (make_tiny.py, tiny/, tiny-math/); shared fixtures in conftest.py.
+reproduce.py), test_shipped.py (make_tiny.py, tiny/, tiny-math/); shared fixtures in tests/conftest.py.
 Run them all: pytest
 """
 import itertools
@@ -17,17 +17,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-import baselines
 import model as model_module
 import ngc
-import settings
 import train
 
 from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk, plackett_luce_log_prob
-from checkpoint import from_pretrained
 from model import KVCache, LayerCache
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, replay, visibility
+from lib import baselines, settings
+from lib.checkpoint import from_pretrained
 from conftest import EOS, EV, TINY_MODEL, hand_built_cache, one_round, prompts_of, psi_by_hand
 
 

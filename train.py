@@ -27,15 +27,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import distributed
-import rundir
-import settings
-from checkpoint import META_TOKEN, CheckpointError, load
-from cli import exits, one_line_errors, parser
-from eval import before_after, eval_line, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
+from lib import distributed, rundir, settings
+from lib.checkpoint import META_TOKEN, CheckpointError, load
+from lib.cli import exits, one_line_errors, parser
+from lib.scoring import before_after, eval_line, evaluate
+from lib.tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
 
 LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record, checks and line follow them
 GRAD_NORMS = {term: "grad_norm_" + term.removeprefix("L_") for term in LOSSES}  # their record keys (--term-grad-norms)

@@ -3,7 +3,7 @@ with a goal, at the paper's budget: ε* (the rate whose peak-KV reduction is 2.4
 completions) and, for the claims about stricter budgets, the testable rates stricter than training's. `studies`
 maps a study's key (reproduce.studies_of) to its rows over seeds; each claim is a tuple (claim, paper, goal,
 here, met), met None where it was not measured and UNTESTABLE where no rate it needs is testable."""
-import baselines
+from lib import baselines
 
 AGNOSTIC = [name for name, p in baselines.POLICIES.items() if p.kind == "agnostic"]  # they know nothing of the task
 RULES = [name for name, p in baselines.POLICIES.items() if p.kind == "rule"]  # simple rules that could beat NGC

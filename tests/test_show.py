@@ -12,11 +12,10 @@ import torch
 
 import countdown as cd
 import eval as evaluation
-import settings
+from lib import scoring, settings, tasks
 import show
-import tasks
 
-from checkpoint import load_tokenizer
+from lib.checkpoint import load_tokenizer
 from ngc import Sampling, rollout
 from replay import death_times, visibility
 from conftest import EV, TINY_MODEL, TRAIN_DEFAULTS, prompts_of
@@ -149,7 +148,7 @@ def test_show_prompts_are_evals_with_the_interoception_tag(train_ckpt, tmp_path,
         return record
 
     monkeypatch.setattr(show, "rollout", recording("show"))
-    monkeypatch.setattr(evaluation, "rollout", recording("eval"))
+    monkeypatch.setattr(scoring, "rollout", recording("eval"))
     show.main(["--model", str(run), "--before", str(run), "--problems", "2", "--eviction-rate", "0.25",
                "--out", str(tmp_path / "f.html")])
     evaluation.main(["--model", str(run), "--policy", "ngc", "--eviction-rate", "0.25", "--problems", "2", "--samples", "0"])

@@ -8,12 +8,12 @@ import torch
 import claims
 import eval as evaluation
 import reproduce
-import settings
+from lib import settings
 import train
 
 from ngc import Eviction, Sampling, rollout
 from conftest import STEP_KEYS, files_under, one_line_error, prompts_of, reached
-from files import write_jsonl
+from lib.files import write_jsonl
 
 
 def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):

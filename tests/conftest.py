@@ -1,4 +1,5 @@
-"""Fixtures and helpers shared by the test files (test_*.py); pytest loads this file first.
+"""Fixtures and helpers shared by the test files (test_*.py, here and test_ngc.py at the top); pytest loads this
+file first, as a plugin (pytest.ini: -p conftest), so its fixtures reach every test file.
 
 Every model here is a tiny random Qwen2 written to disk in the Hugging Face layout
 (config.json, model.safetensors, tokenizer.json) and loaded back through from_pretrained,
@@ -17,15 +18,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import baselines
-import mathtask
-import rundir
-import settings
+from lib import baselines, mathtask, rundir, settings
 import ngc
 import train
 
 from gumbel import kept_keys
-from checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from lib.checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from model import LayerCache, Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, rollout
 

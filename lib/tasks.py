@@ -4,7 +4,7 @@ from dataclasses import replace
 import torch
 
 import countdown
-import mathtask
+from lib import mathtask
 
 TASK_REWARD = {"countdown": countdown.reward, "math": mathtask.reward}
 

@@ -11,12 +11,11 @@ import torch
 
 import countdown as cd
 import eval as evaluation
-import settings
-import tasks
+from lib import settings, tasks
 import make_tiny
-import mathtask as mt
+from lib import mathtask as mt
 import train
-from checkpoint import from_pretrained, load_tokenizer
+from lib.checkpoint import from_pretrained, load_tokenizer
 from conftest import one_line_error
 from countdown import check_trace, trace
 from make_tiny import build_tokenizer, split_problems
@@ -27,7 +26,7 @@ from ngc import Eviction, Sampling, rollout
 # make_tiny.py's search traces and the shipped tiny/ model
 
 
-TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+TINY_DIR = os.path.join(os.path.dirname(train.__file__), "tiny")
 
 
 def test_trace_example():
@@ -331,7 +330,7 @@ def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
 # pipeline of §5.4 in miniature)
 
 
-TINY_MATH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-math")
+TINY_MATH_DIR = os.path.join(os.path.dirname(train.__file__), "tiny-math")
 SHELF = mt.Problem("A shelf has 8 rows of 12 books. Mia adds 37 more books. How many books are on the shelf?", "133")
 
 

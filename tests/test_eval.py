@@ -11,14 +11,13 @@ import types
 import pytest
 import torch
 
-import baselines
+from lib import baselines, scoring, tasks
 import bench
 import countdown as cd
 import eval as evaluation
 import make_tiny
 import reproduce
 import show
-import tasks
 import train
 
 from ngc import Eviction, Sampling, rollout
@@ -116,7 +115,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
         calls.append((len(prompts), None if eviction is None else (eviction.score, eviction.greedy, eviction.rate)))
         return rollout(model, prompts, sampling, eviction, **kw)
 
-    monkeypatch.setattr(evaluation, "rollout", counting)
+    monkeypatch.setattr(scoring, "rollout", counting)
     out = tmp_path / "results.jsonl"
     evaluation.main(["--model", train_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
              "0.75", "--problems", "3", "--samples", "0", "--out", str(out)])  # 0: greedy tokens
@@ -153,7 +152,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory")])
 def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
-    monkeypatch.setattr(evaluation, "rollout", None)  # nothing may run
+    monkeypatch.setattr(scoring, "rollout", None)  # nothing may run
     with pytest.raises(SystemExit) as err:
         evaluation.main(["--model", train_ckpt, *flags])
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
@@ -196,8 +195,8 @@ def test_an_output_path_that_cannot_be_created_is_one_line(ckpt, train_ckpt, tmp
 
 def test_the_demo_set_refuses_a_folder_that_cannot_be_created(tmp_path):
     (tmp_path / "a-file").write_text("x")
-    out = subprocess.run([sys.executable, "mathtask.py", "--make-demo", str(tmp_path / "a-file" / "d")],
-                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "lib.mathtask", "--make-demo", str(tmp_path / "a-file" / "d")],
+                         cwd=os.path.dirname(train.__file__), capture_output=True, text=True)
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: cannot create")
 
 
@@ -210,7 +209,7 @@ def test_cli_evaluates_another_layout_than_the_runs(train_ckpt, monkeypatch):
         seen.append(None if eviction is None else (eviction.delta, eviction.block, eviction.window))
         return rollout(model, prompts, sampling, eviction, **kw)
 
-    monkeypatch.setattr(evaluation, "rollout", spy)
+    monkeypatch.setattr(scoring, "rollout", spy)
     flags = ["--model", train_ckpt, "--policy", "ngc", "knorm", "--problems", "2"]
     evaluation.main(flags + ["--delta", "9", "--block", "3", "--window", "2"])
     assert seen == [None, (9, 3, 2), (9, 3, 2)]  # the full-cache reference, then each policy

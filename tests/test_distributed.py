@@ -7,10 +7,10 @@ import sys
 import torch
 
 import eval as evaluation
-import rundir
+from lib import rundir
 import train
 
-from checkpoint import from_pretrained
+from lib.checkpoint import from_pretrained
 from conftest import EV, SIGNAL_RUN, wait_for_log_lines
 
 
@@ -26,8 +26,9 @@ def torchrun(tmp_path, *args, nproc=2, timeout=240):
 
 
 DDP_STEP = """
-import os, sys, torch, torch.distributed as dist, distributed, train
-from checkpoint import from_pretrained
+import os, sys, torch, torch.distributed as dist, train
+from lib import distributed
+from lib.checkpoint import from_pretrained
 ckpt, rollouts, out, reduce = sys.argv[1:]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,7 +90,7 @@ def test_eval_over_two_processes_gives_the_rows_of_one(train_ckpt, tmp_path):
     flags = ["--model", train_ckpt, "--policy", "none", "ngc", "knorm", "--eviction-rate", "0.5", "--problems", "4",
              "--batch-size", "3", "--samples", "0"]  # greedy tokens: sampled ones draw per-process noise
     evaluation.main(flags + ["--out", str(tmp_path / "one.jsonl")])
-    torchrun(tmp_path, "eval.py", *flags, "--out", str(tmp_path / "two.jsonl"))
+    torchrun(tmp_path, "scripts/eval.py", *flags, "--out", str(tmp_path / "two.jsonl"))
     one, two = ((tmp_path / f"{n}.jsonl").read_text().splitlines() for n in ("one", "two"))
     assert len(one) == 3 and one == two
 

@@ -17,8 +17,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 import countdown as cd
-import mathtask as mt
-import settings
+from lib import mathtask as mt
+from lib import settings
 from conftest import one_line_error
 from countdown import PAPER, SMALL, SMALL_BACK, Problem
 
@@ -97,7 +97,7 @@ def test_difficulty_names_draw_their_presets_problems_to_both_ends_of_each_range
     """--difficulty paper draws Countdown-Tasks-3to4-like problems (3 and 4 numbers in 1..99,
     targets 10..100) and tiny the tiny models' (3 numbers in 1..15), through the path train.py
     takes (tasks.load_problems), and every end of each range is reached."""
-    import tasks
+    from lib import tasks
     expected = {"paper": ({3, 4}, (1, 99), (10, 100)), "tiny": ({3}, (1, 15), (10, 100)),
                 "tiny-back": ({3}, (1, 15), (10, 100))}
     assert set(cd.DIFFICULTIES) == set(expected)
@@ -123,7 +123,7 @@ def test_splits_are_disjoint_distinct_and_reproducible():
 
 
 def test_data_seed_fixes_the_problems_and_seed_alone_the_noise():
-    import tasks
+    from lib import tasks
     import train
     c = lambda **kw: replace(settings.COUNTDOWN, **{"difficulty": "tiny", "train_problems": 50, "eval_problems": 20,
                                                       **kw})
@@ -738,9 +738,11 @@ def test_demo_set_is_reproducible_correct_and_in_dapo_layout(tmp_path):
 
 
 def test_demo_cli_writes_the_files_and_refuses_bad_sizes(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where lib/ is
+
     def cli(*flags):
-        return subprocess.run([sys.executable, "mathtask.py", "--make-demo", str(tmp_path / "d"), *flags],
-                              cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "lib.mathtask", "--make-demo", str(tmp_path / "d"), *flags],
+                              cwd=root, capture_output=True, text=True)
 
     out = cli("--train", "20", "--test", "5")
     assert out.returncode == 0, out.stderr

@@ -1,10 +1,10 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
-    python reproduce.py                 # everything, one seed, into results/back/
-    python reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
-    python reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
-    python reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
-    python reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
+    python scripts/reproduce.py                 # everything, one seed, into results/back/
+    python scripts/reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
+    python scripts/reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
+    python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
+    python scripts/reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
 
 It trains six runs from --model, seeds 0..N-1, into OUT/runs/<name>[-seed<k>] (OUT: --out), each unless finished:
 
@@ -30,7 +30,7 @@ a 2.4× reduction on those completions (OUT/budget.json):
     4. interoception  budget-aware NGC against its blind-tag control, and whether it reads the tag (Figure 6)
     6. layout shift   NGC, the untrained model and the baselines on prompt layouts never trained on
 
-(Section 5 was the limit study, reproduce.py --limit at commit c2ce23e.)
+(Section 5 was the limit study of an earlier model; RESULTS.md names the commit that holds it.)
 """
 import contextlib
 import json
@@ -42,20 +42,20 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
 import countdown
-import eval as evaluation
 import ngc
-import rundir
-import settings
-import show
 import train
-from checkpoint import load_config
+from lib import rundir, settings
+from lib.checkpoint import load_config
+from lib.cli import (Exit, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir,
+                     one_line_errors, parser, pyplot)
+from lib.files import recover_swap, save_figure, write_jsonl, write_text
+import eval as evaluation  # scripts/, beside this file
+import show
 from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown, testable
-from cli import (Exit, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors,
-                 parser, pyplot)
-from files import recover_swap, save_figure, write_jsonl, write_text
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, tiny/
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
         "interoception-blind": ["--interoception", "--blind-tag"]}
@@ -168,7 +168,7 @@ def train_command(out, name, model, threads, flags, extra, resume=True) -> list[
         argv = ["--resume", run_dir, "--threads", str(threads)]
     else:
         argv = ["--model", model, "--out", run_dir, "--threads", str(threads), *flags, *extra, "--overwrite"]
-    return [sys.executable, os.path.join(HERE, "train.py"), *argv]
+    return [sys.executable, os.path.join(ROOT, "train.py"), *argv]
 
 
 def stop_runs(running, signum):
@@ -443,7 +443,7 @@ def parse_args(argv):
     p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems, "
                    "the first 200 of tiny/'s 278)")
     args = p.parse_args(argv)
-    args.model = os.path.join(HERE, "tiny") if args.model is None else args.model
+    args.model = os.path.join(ROOT, "tiny") if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
     with one_line_errors():
@@ -459,7 +459,7 @@ def main(argv=None):
     try:
         run_studies(parse_args(argv))
     except Interrupted as e:
-        again = shlex.join(["python", "reproduce.py", *(sys.argv[1:] if argv is None else argv)])
+        again = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"{e}: stopped; finished runs and evaluations are kept and interrupted runs saved their step: "
               f"run the same command to continue ({again})", file=sys.stderr)
         raise Exit(128 + e.signum)

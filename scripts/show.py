@@ -1,8 +1,8 @@
 """A picture of what the model forgets: every layer's KV cache over a greedy rollout, before and after training.
 
-    python show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] [--eviction-rate 0.5] \\
+    python scripts/show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] [--eviction-rate 0.5] \\
         --out forgets.html [--png forgets.png]
-    python show.py --model runs/ngc/checkpoint --problems 200 --survival survival.json
+    python scripts/show.py --model runs/ngc/checkpoint --problems 200 --survival survival.json
 
 The first N held-out problems of the run (`settings.run_defaults`: the problems and prompts eval.py
 uses; a run trained with --interoception gets its rate tag, one trained with --meta-token its
@@ -35,22 +35,23 @@ reached the target, or another token).
 """
 import html
 import os
+import sys
 from collections import Counter
 
 import torch
 
-import distributed
-import settings
-from checkpoint import META_TOKEN, load, load_config
-from cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
-from files import save_figure, write_json, write_text
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
-from settings import run_defaults, trained_task
-from tasks import TASK_REWARD, held_out, prompt_encoder
+from lib import distributed, settings
+from lib.checkpoint import META_TOKEN, load, load_config
+from lib.cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
+from lib.files import save_figure, write_json, write_text
+from lib.settings import run_defaults, trained_task
+from lib.tasks import TASK_REWARD, held_out, prompt_encoder
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BEFORE = {"countdown": os.path.join(HERE, "tiny"), "math": os.path.join(HERE, "tiny-math")}  # --before's default
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: tiny/, tiny-math/
+BEFORE = {"countdown": os.path.join(ROOT, "tiny"), "math": os.path.join(ROOT, "tiny-math")}  # --before's default
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
 ALIVE_COLOUR = "#d9d9d9"
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)

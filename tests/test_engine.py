@@ -6,12 +6,11 @@ from collections import Counter
 import pytest
 import torch
 
-import baselines
-import compiled
+from lib import baselines, compiled
 import ngc
 
 from gumbel import block_means, keep_count, ordered_topk
-from checkpoint import from_pretrained
+from lib.checkpoint import from_pretrained
 from ngc import Eviction, Sampling, rollout
 from replay import replay
 from conftest import EOS, EV, hand_built_cache, keep, prompts_of, psi_by_hand

@@ -6,7 +6,7 @@ import pytest
 import bench
 
 from conftest import Reached, one_line_error, reached, run_train
-from files import write_jsonl
+from lib.files import write_jsonl
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -12,8 +12,8 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from files import write_atomic, write_json
 from model import Qwen2, Qwen2Config
+from lib.files import write_atomic, write_json
 
 
 class CheckpointError(ValueError):

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import distributed
-from checkpoint import CheckpointError, save_pretrained, save_tokenizer
-from cli import Exit, Interrupted
-from files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
+from lib import distributed
+from lib.checkpoint import CheckpointError, save_pretrained, save_tokenizer
+from lib.cli import Exit, Interrupted
+from lib.files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
 try:
     import fcntl

@@ -19,7 +19,7 @@ prompt is the question, then DeepSeek-R1's instruction for math (INSTRUCTION), i
 
 A CPU-sized demo set of arithmetic word problems in DAPO's layout, with the worked solutions that
 tiny-math/ was pretrained on (demo_trace, make_tiny.py --task math):
-    python mathtask.py --make-demo data/math-demo
+    python -m lib.mathtask --make-demo data/math-demo      # from the repository root
 """
 import json
 import os
@@ -28,9 +28,9 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from cli import at_least, check_values, exits, make_output_dir, need, one_line_errors, parser
 from countdown import encode_prompt  # the R1 chat template, shared with Countdown
-from files import write_jsonl
+from lib.cli import at_least, check_values, exits, make_output_dir, need, one_line_errors, parser
+from lib.files import write_jsonl
 
 @dataclass(frozen=True)
 class Problem:
@@ -106,7 +106,8 @@ def demo_hint(path: str) -> str:
     """For a missing file of the demo set (not shipped), how to make it; else nothing."""
     if os.path.basename(path) not in DEMO_FILES:
         return ""
-    return f"; the demo set is not shipped: make it with python mathtask.py --make-demo {os.path.dirname(path) or '.'}"
+    return ("; the demo set is not shipped: make it with python -m lib.mathtask --make-demo "
+            f"{os.path.dirname(path) or '.'}")
 
 
 def load(path, question_field=None, answer_field=None):

@@ -18,14 +18,14 @@ import bench
 import eval as evaluation
 import make_tiny
 import reproduce
-import rundir
+from lib import rundir, scoring
 import show
 import train
-from checkpoint import CheckpointError, from_pretrained
+from lib.checkpoint import CheckpointError, from_pretrained
 from conftest import Reached, files_under, one_line_error, reached, run_train
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TINY, TINY_MATH = os.path.join(HERE, "tiny"), os.path.join(HERE, "tiny-math")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: tiny/, scripts/
+TINY, TINY_MATH = os.path.join(ROOT, "tiny"), os.path.join(ROOT, "tiny-math")
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_a_lock_that_cannot_be_opened_is_one_line(train_ckpt, tmp_path, monkeypa
 
 
 def test_eval_refuses_a_policy_the_model_cannot_use_before_any_rollout(math_run, ckpt, monkeypatch):
-    monkeypatch.setattr(evaluation, "rollout", reached)
+    monkeypatch.setattr(scoring, "rollout", reached)
     assert one_line_error(lambda: evaluation.main(["--model", math_run, "--policy", "none", "task-rule"])) == (
         "error: --policy task-rule keeps the block of a Countdown prompt's target; this evaluation's task is math: "
         "leave task-rule out")
@@ -235,7 +235,7 @@ def test_make_tiny_eval_only_refuses_a_countdown_model_prompted_otherwise(tmp_pa
 
 def test_the_math_demo_files_that_are_not_shipped_say_how_to_make_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # tiny-math/ngc.json names data/math-demo/*.jsonl, relative to here
-    make = "the demo set is not shipped: make it with python mathtask.py --make-demo data/math-demo"
+    make = "the demo set is not shipped: make it with python -m lib.mathtask --make-demo data/math-demo"
     assert one_line_error(lambda: train.main(["--model", TINY_MATH, "--out", "run"])) == \
         f"error: no such file: data/math-demo/train.jsonl; {make}"
     assert one_line_error(lambda: evaluation.main(["--model", TINY_MATH])) == \
@@ -272,7 +272,7 @@ def wait_for(proc, marker, timeout=120) -> str:
 def test_a_signal_stops_every_script_in_one_line(ckpt, train_ckpt, tmp_path, script, sig):
     out = tmp_path / "out"
     commands = {  # each with work enough to take many seconds, and the line that says the work has started
-        "eval": (marked("eval", "rollout", ["--model", train_ckpt, "--problems", "200", "--batch-size", "1",
+        "eval": (marked("eval", "roll_out_and_score", ["--model", train_ckpt, "--problems", "200", "--batch-size", "1",
                                             "--out", str(out)]), "marker"),
         "show": (marked("show", "rollout", ["--model", ckpt, "--before", ckpt, "--problems", "200",
                                             "--out", str(out)]), "marker"),
@@ -281,7 +281,8 @@ def test_a_signal_stops_every_script_in_one_line(ckpt, train_ckpt, tmp_path, scr
         "bench": ([sys.executable, "-u", "bench.py", "--device", "cpu", "--new-tokens", "4096", "--repeat", "9",
                    "--threads", "1"], "== cpu")}
     command, marker = commands[script]
-    proc = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=os.path.join(ROOT, "scripts"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # from scripts/: `import eval` finds it
     try:
         printed = wait_for(proc, marker)
         proc.send_signal(sig)
@@ -318,10 +319,10 @@ def test_a_study_stopped_by_a_signal_continues_with_the_same_command(tmp_path):
     train.py left running), says how to go on, and the same command resumes them, each step logged
     once, their first console lines kept, trains the rest and writes the tables."""
     out = tmp_path / "results"
-    command = [sys.executable, "-u", "reproduce.py", "--no-interoception", "--model", TINY, "--out", str(out),
+    command = [sys.executable, "-u", "scripts/reproduce.py", "--no-interoception", "--model", TINY, "--out", str(out),
                "--jobs", "2", "--problems", "1", "--samples", "1", "--train-args", "--steps 16 --eval-every 8 "
                "--eval-samples 0 --save-every 0 --prompts 2 --group 2 --max-new-tokens 32 --eval-problems 1"]
-    proc = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     runs = [out / "runs" / name for name in ("ngc", "no-evict")]  # the first two of the plan, trained together
     try:
         deadline = time.time() + 180
@@ -335,13 +336,14 @@ def test_a_study_stopped_by_a_signal_continues_with_the_same_command(tmp_path):
         proc.kill()
     assert proc.returncode == 130, printed + err
     assert err.strip().startswith("SIGINT: stopped; finished runs and evaluations are kept and interrupted runs saved "
-                                  "their step: run the same command to continue (python reproduce.py --no-interoception")
+                                  "their step: run the same command to continue (python scripts/reproduce.py "
+                                  "--no-interoception")
     assert len(err.strip().splitlines()) == 1, err
     for pid in trainers:  # no train.py left training
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     first = [(r.with_suffix(".log")).read_text() for r in runs]
-    again = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
     for run, before in zip(runs, first):
         log = rundir.read_log(str(run / "log.jsonl"))

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import rundir
-import settings
+from lib import rundir, settings
 import train
 
-from checkpoint import META_TOKEN, CheckpointError, add_meta_token, config_from_dict, from_pretrained, load_tokenizer
+from lib.checkpoint import (META_TOKEN, CheckpointError, add_meta_token, config_from_dict, from_pretrained,
+                            load_tokenizer)
 from model import KVCache, Qwen2, Qwen2Config, init_weights
 from conftest import EOS, TINY_MODEL, TRAIN_DEFAULTS, prompts_of, save_small_checkpoint, write_checkpoint
 

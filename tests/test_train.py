@@ -15,17 +15,13 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-import checkpoint
+from lib import checkpoint, files, rundir, scoring, settings, tasks
 import eval as evaluation
-import files
-import rundir
-import settings
-import tasks
 import make_tiny
-import mathtask as mt
+from lib import mathtask as mt
 import train
 
-from checkpoint import META_TOKEN, add_meta_token, from_pretrained, load_tokenizer
+from lib.checkpoint import META_TOKEN, add_meta_token, from_pretrained, load_tokenizer
 from ngc import rollout
 from tokenizers import Tokenizer, models
 
@@ -536,7 +532,7 @@ def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monke
         assert message == (f"error: {tmp_path}/run/checkpoint/ngc.json is the settings of a math run; --task countdown "
                            f"cannot use them: train it with --task math, or copy the directory without ngc.json to "
                            f"start a countdown run from its weights" if task else "error: no such file: /no/such.jsonl")
-    monkeypatch.setattr(evaluation, "rollout", counting_rollout(seen := []))
+    monkeypatch.setattr(scoring, "rollout", counting_rollout(seen := []))
     evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
              "--out", str(tmp_path / "math.jsonl")])
     rows = [json.loads(line) for line in (tmp_path / "math.jsonl").read_text().splitlines()]
@@ -619,7 +615,7 @@ def test_train_meta_token_saves_g_and_eval_forces_it(train_ckpt, tmp_path, monke
         return ro
 
     monkeypatch.setattr(train, "rollout", recording)
-    monkeypatch.setattr(evaluation, "rollout", recording)
+    monkeypatch.setattr(scoring, "rollout", recording)
     run_train(train_ckpt, tmp_path / "run", "--meta-token", "--steps", "1", "--eval-every", "1")
     out = str(tmp_path / "run" / "checkpoint")
     back, tok = from_pretrained(out), load_tokenizer(out)

@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 import countdown
-import mathtask
-from checkpoint import CheckpointError, read_json
-from cli import at_least, check_values, positive
+from lib import mathtask
+from lib.checkpoint import CheckpointError, read_json
+from lib.cli import at_least, check_values, positive
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, where tiny/ is
 
 RUN, TASK, ROLLOUT, EVICTION, OPTIM, EVAL = ("run", "task and run", "rollouts", "eviction (paper §4.1-4.3, §4.6)",
                                            "optimisation", "evaluation and checkpoints")

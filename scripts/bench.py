@@ -1,10 +1,10 @@
 """Speed figures for the NGC engine and the replay pass. Prints numbers, asserts nothing.
 
-    python bench.py                      # a random tiny Qwen2 on the CPU (and on CUDA if present)
-    python bench.py --model DIR --device cuda --dtype bf16 --batch 64 --new-tokens 1024
-    python bench.py --shape r1 --device cuda --batch 32 --new-tokens 1024 --delta 256 --block 32
+    python scripts/bench.py              # a random tiny Qwen2 on the CPU (and on CUDA if present)
+    python scripts/bench.py --model DIR --device cuda --dtype bf16 --batch 64 --new-tokens 1024
+    python scripts/bench.py --shape r1 --device cuda --batch 32 --new-tokens 1024 --delta 256 --block 32
                                          # random weights in DeepSeek-R1-Distill-Qwen-1.5B's shape
-    python bench.py --model tiny --held-out --hf --batch 64 --delta 24 --block 4 --window 4 --threads 2
+    python scripts/bench.py --model tiny --held-out --hf --batch 64 --delta 24 --block 4 --window 4 --threads 2
                                          # the shipped model's rollouts as train.py makes them, beside
                                          # Hugging Face generate (pip install transformers)
 
@@ -26,20 +26,20 @@ DynamicCache, the full cache) on the same prompts, sampling and length cap in th
 and how many times its tokens/s the rollout with eviction decodes.
 """
 import os
+import sys
 import time
 from dataclasses import replace
 
 import torch
 
-import distributed
-import rundir
-import settings
-from checkpoint import from_pretrained, load_config, load_tokenizer
-from cli import at_least, check_values, exits, need, one_line_errors, parser
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from tasks import held_out, prompt_encoder
+from lib import distributed, rundir, settings
+from lib.checkpoint import from_pretrained, load_config, load_tokenizer
+from lib.cli import at_least, check_values, exits, need, one_line_errors, parser
+from lib.tasks import held_out, prompt_encoder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BENCH = replace(settings.COUNTDOWN, delta=64, block=8, window=5)  # bench.py's δ, b and w

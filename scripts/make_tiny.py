@@ -1,10 +1,10 @@
 """Build the tiny reasoners shipped in tiny/ (Countdown) and tiny-math/ (word problems): traces,
 a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on the CPU.
 
-    python make_tiny.py                      # rebuild tiny/ (about 25 minutes on one core)
-    python make_tiny.py --task math          # rebuild tiny-math/ (about 15 minutes on one core)
-    python make_tiny.py --steps 300 --out runs/tiny-smoke
-    python make_tiny.py --eval-only --out tiny-math    # evaluate a model as a build is evaluated
+    python scripts/make_tiny.py              # rebuild tiny/ (about 25 minutes on one core)
+    python scripts/make_tiny.py --task math  # rebuild tiny-math/ (about 15 minutes on one core)
+    python scripts/make_tiny.py --steps 300 --out runs/tiny-smoke
+    python scripts/make_tiny.py --eval-only --out tiny-math    # evaluate a model as a build is evaluated
 
 Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs
 the prompt's target; a bare `back`, shifted prompt layouts (tiny-shift) and the target restated with
@@ -14,9 +14,9 @@ math` prompts them and solved step by step (mathtask.demo_trace): each count nee
 question, and c is first written near the end, so a policy that evicts the question loses too.
 
 With the same flags, torch and kind of CPU, it writes the same files byte for byte: tiny/ is
-`python make_tiny.py` with every default, tiny-math/ `python make_tiny.py --task math`, both with
+`python scripts/make_tiny.py` with every default, tiny-math/ `python scripts/make_tiny.py --task math`, both with
 torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine. The models shipped as tiny/ before
-(RESULTS.md §S, §R and §1-9) are rebuilt by make_tiny.py at commit c2ce23e.
+are rebuilt by make_tiny.py at the commit RESULTS.md names for each.
 """
 import argparse
 import json
@@ -24,6 +24,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -33,16 +34,17 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
 from tqdm import tqdm
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
 import countdown as cd
-import mathtask
-from checkpoint import load, save_pretrained
-from cli import Exit, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
-from eval import roll_out_and_score
-from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling
-from settings import add_flags, read_ngc_json
-from tasks import TASK_REWARD, prompt_encoder
+from lib import mathtask
+from lib.checkpoint import load, save_pretrained
+from lib.cli import Exit, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
+from lib.files import recover_swap, swap_in, write_text
+from lib.scoring import roll_out_and_score
+from lib.settings import add_flags, read_ngc_json
+from lib.tasks import TASK_REWARD, prompt_encoder
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
 # lengths scaled to its traces (prompts of 18 tokens, full-cache completions ~110 on the problems that go back,
@@ -54,7 +56,7 @@ TINY_RUN = dict(
     lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
 )
 # The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set
-# written by `python mathtask.py --make-demo data/math-demo`. Prompts are 29-33 tokens and full-cache
+# written by `python -m lib.mathtask --make-demo data/math-demo`. Prompts are 29-33 tokens and full-cache
 # completions 22-80, so the first round comes as the question ends (δ = 32) and c must outlive it.
 MATH_RUN = dict(
     task="math", data="data/math-demo/train.jsonl", eval_data="data/math-demo/test.jsonl", seed=0,

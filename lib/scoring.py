@@ -1,0 +1,102 @@
+"""Held-out scoring: rollouts of a problem set and their rewards, the numbers train.py logs and ends with,
+scripts/eval.py's per-policy rows (paper §5.1)."""
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+import countdown
+from ngc import Eviction, Sampling, rollout
+from lib import distributed
+
+
+@torch.no_grad()
+def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
+                       generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None):
+    """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each (problems, samples),
+    and the texts. encode: a prompt's ids (default: Countdown's plain prompt). policy: in place of eviction,
+    policy(reference) -> each batch's Eviction, reference() rolling out the batch's full cache from the same
+    noise. Under torchrun each process rolls out every world-th job, and every process gets every result."""
+    encode = encode or countdown.encode
+    rank, world = distributed.rank_and_world()
+    jobs = [p for p in problems for _ in range(samples)]
+    mine = jobs[rank::world]
+    results = []  # (reward, length, rounds, peak KV, text) per job of this process
+    for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
+        chunk = mine[start:start + batch_size]
+        prompts = [encode(tokenizer, p) for p in chunk]
+
+        def reference():  # called by policy, before the batch's rollout draws any noise: a copy of it
+            noise = None if generator is None else torch.Generator(generator.device).set_state(generator.get_state())
+            return rollout(model, prompts, sampling, None, eos_ids=model.config.eos_ids, generator=noise)
+
+        ev = eviction if policy is None else policy(reference)
+        ro = rollout(model, prompts, sampling, ev, eos_ids=model.config.eos_ids, generator=generator,
+                     progress=desc is not None, compile=compile)
+        texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
+        results += zip([reward_fn(t, p) for t, p in zip(texts, chunk)], (ro.lengths - ro.prompt_lens).tolist(),
+                       ro.n_rounds.tolist(), ro.peak_kv.tolist(), texts)
+    results = distributed.gather_in_order(results, len(jobs))
+    columns = list(zip(*results)) or [()] * 5
+    out = {k: torch.tensor(v, dtype=torch.float64).view(len(problems), samples)
+           for k, v in zip(("reward", "length", "rounds", "peak_kv"), columns)}
+    out["texts"] = [list(columns[4][i * samples:(i + 1) * samples]) for i in range(len(problems))]
+    return out
+
+
+def kv_reduction(ref_peak, peak) -> float:
+    """§5.1: mean over problems of peak(no eviction) / peak(policy), a problem's peak the mean over its samples."""
+    return (ref_peak.mean(1) / peak.mean(1)).mean().item()
+
+
+def standard_error(reward) -> float:
+    """1 SE of pass@1 over problems (the paper's error bars); reward: (problems, samples)."""
+    per_problem = reward.mean(1)
+    return (per_problem.std(correction=1) / len(per_problem) ** 0.5).item() if len(per_problem) > 1 else 0.0
+
+
+def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
+             batch_size=64, progress=False, meta_token=None, compile=False, sampling=None, samples=0, seed=0):
+    """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and under `eviction`
+    (greedy top-K), and with `samples` pass@1 ± 1 SE over that many completions per problem drawn at `sampling`.
+    meta_token: g's id, forced before each round."""
+    greedy = replace(eviction, greedy=True)
+
+    def score(s, ev, k, what):
+        gen = None if s.greedy else torch.Generator(model.lm_head.weight.device).manual_seed(seed)
+        return roll_out_and_score(model, tokenizer, problems, replace(s, meta_token=meta_token), ev, encode, reward_fn,
+                                  gen, k, batch_size, desc=f"eval {what}" if progress else None, compile=compile)
+
+    plain = Sampling(max_new_tokens=max_new_tokens, greedy=True)
+    full, pruned = score(plain, None, 1, "full cache"), score(plain, greedy, 1, f"ε={eviction.rate:g}")
+    r = {"acc_full": full["reward"].mean().item(), "acc": pruned["reward"].mean().item(),
+         "kv_reduction": kv_reduction(full["peak_kv"], pruned["peak_kv"]),
+         "length": pruned["length"].mean().item(), "rounds": pruned["rounds"].mean().item()}
+    if samples:
+        s = replace(sampling, max_new_tokens=max_new_tokens, greedy=False)
+        full, pruned = score(s, None, samples, "full cache, sampled"), score(s, greedy, samples, "ε, sampled")
+        r |= {"samples": samples, "pass1_full": full["reward"].mean().item(), "pass1_full_se": standard_error(
+              full["reward"]), "pass1": pruned["reward"].mean().item(), "pass1_se": standard_error(pruned["reward"])}
+    return r
+
+
+def eval_line(step, r, rate) -> str:
+    sampled = f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}" if "pass1" in r else ""
+    return (f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={rate:g} {r['acc']:.1%} (greedy "
+            f"tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
+
+
+def before_after(evals, rate, seconds, problems=None) -> str:
+    """The table train.py ends with: its first and last evaluation."""
+    first, last = evals[0], evals[-1]
+    pm = lambda r, k: f"{r[k]:6.1%} ± {100 * r[k + '_se']:.1f}" if k in r else f"{'':>12s}"
+    lines = [f"{f'held-out ({problems} problems)' if problems else 'held-out':32s} {'before':>12s} {'after':>12s}"]
+    if "pass1" in last:
+        sampled = f"full cache, pass@1 ({last['samples']} samples)"
+        lines += [f"{sampled:32s} {pm(first, 'pass1_full')} {pm(last, 'pass1_full')}",
+                  f"{f'ε = {rate:g}, pass@1 (greedy top-K)':32s} {pm(first, 'pass1')} {pm(last, 'pass1')}"]
+    lines += [f"{'full cache, greedy tokens':32s} {first['acc_full']:12.1%} {last['acc_full']:12.1%}",
+              f"{f'ε = {rate:g}, greedy tokens':32s} {first['acc']:12.1%} {last['acc']:12.1%}",
+              f"{'peak-KV reduction':32s} {first['kv_reduction']:11.2f}x {last['kv_reduction']:11.2f}x",
+              f"{'wall time':32s} {'':>12s} {seconds / 60:9.1f} min"]
+    return "\n".join(lines)
