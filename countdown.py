@@ -140,27 +140,51 @@ def encode_prompt(tokenizer, text):
         text = f"{bos}{user}{text}{assistant}<think>\n"
     return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
 
-def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
-    """The prompt of tiny/: one body and 8 filler dots, 0 or 8 of them before it (a function of the problem),
-    so the target's block index changes (1 or 3; blocks of 4) while the length and the block's contents do
-    not. unseen: 4 before and 4 after, a layout never trained on (block 2) at the same length, so rounds
-    fire at the same tokens. The budget tag's rate is one token of its own (`50%`; blind: `-%`)."""
+def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False, one_token=False):
+    """The prompt of tiny/: one body and 8 filler dots, 0 or 8 of them before it (a function of the
+    problem), so the target's block index changes (1 or 3; blocks of 4) while the length and the
+    block's contents do not. unseen: 4 before and 4 after, a layout never trained on (block 2) at
+    the same length, so rounds fire at the same tokens. With eviction_rate, rate_tag's tag."""
     before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)
     body = f"Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
-    tag = (f" <eviction_rate> {'-' if blind else round(100 * eviction_rate)}% </eviction_rate>"
-           if eviction_rate is not None else "")
+    tag = "" if eviction_rate is None else rate_tag(eviction_rate, blind, one_token)
     return "<bos>" + " ." * before + f" {body}" + " ." * (8 - before) + tag
+
+def rate_tag(eviction_rate, blind=False, one_token=False) -> str:
+    """The tiny prompts' budget tag: ε in whole percent, tens then units as two integer tokens
+    (` <eviction_rate> 4 2 % </eviction_rate>` for ε = 0.42, `10 0 %` for 1) so that the order of
+    rates reads; blind (the control): `- - %`, as many tokens without the value. one_token: the
+    form of the vocabularies built before the digits (tiny/ as shipped): `42%`, blind `-%`."""
+    pct = round(100 * eviction_rate)
+    if not 0 <= pct <= 100:
+        raise ValueError(f"the budget tag's eviction rate {eviction_rate} is not in [0, 1]")
+    if one_token:
+        return f" <eviction_rate> {'-' if blind else pct}% </eviction_rate>"
+    return f" <eviction_rate> {'- -' if blind else f'{pct // 10} {pct % 10}'} % </eviction_rate>"
 
 PROMPTS = {"plain": prompt_text, "tiny-shift": shift_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
            "tiny-shift-unseen": partial(shift_prompt, unseen=True)}
 SHIFTED = {"tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK}  # --difficulty name -> preset
 
-def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
-    """A problem's prompt token ids in the given style (with the budget tag if rate given)."""
+def prompt(tokenizer, problem, style="plain", eviction_rate=None, blind=False) -> str:
+    """A problem's prompt text in a style; a tiny style's budget tag as the tokenizer reads it: one
+    token where its vocabulary has `50%`, else digits (a ValueError where it has `<eviction_rate>`
+    but not every word of the digits' form; one without the tag, a test's, is left alone)."""
     if style not in PROMPTS:
         raise ValueError(f"unknown prompt style {style!r}; choose one of {', '.join(PROMPTS)}")
-    return encode_prompt(tokenizer, PROMPTS[style](problem, eviction_rate, blind))
+    if style == "plain" or eviction_rate is None:
+        return PROMPTS[style](problem, eviction_rate, blind)
+    one_token, tag = tokenizer.token_to_id("50%") is not None, rate_tag(eviction_rate, blind)
+    unknown = getattr(tokenizer.model, "unk_token", None) in tokenizer.encode(tag).tokens
+    if unknown and not one_token and tokenizer.token_to_id("<eviction_rate>") is not None:
+        raise ValueError(f"the tokenizer spells neither form of the budget tag: it has no `50%` "
+                         f"token and a word of `{tag.strip()}` is unknown to it")
+    return PROMPTS[style](problem, eviction_rate, blind, one_token=one_token)
+
+def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
+    """A problem's prompt token ids in the given style (with the budget tag if rate given)."""
+    return encode_prompt(tokenizer, prompt(tokenizer, problem, style, eviction_rate, blind))
 
 # The reward: a small recursive-descent parser, exact Fraction arithmetic, no eval
 
@@ -270,20 +294,24 @@ MAX_LEAF = 999  # larger leaves are not written: the tiny models' vocabulary has
 def numbers(nums) -> str:
     return "[ " + " ".join(map(str, sorted(nums, reverse=True))) + " ]"
 
-def trace(problem, restate: float = 0.0, rng=None) -> str:
+def trace(problem, restate: float = 0.0, rng=None, shuffle: float = 0.0) -> str:
     """The depth-first search trace for a 3-number problem, answer included. A dead end returns with
-    `back` alone, so the next move reads the numbers from the first `[ ... ]`. Deterministic, or with
-    restate > 0, each `[ ... ]` and `back` followed by `reach <target>` with that probability (rng)."""
+    `back` alone, so the next move reads the numbers from the first `[ ... ]`. Deterministic, or
+    (rng) with restate > 0, each `[ ... ]` and `back` followed by `reach <target>` with that
+    probability, and with shuffle > 0, with that probability the pairs and each pair's operations
+    tried in a random order (the leaves keep theirs). Neither draws from rng at 0."""
     nums = sorted(problem.nums, reverse=True)
     assert len(nums) == 3, "traces are written for 3 numbers"
+    mixed = shuffle and rng.random() < shuffle
+    order = (lambda xs: rng.sample(xs, len(xs))) if mixed else (lambda xs: xs)
 
     def reach() -> str:  # the target restated, with probability restate
         return f" reach {problem.target}" if restate and rng.random() < restate else ""
 
     out = [numbers(nums) + reach()]
-    for i, j in [(0, 1), (0, 2), (1, 2)]:
+    for i, j in order([(0, 1), (0, 2), (1, 2)]):  # pairs of the numbers sorted down
         a, b, c = nums[i], nums[j], nums[3 - i - j]
-        for op, v in moves(a, b):
+        for op, v in order(moves(a, b)):
             out.append(f"{a} {op} {b} = {v} {numbers([v, c])}{reach()}")
             for op2, w in moves(max(v, c), min(v, c)):
                 if w > MAX_LEAF:

@@ -89,12 +89,12 @@ class Settings:
     stage_steps: int = setting(25, "Δ: steps per curriculum stage", EVICTION, at_least(1))
     alpha: float = setting(0.6, "fraction of a stage spent blending to the next", EVICTION, in_unit(low_open=True))
     eviction_rate: float | None = setting(None, "a fixed ε instead of the curriculum", EVICTION)
-    interoception: bool = setting(False, "one ε per group, written into its prompts as "
-                                  "<eviction_rate>ε%</eviction_rate>", EVICTION)
+    interoception: bool = setting(False, "one ε per group, written into its prompts' budget tag "
+                                  "(<eviction_rate> ... </eviction_rate>, countdown.rate_tag)", EVICTION)
     interoception_rates: tuple[float, ...] = setting((0.25, 0.5, 0.75), "the rates groups draw from (scaled by "
                                                      "curriculum progress)", EVICTION)
     blind_tag: bool = setting(False, "with --interoception, the control: the same per-group ε, the tag "
-                              "<eviction_rate>-%</eviction_rate> (same length, same blocks)", EVICTION)
+                              "without the rate (as many tokens: same length, same blocks)", EVICTION)
     min_length: int = setting(0, "reward 0 when prompt+completion is shorter (Appendix A.1)", EVICTION, at_least(0))
     meta_token: bool = setting(False, "force the meta-token <|tldr|> as the last token before each round (Appendix, "
                                "meta-tokens; added to a checkpoint that lacks it as the mean embedding of 'tl;dr')",

@@ -59,7 +59,7 @@ def unknown_words(tokenizer, style: str, eviction_rate=None, blind: bool = False
     """The words of a Countdown prompt in `style` that the tokenizer writes as its unknown token
     (a word-level tokenizer's <unk>; a byte-level one has none)."""
     unk = getattr(tokenizer.model, "unk_token", None)
-    text = countdown.PROMPTS[style](SAMPLE, eviction_rate, blind)
+    text = countdown.prompt(tokenizer, SAMPLE, style, eviction_rate, blind)  # the tag as it reads it
     encoding = tokenizer.encode(text, add_special_tokens=False)
     return [text[a:b] for token, (a, b) in zip(encoding.tokens, encoding.offsets) if unk and token == unk]
 

@@ -5,11 +5,13 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
     python scripts/make_tiny.py --task math  # rebuild tiny-math/ (about 15 minutes on one core)
     python scripts/make_tiny.py --steps 300 --out runs/tiny-smoke
     python scripts/make_tiny.py --eval-only --out tiny-math    # evaluate a model as a build is evaluated
+    python scripts/make_tiny.py --shuffle-order 0.25 --digit-tag --max-new-tokens 64 --out runs/tiny-mixed
 
 Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs
 the prompt's target; a bare `back`, shifted prompt layouts (tiny-shift) and the target restated with
 probability RESTATE make what a cache must keep more than the one fact a hand-written rule knows
-about (docs/departures.md). Math: mathtask.py's demo word problems, prompted as `train.py --task
+about (docs/departures.md); --shuffle-order mixes the order a search tries its moves in, so that the
+search leaves a run something to learn. Math: mathtask.py's demo word problems, prompted as `train.py --task
 math` prompts them and solved step by step (mathtask.demo_trace): each count needs a and b from the
 question, and c is first written near the end, so a policy that evicts the question loses too.
 
@@ -27,6 +29,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -37,8 +40,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
 import countdown as cd
 from model import Qwen2, Qwen2Config, init_weights
-from ngc import Eviction, Sampling
-from lib import mathtask
+from ngc import Eviction, Sampling, check_eviction
+from lib import mathtask, settings
 from lib.checkpoint import load, save_pretrained
 from lib.cli import Exit, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
 from lib.files import recover_swap, swap_in, write_text
@@ -66,21 +69,23 @@ MATH_RUN = dict(
     eval_max_new_tokens=128, eval_samples=None,  # eval.py: greedy, as for tiny/
 )
 MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
-    # and more steps of smaller batches (about 15 minutes on one core); the run's length cap for the report
-    out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
-    max_new_tokens=MATH_RUN["max_new_tokens"])
+    # and more steps of smaller batches (about 15 minutes on one core)
+    out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000)
 RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]` or a `back`
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+ONE_TOKEN_RATES = [f"{n}%" for n in range(101)] + ["-%"]  # the budget tag's rate as one token (`-%`: blind)
 WORDS = (["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
           "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>", "none"]
-         + [f"{n}%" for n in range(101)] + ["-%"])  # the tag's rate as one token (`-%`: blind). `%` and `none`
-# (the earlier models' tag and failed search) are written no more: they keep tiny/'s vocabulary as shipped
+         + ONE_TOKEN_RATES)  # `none` (the earlier models' failed search) is written no more: it keeps tiny/'s
+# vocabulary as shipped. --digit-tag leaves out ONE_TOKEN_RATES: the tag's rate is its digits (countdown.rate_tag)
+DIGIT_TAG_WORDS = [w for w in WORDS if w not in ONE_TOKEN_RATES]
 MATH_WORDS = sorted(  # the demo questions' words without their placeholders, R1's instruction, the traces'
     {w for text, _, _ in mathtask.TEMPLATES for w in text.split()} - {"{n}", "{a}", "{b}", "{c}"}
     | set(mathtask.NAMES) | set(mathtask.INSTRUCTION.split())
     | {":", ",", ".", "so", "+", "-", "/", "=", "\\boxed", "{", "}"})
 AT_LEAST = {"steps": 1, "threads": 1, "batch": 1, "micro": 1, "warmup": 0, "d": 1, "layers": 1, "heads": 1, "ffn": 1,
             "n_test": 1, "train_problems": 1, "max_new_tokens": 1}
+RUN_FLAGS = ["max_new_tokens", "delta", "retention"]  # the flags that write ngc.json's run (TINY_RUN's by default)
 OUT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "ngc.json"}  # what a build writes into --out
 
 
@@ -99,14 +104,16 @@ def split_problems(seed: int, n_test: int, n_train: int = 300_000):
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
-def countdown_example(tok, problem, rng):
-    """(prompt ids, completion ids) in tiny/'s prompt style. Half the prompts carry a random budget
-    tag, half of those blind (`-%`), so that train.py --interoception and its control start from a
-    model that has read it; the trace restates the target with probability RESTATE whatever the tag."""
+def countdown_example(tok, problem, rng, shuffle=0.0):
+    """(prompt ids, completion ids) in tiny/'s prompt style. Half the prompts carry a budget tag of a
+    random whole percent (in the form tok reads: one token or digits), half of those blind, so that
+    train.py --interoception and its control start from a model that has read it; the trace restates
+    the target with probability RESTATE whatever the tag, and tries its moves in a shuffled order with
+    probability shuffle (countdown.trace)."""
     rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
     blind = rate is not None and rng.random() < 0.5
-    text = cd.PROMPTS[TINY_RUN["prompt"]](problem, rate, blind)
-    return tok.encode(text).ids, tok.encode(cd.trace(problem, RESTATE, rng)).ids
+    prompt = cd.encode(tok, problem, TINY_RUN["prompt"], rate, blind)
+    return prompt, tok.encode(cd.trace(problem, RESTATE, rng, shuffle)).ids
 
 
 def math_example(tok, problem, rng):
@@ -157,6 +164,7 @@ def main(argv=None):
     task = TASKS[args.task]
     with one_line_errors():  # CheckpointError too
         check_flags(args)
+        run, c = ngc_run(task, args)
         pretraining, test = draw_problems(task, args)
         if args.eval_only:
             model, tok = load(args.out)
@@ -166,7 +174,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if not args.eval_only:
-        tok = build_tokenizer(task.words)
+        tok = build_tokenizer(DIGIT_TAG_WORDS if args.digit_tag else task.words)
         config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=args.d, intermediate_size=args.ffn,
                              num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
                              tie_word_embeddings=True, max_position_embeddings=1024,
@@ -174,10 +182,11 @@ def main(argv=None):
         model = init_weights(Qwen2(config), seed=args.seed)
         print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(pretraining)} training / "
               f"{len(test)} held-out problems")
-        pretrain(model, tok, pretraining, task.example, args)
-        save_build(model, tok, task.run, args.out)
+        example = partial(task.example, shuffle=args.shuffle_order) if args.shuffle_order else task.example
+        pretrain(model, tok, pretraining, example, args)
+        save_build(model, tok, run, args.out)
         model, tok = load(args.out)  # evaluated as shipped
-    report(model, tok, test, task, args.max_new_tokens)
+    report(model, tok, test, task, c)
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -201,8 +210,16 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--ffn", type=int, default=512, help="MLP intermediate size")
     ap.add_argument("--n-test", type=int, default=500, help="held-out problems to evaluate on")
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
-    ap.add_argument("--max-new-tokens", type=int, default=TINY_RUN["max_new_tokens"],
-                    help="completion cap of the held-out evaluation (default: the run's, ngc.json)")
+    ap.add_argument("--shuffle-order", type=float, default=0.0, help="Countdown: the probability that a trace tries "
+                    "its pairs and their first moves in a shuffled order (default 0: tiny/'s, canonical only)")
+    ap.add_argument("--digit-tag", action="store_true", help="Countdown: the budget tag's rate written as its digits "
+                    "(`4 2 %%`, countdown.rate_tag) in pretraining and by the vocabulary (default: one token, `42%%`, "
+                    "as tiny/ ships)")
+    ap.add_argument("--max-new-tokens", type=int, help="the run's completion cap, written into ngc.json, and the "
+                    "held-out evaluation's (default: the task's run, TINY_RUN's; with --eval-only, --out's ngc.json)")
+    ap.add_argument("--delta", type=int, help="the run's δ, written into ngc.json (default: as --max-new-tokens)")
+    ap.add_argument("--retention", help="the run's curriculum ρ_0,...,ρ_K, written into ngc.json; the evaluation's ε "
+                    "is 1 - ρ_K (default: as --max-new-tokens)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training (Countdown: "
                     "prompted as tiny/ is, tiny-shift)")
     add_flags(ap, None, names=["task"], helps={"task": "countdown (tiny/) or math (tiny-math/, with the defaults of "
@@ -240,9 +257,28 @@ def check_flags(args):
     check_values(args, {**{name: at_least(low) for name, low in AT_LEAST.items()}, "lr": positive})
     if not args.minutes >= 0:
         raise ValueError(f"--minutes {args.minutes} must be 0 (never stop early) or more")
+    if not 0 <= args.shuffle_order <= 1:
+        raise ValueError(f"--shuffle-order {args.shuffle_order} must lie in [0, 1]: it is a probability")
+    if args.task == "math" and (args.shuffle_order or args.digit_tag):
+        raise ValueError("--shuffle-order and --digit-tag are Countdown's (tiny/): --task math has no search and no "
+                         "budget tag")
     if args.heads % 2 or args.d % args.heads or (args.d // args.heads) % 2:
         raise ValueError(f"--d {args.d} --heads {args.heads}: the heads must be a multiple of the 2 key/value heads, "
                          f"and --d a multiple of 2 x --heads (an even head size for RoPE)")
+
+
+def ngc_run(task, args):
+    """(ngc.json's run, its settings): the task's run (with --eval-only, --out's ngc.json over it) and
+    RUN_FLAGS over that; a one-line ValueError for a δ, b, w or ε train.py could not run."""
+    run = {**task.run, **(read_ngc_json(args.out) if args.eval_only else {})}
+    run.update({k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None})
+    c = settings.from_dict(run, settings.RECIPES[run["task"]])
+    if args.retention is not None:
+        run["retention"] = ",".join(f"{r:g}" for r in c.retention)
+    if not all(0 <= rho < 1 for rho in c.retention):
+        raise ValueError(f"the run's retention {run['retention']} must lie in [0, 1) (ε = 1 - ρ, in (0, 1])")
+    check_eviction(c.delta, c.block, c.window, 1 - c.retention[-1])
+    return run, c
 
 
 def check_out(out: str):
@@ -331,12 +367,13 @@ def save_build(model, tok, run, out):
         raise Exit(f"error: could not write {out} ({e.strerror or e}); nothing half-written is left")
 
 
-def report(model, tok, test, task, max_new_tokens):
+def report(model, tok, test, task, c):
     """Accuracy (mean reward; greedy tokens, or pass@1 of one completion sampled at temperature 1 from a
-    generator seeded 0), the fraction of correct traces and the mean length, full cache and ε = 0.5."""
-    ev = Eviction(task.run["delta"], task.run["block"], task.run["window"], rate=0.5, greedy=True)
-    kind = task.run["task"]
-    encode, reward = prompt_encoder(kind, task.run.get("prompt")), TASK_REWARD[kind]  # as train.py's evaluations
+    generator seeded 0), the fraction of correct traces and the mean length, full cache and the final ε
+    of the run c (ngc.json's: 0.5 on tiny/), at its completion cap."""
+    rate = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
+    ev, max_new_tokens = Eviction(c.delta, c.block, c.window, rate, greedy=True), c.max_new_tokens
+    encode, reward = prompt_encoder(c.task, c.prompt), TASK_REWARD[c.task]  # as train.py's evaluations
     for name, eviction in [("full cache", None), (f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}", ev)]:
         for tokens, greedy in [("greedy tokens", True), ("pass@1", False)]:
             sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)

@@ -1,9 +1,11 @@
 """make_tiny.py and what ships built by it: the search and word-problem traces it pretrains on
 (countdown.trace, mathtask.demo_trace), the tiny/ and tiny-math/ models, the default run from tiny/
 and README's math demonstration."""
+import hashlib
 import json
 import os
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -123,8 +125,58 @@ def test_shift_layouts_move_the_targets_block_and_keep_every_block_and_length():
             block, after = words[first: first + 4], words[first + 4: first + 6]
             assert block == [str(q.target), "with", *map(str, q.nums[:2])] and after == [str(q.nums[2]), "."], words
     assert blocks == {"tiny-shift": {1, 3}, "tiny-shift-unseen": {2}}
-    tagged, blind = (tok.encode(cd.shift_prompt(cd.Problem((3, 5, 2), 16), 0.5, b)).ids for b in (False, True))
+    tagged, blind = (cd.encode(tok, cd.Problem((3, 5, 2), 16), "tiny-shift", 0.5, b) for b in (False, True))
     assert tok.decode(tagged[-3:]) == "<eviction_rate> 50% </eviction_rate>" and len(tagged) == len(blind)
+
+
+def _tag(tok, rate, blind=False):
+    """The budget tag's tokens in tiny/'s prompt, as the tokenizer's words."""
+    words = [tok.id_to_token(i) for i in cd.encode(tok, cd.Problem((3, 5, 2), 16), "tiny-shift", rate, blind)]
+    return words[words.index("<eviction_rate>"):]
+
+
+def test_the_budget_tag_writes_its_rate_tens_then_units():
+    """A vocabulary built for the digit tag (make_tiny.py --digit-tag) reads ε = 0.42 as the integer
+    tokens 4 and 2, so that rates are ordered as their tokens are (tens, then units); blind: as many
+    tokens, no digit; every whole percent in [0, 1] is written, 1 as `10 0`, and nothing else."""
+    tok = build_tokenizer(make_tiny.DIGIT_TAG_WORDS)
+    assert tok.token_to_id("50%") is None and tok.token_to_id("-%") is None
+    assert _tag(tok, 0.42) == ["<eviction_rate>", "4", "2", "%", "</eviction_rate>"]
+    assert _tag(tok, 0.42, blind=True) == ["<eviction_rate>", "-", "-", "%", "</eviction_rate>"]
+    half, three_quarters = _tag(tok, 0.5), _tag(tok, 0.75)
+    changed = [k for k, (a, b) in enumerate(zip(half, three_quarters)) if a != b]
+    assert len(half) == len(three_quarters) and changed == [1, 2]  # the two digits, nothing else
+    assert (half[1:3], three_quarters[1:3]) == (["5", "0"], ["7", "5"])
+    tags = [_tag(tok, pct / 100) for pct in range(101)]
+    assert all(len(t) == 5 and t[0] == "<eviction_rate>" and t[3:] == ["%", "</eviction_rate>"] for t in tags)
+    assert [10 * int(t[1]) + int(t[2]) for t in tags] == list(range(101)) and tags[100][1:3] == ["10", "0"]
+    assert sorted(tags, key=lambda t: (int(t[1]), int(t[2]))) == tags  # tens first: the rates' order
+    assert {tuple(_tag(tok, pct / 100, blind=True)) for pct in range(101)} == {tuple(_tag(tok, 0.42, blind=True))}
+    assert _tag(tok, 0.333)[1:3] == ["3", "3"] and _tag(tok, 0.996)[1:3] == ["10", "0"]  # whole percents
+    with pytest.raises(ValueError, match=r"eviction rate 1.2 is not in \[0, 1\]"):
+        cd.rate_tag(1.2)
+
+
+def test_a_vocabulary_built_for_the_one_token_tag_keeps_it_and_one_for_neither_is_refused():
+    """The tag follows what the tokenizer spells: tiny/'s (built for `50%`) reads one token and the
+    blind `-%`, at the same length; a vocabulary without `50%` reads digits; one with the tag that
+    spells neither form (here without `%`) is a one-line ValueError, which the runs' prompt check
+    raises too; one without the tag at all (tiny-math/'s words, a test's) is left alone."""
+    shipped = load_tokenizer(TINY_DIR)
+    assert _tag(shipped, 0.42) == ["<eviction_rate>", "42%", "</eviction_rate>"]
+    assert _tag(shipped, 0.42, blind=True) == ["<eviction_rate>", "-%", "</eviction_rate>"]
+    assert _tag(shipped, 1.0) == ["<eviction_rate>", "100%", "</eviction_rate>"]
+    cd.encode(build_tokenizer(make_tiny.MATH_WORDS), cd.Problem((3, 5, 2), 16), "tiny-shift", 0.42)
+    neither = build_tokenizer([w for w in make_tiny.DIGIT_TAG_WORDS if w != "%"])
+    with pytest.raises(ValueError, match="the tokenizer spells neither form of the budget tag") as err:
+        cd.encode(neither, cd.Problem((3, 5, 2), 16), "tiny-shift", 0.42)
+    assert "\n" not in str(err.value)
+    run = replace(settings.run_defaults(TINY_DIR), interoception=True)
+    with pytest.raises(ValueError, match="spells neither form"):
+        tasks.check_prompt(run, neither, "a build without %")
+    tasks.check_prompt(run, shipped, TINY_DIR)  # the controls: both forms pass
+    tasks.check_prompt(run, build_tokenizer(make_tiny.DIGIT_TAG_WORDS), "a digit-tag build")
+    assert cd.encode(neither, cd.Problem((3, 5, 2), 16), "tiny-shift")  # no tag, no check
 
 
 def test_bare_back_returns_without_the_numbers_and_still_replays():
@@ -142,6 +194,64 @@ def test_bare_back_returns_without_the_numbers_and_still_replays():
         t = trace(q, 0.25, rng)
         assert check_trace(q, t) and cd.reward(t, q) == 1.0, (q, t)
 
+def _first_move(text):
+    """A trace's first move, `a op b` (a trace written without restating the target)."""
+    return " ".join(text.split()[5:8])
+
+
+def test_shuffled_traces_replay_solve_and_keep_the_leaves_order():
+    """trace(problem, restate, rng, shuffle): with probability shuffle the pairs and each pair's
+    operations are tried in a random order; every such trace replays (check_trace) to a right
+    answer, its leaves keep their order (+ * - /), and the same seed writes the same traces."""
+    problems = cd.generate(400, 13, cd.SMALL)
+    mixed = [trace(q, 0.25, random.Random(k), shuffle=1.0) for k, q in enumerate(problems)]
+    for q, t in zip(problems, mixed):
+        assert check_trace(q, t) and cd.reward(t, q) == 1.0, (q, t)
+        for leaves in re.findall(r"\] (?:reach \d+ )?((?:[-+*/] \d+ (?:no|yes) ?)+)", t):
+            ops = leaves.split()[::3]
+            assert ops == sorted(ops, key="+*-/".index), t
+    assert sum(t.replace(f" reach {q.target}", "") != trace(q) for q, t in zip(problems, mixed)) > 300
+    assert mixed == [trace(q, 0.25, random.Random(k), shuffle=1.0) for k, q in enumerate(problems)]
+    assert mixed != [trace(q, 0.25, random.Random(k + 1), shuffle=1.0) for k, q in enumerate(problems)]
+    assert not check_trace(problems[0], mixed[0].replace(" yes ", " no "))  # the control: a wrong verdict
+
+
+@pytest.mark.parametrize("shuffle", [0.0, 0.25, 1.0])
+def test_a_share_shuffle_of_traces_tries_another_first_move(shuffle):
+    """A shuffled search tries the canonical first move (the first pair's +) first with probability
+    s/3 · 1/k (k: that pair's operations, s: the pairs that write the same move), so the share of
+    traces whose first move is another one is shuffle times the mean of 1 - s/(3k): a shuffle never
+    or always applied fails."""
+    problems, rng = cd.generate(4000, 17, cd.SMALL), random.Random(0)
+    other = [_first_move(trace(q, 0.0, rng, shuffle)) != _first_move(trace(q)) for q in problems]
+    expected = 0.0
+    for q in problems:
+        a, b, c = sorted(q.nums, reverse=True)
+        same = sum(pair == (a, b) for pair in [(a, b), (a, c), (b, c)])
+        expected += shuffle * (1 - same / (3 * len(cd.moves(a, b)))) / len(problems)
+    assert abs(sum(other) / len(problems) - expected) < 0.03, (sum(other) / len(problems), expected)
+
+
+def test_an_unshuffled_trace_is_todays_and_draws_nothing_more(tmp_path):
+    """shuffle = 0 writes the traces and draws the random numbers of trace(problem, restate, rng):
+    tiny/'s pretraining examples, pinned byte for byte (a digest of 2,000 of make_tiny's examples at
+    its defaults, taken before --shuffle-order existed), and its tokenizer is tiny/'s."""
+    rng, same = random.Random(4), random.Random(4)
+    for q in cd.generate(300, 8, cd.SMALL):
+        assert trace(q, 0.25, rng, shuffle=0.0) == trace(q, 0.25, same)
+    assert rng.random() == same.random()
+    problems = cd.generate(2000, 11, cd.SMALL)
+
+    def digest(**kw):
+        tok, rng = build_tokenizer(), random.Random(3)
+        examples = [make_tiny.countdown_example(tok, q, rng, **kw) for q in problems]
+        return hashlib.sha256("".join(map(repr, examples)).encode()).hexdigest()
+
+    assert digest() == "bee4ae8b86940165893870e83c3b47712b34e523c1e602e287d5db1547ae1b92"
+    assert digest(shuffle=0.01) != digest()  # the control: one shuffled trace in a hundred changes them
+    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    assert (tmp_path / "tokenizer.json").read_bytes() == open(os.path.join(TINY_DIR, "tokenizer.json"), "rb").read()
+
 
 @pytest.mark.parametrize("flags, message", [
     (["--steps", "0"], "--steps 0 must be at least 1"),  # was an UnboundLocalError after building the model
@@ -154,7 +264,13 @@ def test_bare_back_returns_without_the_numbers_and_still_replays():
     (["--minutes", "-1"], "--minutes -1.0 must be 0"), (["--heads", "3"], "--d 192 --heads 3: the heads must be"),
     (["--d", "100"], "--d 100 --heads 4: the heads must be"), (["--task", "maths"], "argument --task: invalid choice"),
     (["--n-test", "501"], "--n-test 501: the tiny difficulty's held-out set (countdown.held_out) has 500 problems"),
-    (["--eval-only", "--out", "/no/such/tiny"], "no config.json in '/no/such/tiny'")])
+    (["--eval-only", "--out", "/no/such/tiny"], "no config.json in '/no/such/tiny'"),
+    (["--shuffle-order", "1.5"], "--shuffle-order 1.5 must lie in [0, 1]"),
+    (["--shuffle-order", "nan"], "--shuffle-order nan must lie in [0, 1]"),
+    (["--task", "math", "--digit-tag"], "--shuffle-order and --digit-tag are Countdown's (tiny/)"),
+    (["--delta", "4"], "eviction cadence δ=4 must be larger than the window w=4"),
+    (["--retention", "0.9,1.2"], "the run's retention 0.9,1.2 must lie in [0, 1)"),
+    (["--retention", "0.9,x"], "--retention '0.9,x' must be comma-separated numbers")])
 def test_make_tiny_checks_every_flag_before_it_builds_anything(tmp_path, monkeypatch, flags, message):
     monkeypatch.setattr(make_tiny, "init_weights", None)  # nothing may be built
     monkeypatch.setattr(make_tiny, "report", None)  # nor evaluated
@@ -215,7 +331,7 @@ def test_tokenizer_round_trips_a_trace():
         assert unk not in ids and ids[0] == tok.token_to_id("<bos>") and ids.count(ids[0]) == 1
         assert len(ids) == len(text.split())  # one token per word, numbers included
         assert tok.decode(ids, skip_special_tokens=False) == text
-        tagged = tok.encode(cd.shift_prompt(p, eviction_rate=0.5)).ids  # the --interoception prompt
+        tagged = cd.encode(tok, p, "tiny-shift", eviction_rate=0.5)  # the --interoception prompt
         assert unk not in tagged and tok.decode(tagged[-3:]) == "<eviction_rate> 50% </eviction_rate>"
         completion = tok.decode(tok.encode(trace(p)).ids + [tok.token_to_id("<eos>")], skip_special_tokens=True)
         assert cd.reward(completion, p) == 1.0
@@ -284,6 +400,58 @@ def test_make_tiny_rebuilds_bit_for_bit(tmp_path, capsys):
     assert other["model.safetensors"] != first["model.safetensors"]
     assert not any(p.name.endswith((".tmp", ".old")) for p in tmp_path.iterdir())
     assert "final loss" in capsys.readouterr().out
+
+
+NEXT_TOY = ["--shuffle-order", "0.25", "--digit-tag", "--max-new-tokens", "64", "--delta", "20", "--retention",
+            "0.9,0.7,0.35"]
+
+
+@pytest.fixture(scope="module")
+def digit_build(tmp_path_factory):
+    """A miniature build with the next toy's flags: (its directory, its four files' bytes)."""
+    out = tmp_path_factory.mktemp("mixed") / "model"
+    return out, _build_small(out, 0, *NEXT_TOY)
+
+
+def test_make_tiny_builds_the_next_toy_bit_for_bit(digit_build, tmp_path):
+    """--shuffle-order, --digit-tag and the run's flags: the same flags and seed write the same four
+    files; ngc.json is tiny/'s run with the flags' values; the vocabulary has no one-token rate; the
+    weights differ from the default build's (the control)."""
+    out, first = digit_build
+    assert _build_small(tmp_path / "again", 0, *NEXT_TOY) == first
+    run = json.loads(first["ngc.json"])
+    assert run == {**make_tiny.TINY_RUN, "max_new_tokens": 64, "delta": 20, "retention": "0.9,0.7,0.35"}
+    assert list(run) == list(make_tiny.TINY_RUN)
+    tok = load_tokenizer(str(out))
+    assert tok.token_to_id("50%") is None and tok.token_to_id("%") is not None
+    default = _build_small(tmp_path / "default", 0)
+    assert json.loads(default["ngc.json"]) == make_tiny.TINY_RUN
+    assert default["model.safetensors"] != first["model.safetensors"]
+
+
+def test_the_run_draws_its_groups_rates_and_writes_them_in_digits(digit_build, tmp_path, monkeypatch):
+    """train.py --interoception on a digit-tag build: the groups draw rates anywhere in (0, 1] (here
+    0.03, 0.42 and 1), the prompt check accepts them, and each group's prompts end with its rate's
+    tens and units (blind: `- -`, the same length)."""
+    seen = {}
+
+    def spy(model, prompts, sampling, eviction=None, rates=None, **kw):
+        seen[run] = prompts, rates
+        return rollout(model, prompts, replace(sampling, max_new_tokens=4), eviction, rates=rates, **kw)
+
+    monkeypatch.setattr(train, "rollout", spy)
+    out, _ = digit_build
+    for run, flags in (("rate", []), ("blind", ["--blind-tag"])):
+        train.main(["--model", str(out), "--out", str(tmp_path / run), "--threads", "1", "--steps", "1",
+                    "--prompts", "8", "--group", "2", "--eval-every", "0", "--save-every", "0", "--interoception",
+                    "--interoception-rates", "0.03,0.42,1", "--eviction-rate", "0.5", *flags])
+    (tagged, rates), (blind, blind_rates) = seen["rate"], seen["blind"]
+    assert torch.equal(rates, blind_rates) and {round(r, 6) for r in rates.tolist()} == {0.03, 0.42, 1.0}
+    tok = load_tokenizer(str(out))
+    for a, b, rate in zip(tagged, blind, rates.tolist()):
+        tens, units = divmod(round(100 * rate), 10)
+        assert tok.decode(a[-5:]) == f"<eviction_rate> {tens} {units} % </eviction_rate>"
+        assert len(a) == len(b) and tok.decode(b[-5:]) == "<eviction_rate> - - % </eviction_rate>"
 
 
 def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
@@ -431,7 +599,7 @@ def test_make_tiny_math_rebuilds_bit_for_bit(tmp_path, capsys):
     assert sorted(first) == ["config.json", "model.safetensors", "ngc.json", "tokenizer.json"]
     assert first == again
     assert other["model.safetensors"] != first["model.safetensors"]
-    assert json.loads(first["ngc.json"]) == make_tiny.MATH_RUN
+    assert json.loads(first["ngc.json"]) == {**make_tiny.MATH_RUN, "max_new_tokens": 16}  # the run's, its flag's
     assert not any(p.name.endswith((".tmp", ".old")) for p in tmp_path.iterdir())
     assert "final loss" in capsys.readouterr().out
 
