@@ -1,8 +1,8 @@
 """Block-level eviction actions (paper §4.2–4.3).
 
-A layer's alive keys, in position order, are cut into N = ceil(T/b) blocks; per-key scores are pooled per
-block; K blocks are kept, by Gumbel-top-k or greedily, and the ordered kept sequence σ has an exact
-Plackett-Luce log-probability. Every function is batched over a leading dimension N, with no loop over blocks.
+A layer's alive keys, in position order, are cut into N = ceil(T/b) blocks; per-key scores are
+pooled per block; K blocks are kept, by Gumbel-top-k or greedily, and the ordered kept sequence σ
+has an exact Plackett-Luce log-probability. Batched over a leading dimension N, no loop over blocks.
 """
 import torch
 
@@ -11,8 +11,8 @@ MIN_SCORE = 1e-30  # block scores are clamped here before the log
 
 
 def keep_count(n_blocks, rate):
-    """K = max(1, floor((1 - ε)·N + 1/2)) for n_blocks N (a long tensor) at rate ε (a float or a tensor of
-    them); the small slack keeps (1 - 0.7)·10 from rounding down through fp error."""
+    """K = max(1, floor((1 - ε)·N + 1/2)) for n_blocks N (a long tensor) at rate ε (a float or a
+    tensor of them); the small slack keeps (1 - 0.7)·10 from rounding down through fp error."""
     rate = torch.as_tensor(rate, dtype=torch.float64, device=n_blocks.device)
     k = torch.floor((1 - rate) * n_blocks + 0.5 + 1e-9).long()
     return torch.minimum(k.clamp(min=1), n_blocks.clamp(min=1))
@@ -25,8 +25,8 @@ def block_ids(alive, block_size: int):
 
 
 def block_means(key_scores, alive, block_size: int):
-    """Mean of key_scores (N, S) over the alive (N, S) keys of each block (paper: s_j = Σ m_t ψ_t / Σ m_t):
-    means (N, M), M = ceil(S / b), and exists (N, M), True for the ceil(alive_i / b) blocks row i has."""
+    """Mean of key_scores (N, S) over the alive (N, S) keys of each block (s_j = Σ m_t ψ_t / Σ m_t,
+    §4.2): means (N, M), M = ceil(S / b), and exists (N, M), True for row i's ceil(alive_i / b)."""
     N, S = alive.shape
     M = -(-S // block_size)
     slot = torch.where(alive, block_ids(alive, block_size), M)  # dead keys land in a spare column
@@ -45,7 +45,7 @@ def log_block_logits(key_scores, alive, block_size: int):
 
 
 def ordered_topk(scores, k):
-    """Indices (N, max k) of the k_i largest scores, largest first, -1 padded; ties go to the lower index."""
+    """Indices (N, max k) of the k_i largest scores, largest first, -1 padded; ties: lower index."""
     order = torch.argsort(scores, dim=1, descending=True, stable=True)
     kmax = int(k.max())
     return torch.where(torch.arange(kmax, device=k.device) < k[:, None], order[:, :kmax], -1)
@@ -62,10 +62,10 @@ def gumbel_topk(logits, k, generator=None):
 def plackett_luce_log_prob(logits, sigma):
     """log p(σ) = Σ_{j<K} [ x_{σ_j} − log Σ_{i ∉ {σ_1..σ_{j-1}}} exp x_i ]   # paper eq. (2)
 
-    logits (N, M) with MISSING at absent blocks; sigma (N, Kmax), -1 padded. Laid out as [kept blocks in σ
-    order | every other block], each denominator is a suffix log-sum-exp (a reverse logcumsumexp): nothing
-    is subtracted, so it stays exact where the paper's log(1 - cumsum p) gives -inf or NaN in fp32 once the
-    policy is peaked."""
+    logits (N, M) with MISSING at absent blocks; sigma (N, Kmax), -1 padded. Laid out as [kept
+    blocks in σ order | every other block], each denominator is a suffix log-sum-exp (a reverse
+    logcumsumexp): nothing is subtracted, so it stays exact where the paper's log(1 - cumsum p)
+    gives -inf or NaN in fp32 once the policy is peaked."""
     logits = logits.float()
     present = sigma >= 0
     kept = logits.gather(1, sigma.clamp(min=0)).masked_fill(~present, MISSING)  # (N, Kmax)

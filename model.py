@@ -1,9 +1,9 @@
-"""Qwen2 in plain PyTorch, and its KV cache (checkpoint.py reads and writes Hugging Face directories).
+"""Qwen2 in plain PyTorch, and its KV cache (checkpoint.py reads, writes Hugging Face directories).
 
-The decoder is the Qwen2 of DeepSeek-R1-Distill-Qwen-1.5B. Attention is SDPA with a boolean mask (True =
-attend), so one code path serves cached decoding (the mask from the cache's positions and alive flags),
-replay (one (B, T, T) mask per layer, built right before that layer) and plain causal training. The
-cache stores post-RoPE keys, so an entry keeps its position for ever and eviction only drops entries.
+The decoder is the Qwen2 of DeepSeek-R1-Distill-Qwen-1.5B. Attention is SDPA with a boolean mask
+(True = attend), so one code path serves cached decoding (the mask from the cache's positions and
+alive flags), replay (one (B, T, T) mask per layer, built right before that layer) and plain causal
+training. The cache stores post-RoPE keys: an entry keeps its position, eviction only drops entries.
 """
 from dataclasses import dataclass
 
@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(pos, head_dim: int, theta: float, dtype):
     """cos and sin of the rotary angles at absolute positions pos (B, T) -> (B, 1, T, D)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim)
     angles = pos.float()[..., None] * inv_freq  # (B, T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout over the whole head
     return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
@@ -65,28 +65,29 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
-        self.n_head, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_head, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=True)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, pos, mask=None, cache=None, valid=None):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        (B, T, _), H, Hkv, D = x.shape, self.n_head, self.n_kv, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q_new, k_new = q, k
         if cache is not None:  # attend to everything alive in the cache, plus the new tokens
             cache.append(k, v, pos, valid)
             k, v, mask = cache.read(pos)  # (B, Hkv, S', D) twice, (B, T, S')
-        if cache is not None and T == 1:  # decode: a KV group's H/Hkv query heads as queries of one head (no GQA)
-            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, -1, self.head_dim), k, v,
-                                               attn_mask=mask[:, None]).view(B, self.n_head, 1, self.head_dim)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
-                                               is_causal=mask is None, enable_gqa=True)  # (B, H, T, D)
+        if cache is not None and T == 1:  # decode: a KV group's query heads as one head's queries
+            y = F.scaled_dot_product_attention(q.reshape(B, Hkv, -1, D), k, v,
+                                               attn_mask=mask[:, None]).view(B, H, 1, D)
+        else:  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, None if mask is None else mask[:, None],
+                                               is_causal=mask is None, enable_gqa=True)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         return y, q_new, k_new
 
@@ -121,7 +122,7 @@ class Qwen2(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
         self.config = cfg
-        self.model = nn.ModuleDict(dict(  # named as in Hugging Face checkpoints: model.layers.0. ...
+        self.model = nn.ModuleDict(dict(  # Hugging Face's names: model.layers.0. ...
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
             layers=nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers)),
             norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
@@ -137,15 +138,15 @@ class Qwen2(nn.Module):
     def forward(self, idx, pos, cache=None, valid=None, layer_mask=None, qk_hook=None):
         """Final hidden states (B, T, C) of tokens idx (B, T) at absolute positions pos (B, T).
 
-        cache: a KVCache the real tokens (valid (B, T)) are appended to; they attend to its alive entries not later.
-        layer_mask: layer index -> (B, T, T) bool visibility, True = attend (replay); with neither: plain causal.
-        qk_hook(layer, q, k, mask): reads the new tokens' post-RoPE queries (B, H, T, D) and keys (B, Hkv, T, D)."""
+        cache: a KVCache the real tokens (valid (B, T)) join; they see its alive entries not later.
+        layer_mask: layer -> (B, T, T) bool visibility, True = attend (replay); neither: causal.
+        qk_hook(layer, q, k, mask) reads the new post-RoPE q (B, H, T, D) and k (B, Hkv, T, D)."""
         cfg = self.config
         x = self.model.embed_tokens(idx)  # (B, T, C)
         cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i, block in enumerate(self.layers):
             mask = layer_mask(i) if layer_mask is not None else None
-            x, q, k = block(x, cos, sin, pos, mask, None if cache is None else cache.layers[i], valid)
+            x, q, k = block(x, cos, sin, pos, mask, cache.layers[i] if cache else None, valid)
             if qk_hook is not None:
                 qk_hook(i, q, k, mask)
         return self.model.norm(x)
@@ -155,25 +156,25 @@ class Qwen2(nn.Module):
 
 
 class LayerCache:
-    """One layer's KV entries for a batch in buffers allocated once, `capacity` slots per row. A row's alive
-    entries are its first `fill` slots, in position order: a new entry goes to slot `fill`, and an eviction
-    moves the survivors to the front. No shape changes between tokens, so a decode step can be captured
-    (torch.compile, CUDA graphs). The capacity is a bound the caller proves (ngc.cache_bound); needing more
-    is an error at the next `check`, never a silent drop. Attention reads the first `span` slots: all S for
-    a captured step (tight=False), else a host-side bound that grows with each append and shrinks at
-    each eviction to the fullest row."""
+    """One layer's KV entries for a batch, `capacity` slots per row in buffers allocated once. A
+    row's alive entries are its first `fill` slots, in position order: a new entry goes to slot
+    `fill`, an eviction moves the survivors to the front. No shape changes between tokens, so a
+    decode step can be captured (torch.compile, CUDA graphs). The capacity is a bound the caller
+    proves (ngc.cache_bound); needing more is an error at the next `check`, never a silent drop.
+    Attention reads the first `span` slots: all S for a captured step (tight=False), else a
+    host-side bound that grows with each append and shrinks at each eviction to the fullest row."""
 
-    def __init__(self, batch: int, n_kv: int, head_dim: int, capacity: int, dtype, device, tight: bool = False):
-        # zeros, not empty: attention weighs masked slots by 0, and 0 * NaN would be NaN
-        self.k = torch.zeros(batch, n_kv, capacity, head_dim, dtype=dtype, device=device)  # (B, Hkv, S, D)
+    def __init__(self, batch, n_kv, head_dim, capacity, dtype, device, tight: bool = False):
+        # (B, Hkv, S, D); zeros, not empty: attention weighs masked slots by 0, and 0 * NaN is NaN
+        self.k = torch.zeros(batch, n_kv, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # (B, S)
         self.alive = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, S)
-        self.fill = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) slots in use; above S = overflow
-        self.size = capacity  # S; a round reads all S slots, the dead ones masked by their alive flag
+        self.fill = self.pos.new_zeros(batch)  # (B,) slots in use; above S: an overflow
+        self.size = capacity  # S; a round reads all S slots, masking the dead ones
         self.tight = tight
-        self.span = 0 if tight else capacity  # S' <= S: the slots attention reads; every alive entry lies below
-        self.span_floor = 0  # the most entries a row that left (keep_rows) held: S' never drops below it
+        self.span = 0 if tight else capacity  # S' <= S slots attention reads: every alive one
+        self.span_floor = 0  # the most a row that left (keep_rows) held: S' never drops below it
 
     def read(self, qpos):
         """The keys and values (B, Hkv, S', D) of the first S' = span slots, and what each of the T
@@ -183,15 +184,14 @@ class LayerCache:
         return self.k[:, :, :n], self.v[:, :, :n], seen
 
     def append(self, k, v, pos, valid):
-        """Write k, v (B, Hkv, T, D) where valid (B, T) at each row's next free slots, in order; padding writes
-        back what its slot holds. Slots are taken modulo S, so a row's T slots are distinct even past the end."""
+        """Write k, v (B, Hkv, T, D) where valid (B, T) at each row's next free slots, in order;
+        padding writes back what its slot holds. Slots wrap modulo S, distinct in a row past S."""
         n = valid.sum(1, keepdim=True)
-        if valid.shape[1] == 1:  # decode: the one token goes to slot fill, or writes back what it holds
+        if valid.shape[1] == 1:  # decode: to slot fill (or it writes back what it holds)
             rank = torch.zeros_like(n)
-        else:
-            rank = torch.where(valid, valid.cumsum(1) - 1, n + (~valid).cumsum(1) - 1)  # (B, T): valid ones first
-        B, Hkv = k.shape[:2]
-        row, head = torch.arange(B, device=k.device)[:, None], torch.arange(Hkv, device=k.device)[:, None]
+        else:  # (B, T): each token's rank, the valid ones first
+            rank = torch.where(valid, valid.cumsum(1) - 1, n + (~valid).cumsum(1) - 1)
+        row, head = (torch.arange(m, device=k.device)[:, None] for m in k.shape[:2])
         slot = (self.fill[:, None] + rank) % self.size  # (B, T)
         at = row[:, None], head, slot[:, None]  # indexes (B, Hkv, T) of the (B, Hkv, S, D) buffers
         new = valid[:, None, :, None]
@@ -205,13 +205,13 @@ class LayerCache:
             self.span = min(self.size, self.span + k.shape[2])
 
     def evict(self, rows, keep):
-        """Batch rows `rows` (N,) keep the entries where keep (N, S): the survivors move, in order, to the front."""
-        self.check()  # before the survivors are counted: an overflow since the last round is an error
-        order = torch.argsort(keep.to(torch.uint8), dim=1, descending=True, stable=True)  # (N, S): kept first
+        """Rows `rows` (N,) keep the entries where keep (N, S), moved in order to the front."""
+        self.check()  # first: an overflow since the last round is an error
+        order = torch.argsort(keep.to(torch.uint8), dim=1, descending=True, stable=True)  # (N, S)
         N, Hkv, S, D = len(rows), *self.k.shape[1:]
-        heads = rows[:, None] * Hkv + torch.arange(Hkv, device=rows.device)  # (N, Hkv) rows of the (B·Hkv, S, D) view
-        entries = (heads[:, :, None] * S + order[:, None]).flatten()  # (N·Hkv·S,) entries in their new order
-        for buf in (self.k, self.v):  # index_select on whole D-vectors: far faster than a gather on the CPU
+        heads = rows[:, None] * Hkv + torch.arange(Hkv, device=rows.device)  # (N, Hkv) of B·Hkv
+        entries = (heads[:, :, None] * S + order[:, None]).flatten()  # (N·Hkv·S,) of B·Hkv·S
+        for buf in (self.k, self.v):  # index_select of D-vectors: far faster than a gather on CPU
             buf.index_copy_(0, rows, buf.view(-1, D).index_select(0, entries).view(N, Hkv, S, D))
         self.pos[rows] = self.pos[rows].gather(1, order)
         self.fill[rows] = keep.sum(1)
@@ -220,23 +220,23 @@ class LayerCache:
             self.span = max(int(self.fill.max()), self.span_floor)  # a host sync, once per round
 
     def keep_rows(self, rows):
-        """Keep only batch rows `rows` (N,), in that order; eager only. Attention goes on reading as many slots
-        as the rows that left held, so the rows that stay compute (and round) as they would have beside them."""
+        """Keep only rows `rows` (N,), in that order; eager only. Attention still reads as many
+        slots as the rows that left held: the rest compute (and round) as they would beside them."""
         left = torch.ones_like(self.alive[:, 0]).index_fill_(0, rows, False)
         self.span_floor = max(self.span_floor, int(torch.where(left, self.fill, 0).max()))
-        self.k, self.v, self.pos, self.alive, self.fill = (t[rows] for t in (self.k, self.v, self.pos, self.alive,
-                                                                             self.fill))
+        self.k, self.v, self.pos = self.k[rows], self.v[rows], self.pos[rows]
+        self.alive, self.fill = self.alive[rows], self.fill[rows]
 
     def check(self):
         if (self.fill > self.size).any():
-            raise RuntimeError(f"KV cache overflow: a row needs {int(self.fill.max())} slots of {self.size} allocated; "
-                               f"the bound that sized the cache is wrong")
+            raise RuntimeError(f"KV cache overflow: a row needs {int(self.fill.max())} slots of "
+                               f"{self.size} allocated; the bound that sized the cache is wrong")
 
 
 class KVCache:
-    def __init__(self, cfg: Qwen2Config, batch: int, capacity: int, dtype, device, tight: bool = False):
-        self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype, device, tight)
-                       for _ in range(cfg.num_hidden_layers)]
+    def __init__(self, cfg: Qwen2Config, batch, capacity, dtype, device, tight: bool = False):
+        self.layers = [LayerCache(batch, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype,
+                                  device, tight) for _ in range(cfg.num_hidden_layers)]
 
     def keep_rows(self, rows):
         for c in self.layers:

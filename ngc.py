@@ -2,14 +2,13 @@
 
 One sequence's life (paper §4.1): each time its cache has just taken token kδ-1 (prompt included),
 an eviction round fires (`eviction_round`). At each layer the w newest queries score the alive keys
-(ψ, §4.2), the keys are cut into blocks of b, and K = keep_count(N, ε) blocks are kept: sampled with
-Gumbel-top-k (§4.3, training) or the top K (the paper's evaluation); the rest are gone from that layer
-for good. Token kδ is sampled from the logits computed before the round and attends to the survivors.
-A baseline (baselines.py) swaps ψ for its own per-key score in the same rounds, blocks and K.
+(ψ, §4.2), the keys are cut into blocks of b, and K = keep_count(N, ε) blocks are kept: sampled
+with Gumbel-top-k (§4.3, training) or the top K (the paper's evaluation); the rest are gone from
+that layer for good. Token kδ is sampled from the logits computed before the round and attends to
+the survivors. A baseline (baselines.py) swaps ψ for its own per-key score in the same rounds.
 
-With a meta-token g (Sampling.meta_token; paper, Appendix "Compression via Meta-Tokens") the token at
-index kδ-1, the last before a round, is forced to g (constrained decoding; prompt tokens never are);
-g is then an ordinary cache entry. A Rollout records everything replay needs.
+With a meta-token g (Sampling.meta_token; App. "Compression via Meta-Tokens") completion token
+kδ-1, the last before a round, is forced to g, then a cache entry. A Rollout holds all replay needs.
 """
 import math
 from collections import namedtuple
@@ -21,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from gumbel import (MISSING, block_means, gumbel_topk, keep_count, kept_keys, log_block_logits, ordered_topk,
-                    plackett_luce_log_prob)
+from gumbel import (MISSING, block_means, gumbel_topk, keep_count, kept_keys, log_block_logits,
+                    ordered_topk, plackett_luce_log_prob)
 from model import KVCache, LayerCache, Qwen2
 from lib.compiled import captured_decode
 
@@ -34,40 +33,21 @@ class Eviction:
     block: int = 32  # block size b
     window: int = 5  # scoring window w: the w newest queries score the keys
     rate: float = 0.5  # eviction rate ε: the fraction of blocks evicted per round
-    greedy: bool = False  # keep the top K blocks (the paper's evaluation), not a Gumbel-top-k sample (training)
-    score: Callable | None = None  # a baseline's per-key score (ψ, keys, alive, Round) -> (N, S); None: NGC's ψ
+    greedy: bool = False  # the top K blocks (the paper's evaluation), else Gumbel-top-k (training)
+    score: Callable | None = None  # a baseline's (ψ, keys, alive, Round) -> (N, S); None: ψ
 
     def __post_init__(self):
         check_eviction(self.delta, self.block, self.window, self.rate)
 
 
-# What a baseline's score reads besides ψ, keys and alive: the round's rows (N,), the layer, each slot's position
-# (N, S), the w newest tokens' (N, w), the prompts (N, T, 0-padded) and their lengths (N,).
+# What a baseline's score reads besides ψ, keys and alive: the round's rows (N,), the layer, each
+# slot's position (N, S), the w newest tokens' (N, w), the prompts (N, T, 0-padded), their lengths.
 Round = namedtuple("Round", "rows layer key_pos query_pos prompts prompt_lens")
 
 
-def check_eviction(delta, block, window, rate):
-    """Raise ValueError with a one-line message for arguments the method cannot use; rate: ε, or a (B,) tensor."""
-    if not all(0 < r <= 1 for r in (rate.tolist() if torch.is_tensor(rate) else [rate])):
-        raise ValueError(f"eviction rate ε={rate} must lie in (0, 1]: it is the fraction of blocks evicted per round")
-    if block < 1:
-        raise ValueError(f"block size b={block} must be at least 1")
-    if window < 1:
-        raise ValueError(f"scoring window w={window} must be at least 1")
-    if delta <= window:
-        raise ValueError(f"eviction cadence δ={delta} must be larger than the window w={window}")
-    if delta < block:
-        raise ValueError(f"eviction cadence δ={delta} must be at least the block size b={block}")
-
-
 def is_round_end(t, delta: int):
-    """Whether token index t (0-based, prompt included) is kδ-1, the last before a round (paper §4.1)."""
+    """Whether token index t (0-based, prompt included) is kδ-1, the last before a round (§4.1)."""
     return (t + 1) % delta == 0
-
-
-def round_end(r, delta: int):
-    """The token index after which round r (0-based) fires: (r+1)δ - 1."""
-    return (r + 1) * delta - 1
 
 
 @dataclass
@@ -75,17 +55,17 @@ class Sampling:
     max_new_tokens: int = 1024
     temperature: float = 0.9
     top_k: int = 50  # 0 = no top-k truncation
-    top_p: float = 1.0  # nucleus sampling: keep the fewest top tokens whose mass reaches top_p; 1 = off
+    top_p: float = 1.0  # nucleus: the fewest top tokens whose mass reaches top_p; 1 = off
     greedy: bool = False
-    meta_token: int | None = None  # g: forced as the last token before each eviction round; None: never
+    meta_token: int | None = None  # g: forced as the last token before each round; None: never
 
     def __post_init__(self):
         if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} must be positive (use greedy=True for argmax)")
+            raise ValueError(f"temperature={self.temperature} must be positive (or greedy=True)")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must lie in (0, 1]: it is the probability mass kept (1 = all)")
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1]: the probability mass kept")
 
 
 @dataclass
@@ -93,8 +73,8 @@ class Rollout:
     tokens: torch.Tensor  # (B, T) prompt + completion, right-padded with 0
     prompt_lens: torch.Tensor  # (B,)
     lengths: torch.Tensor  # (B,) prompt + completion
-    logprobs: torch.Tensor  # (B, T) log softmax(logits / temperature) of each sampled completion token, else 0
-    forced: torch.Tensor  # (B, T) bool: completion tokens forced to the meta-token g (log-prob 0: not sampled)
+    logprobs: torch.Tensor  # (B, T) log softmax(logits / temperature) of each sampled token, else 0
+    forced: torch.Tensor  # (B, T) bool: tokens forced to the meta-token g (log-prob 0: not sampled)
     kept: torch.Tensor  # (B, R, L, Kmax) ordered kept blocks σ per round and layer, -1 padded
     n_rounds: torch.Tensor  # (B,) rounds that fired
     evict_logprobs: torch.Tensor  # (B, R, L) log p(σ) of each decision, 0 where none
@@ -107,20 +87,245 @@ class Rollout:
     rates: torch.Tensor | None  # (B,) each row's ε (eviction.rate unless rollout's `rates` set it)
 
     def select(self, rows) -> "Rollout":
-        """The rollouts of batch rows `rows`, trimmed to their own longest length and round count."""
+        """The rollouts of rows `rows`, trimmed to their own longest length and round count."""
         T, R = int(self.lengths[rows].max()), int(self.n_rounds[rows].max())
-        trim = {"tokens": T, "logprobs": T, "forced": T, "kept": R, "evict_logprobs": R, "kv_before_round": R}
-        return replace(self, **{k: v[rows, : trim[k]] if k in trim else v[rows]  # settings (and rates None) as they are
+        trim = dict(tokens=T, logprobs=T, forced=T, kept=R, evict_logprobs=R, kv_before_round=R)
+        return replace(self, **{k: v[rows, : trim[k]] if k in trim else v[rows]
                                 for k, v in vars(self).items() if torch.is_tensor(v)})
 
     def completions(self) -> list[list[int]]:
-        return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
+        return [t[p:n].tolist() for t, p, n in zip(self.tokens, self.prompt_lens, self.lengths)]
+
+
+@torch.no_grad()
+def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
+            eviction: Eviction | None = None, rates=None, eos_ids=(), generator=None,
+            progress=False, compile=False) -> Rollout:
+    """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
+
+    rates: optional per-sequence eviction rates (B,) overriding eviction.rate (interoception).
+    generator: a torch.Generator for the token and Gumbel noise (on the model's device).
+    compile: run the decode step through torch.compile (CUDA graphs on CUDA); same results."""
+    s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile)
+    logits = prefill(s)
+    new, new_logprobs, n_new, hit_eos = decode_n_tokens(s, logits, eos_ids, progress)
+    return finish(s, new, new_logprobs, n_new, hit_eos)
+
+
+class RolloutState:
+    """A rollout under way: what prefill, decode_n_tokens and finish share."""
+
+    def __init__(self, model: Qwen2, prompts, sampling: Sampling, eviction: Eviction | None, rates,
+                 generator, compile):
+        self.model, self.sampling, self.eviction = model, sampling, eviction
+        self.generator = generator  # of the token and Gumbel noise
+        self.meta = sampling.meta_token if eviction else None  # g; without eviction, no round
+        check_rollout(prompts, self.meta, model.config.vocab_size, eviction, rates)
+        B, L, device = len(prompts), model.config.num_hidden_layers, model.lm_head.weight.device
+        self.rates = None if eviction is None else torch.as_tensor(  # (B,) each row's ε
+            [eviction.rate] * B if rates is None else rates, device=device)
+        self.lens = [len(p) for p in prompts]  # on the host
+        self.prompt_lens = torch.tensor(self.lens, device=device)  # (B,)
+        T = max(self.lens) + sampling.max_new_tokens  # tokens (B, T); the last is never fed
+        self.tokens = torch.tensor([[*p] + [0] * (T - len(p)) for p in prompts], device=device)
+        self.dtype = model.lm_head.weight.dtype  # the cache's and the logits'
+        if torch.is_autocast_enabled(device.type):  # fp32 weights, bf16 compute: a bf16 cache
+            self.dtype = torch.get_autocast_dtype(device.type)
+        capacity = T - 1 if eviction is None else max(  # App. A.2's bound at each row's ε
+            cache_bound(eviction.delta, eviction.block, r, T - 1) for r in set(self.rates.tolist()))
+        state = (B, capacity, eviction.window if eviction else 0, self.dtype, device)
+        if compile:  # compiled.py: the same step, captured, on buffers kept for the next rollout
+            self.cache, self.window, self.step = captured_decode(
+                model, decode_one_token, partial(decode_state, model), state)
+        else:  # eager: attention reads only the slots some row has filled (a tight cache)
+            self.cache, self.window = decode_state(model, *state, tight=True)
+            self.step = decode_one_token
+        self.fed = torch.zeros(B, dtype=torch.long, device=device)  # (B,) tokens each cache took
+        self.rounds = []  # (rows, their round index, σ per layer, log p(σ), alive before) each
+        self.n_rounds = torch.zeros(B, dtype=torch.long, device=device)  # (B,) rounds fired
+        self.can_drop = not compile  # ended rows leave the batch (a captured step: fixed shapes)
+        self.live = None  # (B',) the batch row of each cache row; None: every row, in order
+        self.cache_row = torch.arange(B, device=device)  # (B,) each batch row's cache row
+        self.final_alive = torch.zeros(B, L, dtype=torch.long, device=device)  # of rows that left
+
+
+def prefill(s: RolloutState):
+    """Feed the prompts and return the logits (B, V) after each one's last token: in chunks that
+    end on eviction boundaries, with a round between chunks (§4.1); without eviction, in one."""
+    ev, P = s.eviction, s.prompt_lens
+    chunk = ev.delta if ev else max(s.lens)  # δ; without eviction the whole prompt is one chunk
+    logits = torch.zeros(len(s.lens), s.model.config.vocab_size, device=P.device, dtype=s.dtype)
+    while (s.fed < P).any():
+        n = torch.minimum(P, (s.fed // chunk + 1) * chunk) - s.fed  # (B,) tokens in this chunk
+        offs = torch.arange(int(n.max()), device=P.device)
+        pos, valid = s.fed[:, None] + offs, offs < n[:, None]  # (B, T)
+        idx = s.tokens.gather(1, pos.clamp(max=s.tokens.shape[1] - 1)).masked_fill(~valid, 0)
+        if s.window:
+            s.window.advance(pos, valid)
+        h = s.model(idx, pos, cache=s.cache, valid=valid, qk_hook=s.window)
+        s.fed.add_(n)
+        last = h[torch.arange(len(n), device=P.device), (n - 1).clamp(min=0)]  # (B, C)
+        logits[n > 0] = s.model.logits(last)[n > 0]
+        if ev:
+            fire_round(s, (n > 0) & is_round_end(s.fed - 1, ev.delta))
+    return logits
+
+
+def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
+    """The one loop over time: up to M tokens per row from the logits (B, V) after each prompt, a
+    row stopping at EOS. Returns them and their log-probs (B, M), each row's count and EOS (B,)."""
+    ev, B, M, device = s.eviction, len(s.lens), s.sampling.max_new_tokens, s.fed.device
+    phases = set()
+    if ev:  # a row still going after step t has taken token lens[i] + t: a round if due[t % δ]
+        due = is_round_end(torch.tensor(s.lens) + torch.arange(ev.delta)[:, None], ev.delta)
+        phases, due = set(due.any(1).nonzero().flatten().tolist()), due.to(device)  # no sync
+    new = torch.zeros(B, M, dtype=torch.long, device=device)  # token t of each completion
+    new_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
+    n_new = torch.zeros(B, dtype=torch.long, device=device)
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    hit_eos = torch.zeros_like(active)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    for t in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
+        tok, lp = sample_tokens(logits, s.sampling, s.generator)
+        if s.meta is not None:  # token kδ-1, the last before a round, is g (constrained decoding)
+            force = is_round_end(s.prompt_lens + n_new, ev.delta)
+            tok, lp = tok.masked_fill(force, s.meta), lp.masked_fill(force, 0.0)
+        new[:, t], new_logprobs[:, t] = tok, lp
+        n_new += active
+        hit_eos |= active & torch.isin(tok, eos)
+        active &= ~hit_eos & (n_new < M)
+        going = int(active.sum()) if eos.numel() else None  # a host sync, needless without EOS ids
+        if t == M - 1 or going == 0:
+            break
+        if going and s.can_drop:
+            drop_ended_rows(s, active, going)
+        live = slice(None) if s.live is None else s.live  # the rows the cache holds
+        out = s.step(s.model, s.cache, s.window, *(x[live, None] for x in (tok, s.fed, active)))
+        logits = out if s.live is None else logits.index_copy(0, s.live, out)  # ended rows: unused
+        s.fed += active
+        if ev and t % ev.delta in phases:
+            fire_round(s, due[t % ev.delta] & active)
+    return new, new_logprobs, n_new, hit_eos
+
+
+def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
+    """Feed one token per row (tok, pos, valid (B, 1)) and return the logits (B, V) after it. Fixed
+    shapes and no host reads, so torch.compile captures it whole; rows not valid write nothing."""
+    if window is not None:
+        window.advance(pos, valid)
+    h = model(tok, pos, cache=cache, valid=valid, qk_hook=window)
+    return model.logits(h[:, -1])
+
+
+def sample_tokens(logits, s: Sampling, generator=None):
+    """Next tokens (B,) and their log-probs under softmax(logits / temperature)."""
+    logits = logits.float() / s.temperature
+    logp = F.log_softmax(logits, dim=-1)
+    if s.greedy:
+        tok = logits.argmax(-1)
+    else:
+        if s.top_k:
+            kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if s.top_p < 1:  # nucleus: drop a token once the tokens ranked above it hold top_p
+            sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+            probs = sorted_logits.softmax(-1)
+            mass_above = probs.cumsum(-1) - probs  # 0 for the top token, which is always kept
+            cut = sorted_logits.masked_fill(mass_above >= s.top_p, float("-inf"))
+            logits = logits.scatter(-1, order, cut)
+        tok = inverse_cdf_sample(logits, generator)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
+    """The Rollout: each prompt, then its first n_new (B,) tokens of new (B, M); the record."""
+    s.cache.check()  # an overflow after the last round is an error too
+    P, M, device = s.prompt_lens, new.shape[1], new.device
+    lengths = P + n_new
+    done = torch.arange(M, device=device) < n_new[:, None]  # (B, M)
+    at = P[:, None] + torch.arange(M, device=device)
+    tokens = s.tokens.scatter_(1, at, torch.where(done, new, 0))
+    logprobs = torch.zeros_like(tokens, dtype=torch.float32)
+    logprobs.scatter_(1, at, torch.where(done, new_logprobs, 0.0))
+    kept, evict_logprobs, before = stack_rounds(s.rounds, s.n_rounds, len(s.cache.layers))
+    alive = s.cache.alive_counts()  # (B', L)
+    final = alive if s.live is None else s.final_alive.index_copy(0, s.live, alive)  # (B, L)
+    # Alive entries only grow between rounds: a row holds the most before a round or at the end.
+    held = torch.cat([before.sum(2), final.sum(1, keepdim=True)], 1)  # (B, R + 1)
+    T = int(lengths.max())
+    t = torch.arange(T, device=device)
+    completion = (t >= P[:, None]) & (t < lengths[:, None])  # (B, T)
+    forced = completion & (is_round_end(t, s.eviction.delta) if s.meta is not None else False)
+    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, kept, s.n_rounds,
+                   evict_logprobs, before, peak_kv=held.amax(1), kv_slots=s.cache.slots(),
+                   eos=hit_eos, sampling=s.sampling, eviction=s.eviction, rates=s.rates)
+
+
+def stack_rounds(rounds, n_rounds, L: int):
+    """The rounds' record as Rollout's kept (B, R, L, Kmax), evict_logprobs and kv_before_round."""
+    B, R = len(n_rounds), int(n_rounds.max())
+    Kmax = max([sigma.shape[1] for *_, sigmas, _, _ in rounds for sigma in sigmas], default=1)
+    kept = n_rounds.new_full((B, R, L, Kmax), -1)
+    logps, before = torch.zeros(B, R, L, device=n_rounds.device), n_rounds.new_zeros(B, R, L)
+    for rows, r, sigmas, lp, bf in rounds:
+        for layer, sigma in enumerate(sigmas):
+            kept[rows, r, layer, : sigma.shape[1]] = sigma
+        logps[rows, r], before[rows, r] = lp, bf
+    return kept, logps, before
+
+
+def fire_round(s: RolloutState, fired):
+    """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
+    rows = fired.nonzero().flatten()
+    if len(rows):
+        at = Round(rows, None, None, None, s.tokens[rows], s.prompt_lens[rows])
+        decided = eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows],
+                                 s.eviction, s.generator, at)
+        s.rounds.append((rows, s.n_rounds[rows].clone(), *decided))
+        s.n_rounds[rows] += 1
+
+
+def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, rates, ev: Eviction,
+                   generator=None, at: Round | None = None):
+    """One eviction round at every layer for cache rows in_cache (N,) at rates ε (N,) (§4.1–4.3);
+    at: their Round for a baseline's score (each layer fills in its layer and positions). Returns
+    σ of each layer [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round (N, L)."""
+    qpos = window.pos[in_cache]  # (N, w) the w newest tokens' positions (δ > w: all are scored)
+    sigmas, logps, before = [], [], []
+    for layer, c in enumerate(layers):
+        alive, kpos, keys = c.alive[in_cache], c.pos[in_cache], c.k.index_select(0, in_cache)
+        q = window.q[layer][in_cache]  # (N, H, w, D); keys (N, Hkv, S, D), alive (N, S)
+        seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal
+        psi, logits, exists = round_logits(q, keys, seen, alive[:, None], ev.block)  # one round:
+        psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb), (N, nb)
+        ranking = logits
+        if ev.score is not None:  # a baseline: its own key score's plain block mean (may be < 0)
+            own = ev.score(psi, keys, alive, at._replace(layer=layer, key_pos=kpos, query_pos=qpos))
+            ranking = torch.where(exists, block_means(own, alive, ev.block)[0], MISSING)
+        K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
+        # σ (N, Kmax): the top K blocks, or a Gumbel-top-k sample (§4.3)
+        sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)
+        logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
+        c.evict(in_cache, kept_keys(alive, sigma, ev.block))  # the survivors move to the front
+        sigmas.append(sigma), before.append(alive.sum(1))
+    return sigmas, torch.stack(logps, 1), torch.stack(before, 1)
+
+
+def round_logits(q, k, seen, alive, block: int):
+    """What R rounds per row decide from (rollout: one; replay: all): q (N, H, R·w, D) each round's
+    w queries, k (N, Hkv, S, D), seen (N, R·w, S) the keys each query sees, alive (N, R, S).
+    Returns ψ (N, R, S), the attention to each key averaged over heads and the round's w queries
+    (§4.2), and per block (N, R, nb) the logit x_j = log s_j (s_j: mean ψ) and whether it exists."""
+    N, R, S = alive.shape
+    psi = attention_scores(q, k, seen).view(N, R, -1, S).mean(2)  # (N, R, S)
+    logits, exists = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), block)
+    return psi, logits.view(N, R, -1), exists.view(N, R, -1)
 
 
 def attention_scores(q, k, mask):
-    """Mean over query heads of softmax(q·kᵀ/√d) per query row, in fp32 (paper §4.2: A): q (N, H, M, D)
-    post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) which keys each query row sees. Query head
-    h reads KV group h // (H / Hkv). Returns (N, M, S)."""
+    """Mean over query heads of softmax(q·kᵀ/√d) per query row, in fp32 (paper §4.2: A): q (N, H,
+    M, D) post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) which keys each query row sees.
+    Query head h reads KV group h // (H / Hkv). Returns (N, M, S)."""
     (N, H, M, D), Hkv = q.shape, k.shape[1]
     q = q.float().view(N, Hkv, H // Hkv, M, D)
     att = q @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (N, Hkv, G, M, S)
@@ -128,23 +333,13 @@ def attention_scores(q, k, mask):
     return att.mean(dim=(1, 2))  # (N, M, S)
 
 
-def round_logits(q, k, seen, alive, block: int):
-    """What R rounds per row decide from (the rollout: one; replay: all of a rollout's): q (N, H, R·w, D)
-    each round's w queries, k (N, Hkv, S, D), seen (N, R·w, S) the keys each query sees, alive (N, R, S).
-    Returns ψ (N, R, S), the attention paid to each key averaged over heads and the round's w queries
-    (§4.2), and per block (N, R, nb) the logits x_j = log s_j (s_j: its alive keys' mean ψ) and whether it exists."""
-    N, R, S = alive.shape
-    psi = attention_scores(q, k, seen).view(N, R, -1, S).mean(2)  # (N, R, S)
-    logits, exists = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), block)
-    return psi, logits.view(N, R, -1), exists.view(N, R, -1)
-
-
 class QueryWindow:
-    """The post-RoPE queries of each row's w newest tokens per layer, ψ's Q^(ℓ) (paper §4.2), updated in place."""
+    """Each row's post-RoPE queries of its w newest tokens per layer: ψ's Q^(ℓ) (§4.2), in place."""
 
-    def __init__(self, n_layers: int, batch: int, w: int, n_head: int, head_dim: int, dtype, device):
+    def __init__(self, n_layers, batch, w: int, n_head, head_dim, dtype, device):
         self.w = w
-        self.q = [torch.zeros(batch, n_head, w, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.q = [torch.zeros(batch, n_head, w, head_dim, dtype=dtype, device=device)
+                  for _ in range(n_layers)]  # (B, H, w, D) per layer
         self.pos = torch.zeros(batch, w, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, w, dtype=torch.bool, device=device)
         self.idx = torch.zeros(batch, w, dtype=torch.long, device=device)
@@ -152,11 +347,12 @@ class QueryWindow:
     def advance(self, pos, valid):
         """Before a forward: which w of (window + new tokens) are the newest real tokens."""
         cat_valid, cat_pos = torch.cat([self.valid, valid], 1), torch.cat([self.pos, pos], 1)
-        if valid.shape[1] == 1:  # decode: a valid token pushes the oldest out (valid entries are the newest)
+        if valid.shape[1] == 1:  # decode: a valid token pushes the oldest out
             self.idx.copy_(torch.arange(self.w, device=pos.device) + valid.long())  # (B, w)
         else:
             order = torch.arange(cat_valid.shape[1], device=pos.device).expand_as(cat_valid)
-            self.idx.copy_(torch.where(cat_valid, order, -1).topk(self.w, dim=1).indices.sort(1).values)  # (B, w)
+            newest = torch.where(cat_valid, order, -1).topk(self.w, dim=1).indices
+            self.idx.copy_(newest.sort(1).values)  # (B, w)
         self.valid.copy_(cat_valid.gather(1, self.idx))
         self.pos.copy_(cat_pos.gather(1, self.idx))
 
@@ -174,45 +370,26 @@ class QueryWindow:
         return [*self.q, self.pos, self.valid, self.idx]
 
 
-def sample_tokens(logits, s: Sampling, generator=None):
-    """Next tokens (B,) and their log-probs under softmax(logits / temperature)."""
-    logits = logits.float() / s.temperature
-    logp = F.log_softmax(logits, dim=-1)
-    if s.greedy:
-        tok = logits.argmax(-1)
-    else:
-        if s.top_k:
-            kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if s.top_p < 1:  # nucleus: drop a token once the tokens ranked above it hold top_p of the mass
-            sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-            probs = sorted_logits.softmax(-1)
-            mass_above = probs.cumsum(-1) - probs  # 0 for the top token, which is always kept
-            logits = logits.scatter(-1, order, sorted_logits.masked_fill(mass_above >= s.top_p, float("-inf")))
-        # Inverse CDF: one uniform per row, the first token whose cumulative probability passes it
-        # (so torch.multinomial samples one token on CUDA; on the CPU it draws B·V exponentials).
-        cdf = logits.softmax(-1).cumsum(-1)  # (B, V)
-        total = cdf[:, -1:].contiguous()  # (B, 1)
-        u = torch.rand(total.shape, generator=generator, device=total.device) * total
-        tok = torch.searchsorted(cdf, torch.minimum(u, total.nextafter(torch.zeros_like(total))), right=True)[:, 0]
-        tok = tok.clamp(max=logits.shape[-1] - 1)  # NaN logits (a diverged model) must still give a token id
-    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+# ---- What only makes a rollout fast, then the checks of its arguments ------------------------
+
+
+def decode_state(model: Qwen2, batch: int, capacity: int, w: int, dtype, device, tight: bool):
+    """A KVCache of `capacity` slots per row and a QueryWindow of w queries (None if w = 0)."""
+    cfg = model.config
+    window = QueryWindow(cfg.num_hidden_layers, batch, w, cfg.num_attention_heads, cfg.head_dim,
+                         dtype, device) if w else None
+    return KVCache(cfg, batch, capacity, dtype, device, tight), window
 
 
 def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
-    """The most KV entries one layer holds at once for a sequence fed `tokens` tokens, a round after
-    every δ of them: the size of the cache's buffers.
-
-    Paper Appendix A.2: if c_k is a layer's cache just before round k and a round keeps the fraction
-    1-ε, then c_{k+1} = (1-ε)c_k + δ, which rises to δ/ε. Our rounds keep K = keep_count(N, ε) whole
-    blocks of the N = ceil(c/b) (the last may be short), so a round leaves at most g(c) = c if K = N,
-    else K·b (keeping the short block leaves fewer), and c_{k+1} <= g(c_k) + δ with c_1 = δ (a longer
-    prompt is prefilled in chunks ending on the boundaries, a round after each). g never decreases as c
-    grows (K(N) never decreases, and K(N+1) >= N where K(N) = N), so c_k <= u_k, u_1 = δ, u_{k+1} =
-    g(u_k) + δ: the cache of a policy that always keeps K whole blocks, so the bound is reached. The u_k
-    never decrease (u_2 >= u_1) and, as K <= (1-ε)N + 1/2 and N < c/b + 1, stop at a fixed point
-    u* <= max(δ + b, (δ + (1-ε)(b-1) + b/2)/ε): δ/ε plus under 1.5 blocks over ε. The cache only grows
-    between rounds, so with R = tokens // δ rounds a layer never holds more than max(u_R, g(u_R) + tokens - R·δ)."""
+    """The most KV entries a layer holds at once for a sequence fed `tokens` tokens with a round
+    after every δ: its buffers' size. Paper App. A.2 (c_{k+1} = (1-ε)c_k + δ rises to δ/ε), for
+    whole blocks: a round leaves at most g(c) = c if K = N, else K·b (N = ⌈c/b⌉, K =
+    keep_count(N, ε)); g never decreases (K(N) does not; K(N+1) >= N where K(N) = N), so the cache
+    before round k is at most u_k: u_1 = δ (prefill: chunks of δ), u_{k+1} = g(u_k) + δ, reached by
+    keeping whole blocks. The u_k never decrease (u_2 >= u_1) and stop at u* <= max(δ + b,
+    (δ + (1-ε)(b-1) + b/2)/ε) (K <= (1-ε)N + 1/2, N < c/b + 1): δ/ε plus under 1.5 blocks over ε.
+    It grows only between rounds: with R = tokens // δ, at most max(u_R, g(u_R) + tokens - R·δ)."""
     def survivors(c):  # g(c)
         n = -(-c // block)
         k = int(keep_count(torch.tensor([n]), rate))
@@ -229,151 +406,19 @@ def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
     return max(c, survivors(c) + tokens - rounds * delta)
 
 
-def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
-    """Feed one token per row (tok, pos, valid (B, 1)) and return the logits (B, V) after it. Fixed shapes
-    and no host reads, so torch.compile captures it whole; rows with valid False write nothing."""
-    if window is not None:
-        window.advance(pos, valid)
-    h = model(tok, pos, cache=cache, valid=valid, qk_hook=window)
-    return model.logits(h[:, -1])
-
-
-def decode_state(model: Qwen2, batch: int, capacity: int, w: int, dtype, device, tight: bool):
-    """A KVCache of `capacity` slots per row and a QueryWindow of w queries (None if w = 0)."""
-    cfg = model.config
-    window = (QueryWindow(cfg.num_hidden_layers, batch, w, cfg.num_attention_heads, cfg.head_dim, dtype, device)
-              if w else None)
-    return KVCache(cfg, batch, capacity, dtype, device, tight), window
-
-
-@torch.no_grad()
-def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling, eviction: Eviction | None = None,
-            rates=None, eos_ids=(), generator=None, progress=False, compile=False) -> Rollout:
-    """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
-
-    rates: optional per-sequence eviction rates (B,) overriding eviction.rate (interoception).
-    generator: a torch.Generator for the token and Gumbel noise (on the model's device).
-    compile: run the decode step through torch.compile (CUDA graphs on CUDA); same results."""
-    s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile)
-    logits = prefill(s)
-    new, new_logprobs, n_new, hit_eos = decode_n_tokens(s, logits, eos_ids, progress)
-    return finish(s, new, new_logprobs, n_new, hit_eos)
-
-
-class RolloutState:
-    """A rollout under way: what prefill, decode_n_tokens and finish share."""
-
-    def __init__(self, model: Qwen2, prompts, sampling: Sampling, eviction: Eviction | None, rates, generator, compile):
-        if not prompts or min(map(len, prompts)) == 0:
-            raise ValueError("rollout needs at least one prompt and every prompt needs at least one token")
-        device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-        if torch.is_autocast_enabled(device.type):  # fp32 weights, bf16 compute: keep the cache in bf16
-            dtype = torch.get_autocast_dtype(device.type)
-        meta = sampling.meta_token if eviction else None  # without eviction there are no rounds to precede
-        if meta is not None and not 0 <= meta < model.config.vocab_size:
-            raise ValueError(f"meta_token={meta} is not a token id of this model (vocabulary {model.config.vocab_size})")
-        B, M, lens = len(prompts), sampling.max_new_tokens, [len(p) for p in prompts]
-        self.tokens = torch.zeros(B, max(lens) + M, dtype=torch.long, device=device)  # prompts, right-padded with 0
-        for i, p in enumerate(prompts):
-            self.tokens[i, : len(p)] = torch.tensor(p)
-        capacity = most_fed = max(lens) + M - 1  # the last token sampled is never fed
-        if eviction is not None:
-            rates = (torch.full((B,), eviction.rate, device=device) if rates is None
-                     else torch.as_tensor(rates, device=device))
-            check_eviction(eviction.delta, eviction.block, eviction.window, rates)
-            capacity = max(cache_bound(eviction.delta, eviction.block, r, most_fed) for r in set(rates.tolist()))
-        state_args = (B, capacity, eviction.window if eviction else 0, dtype, device)
-        if compile:  # compiled.py: the same step, captured, on buffers kept for the next rollout
-            cache, window, step = captured_decode(model, decode_one_token, partial(decode_state, model), state_args)
-        else:  # eager: attention reads only the slots some row has filled (a tight cache)
-            cache, window, step = *decode_state(model, *state_args, tight=True), decode_one_token
-        self.model, self.sampling, self.eviction, self.generator = model, sampling, eviction, generator
-        self.rates, self.meta = (rates if eviction else None), meta  # (B,) each row's ε and g: None without eviction
-        self.lens, self.prompt_lens = lens, torch.tensor(lens, device=device)  # on the host and (B,) on the device
-        self.fed = torch.zeros(B, dtype=torch.long, device=device)  # (B,) tokens each row's cache has taken
-        self.dtype, self.cache, self.window, self.step = dtype, cache, window, step  # dtype: the cache's and logits'
-        self.record = Recorder(B, model.config.num_hidden_layers, device)
-        self.can_drop = not compile  # rows that end leave the decoded batch (a captured step has fixed shapes)
-        self.live = None  # (B',) the batch row of each cache row; None: every row, in order
-        self.cache_row = torch.arange(B, device=device)  # (B,) each batch row's cache row while it is live
-        self.final_alive = torch.zeros(B, model.config.num_hidden_layers, dtype=torch.long, device=device)  # (B, L)
-
-
-def prefill(s: RolloutState):
-    """Feed the prompts and return the logits (B, V) after each one's last token: in chunks that end
-    on eviction boundaries, with a round between chunks (§4.1); without eviction, in one chunk."""
-    ev, P = s.eviction, s.prompt_lens
-    chunk = ev.delta if ev else max(s.lens)  # δ; without eviction the whole prompt is one chunk
-    logits = torch.zeros(len(s.lens), s.model.config.vocab_size, device=P.device, dtype=s.dtype)
-    while (s.fed < P).any():
-        n = torch.minimum(P, (s.fed // chunk + 1) * chunk) - s.fed  # (B,) each row's tokens in this chunk
-        offs = torch.arange(int(n.max()), device=P.device)
-        pos, valid = s.fed[:, None] + offs, offs < n[:, None]  # (B, T)
-        idx = s.tokens.gather(1, pos.clamp(max=s.tokens.shape[1] - 1)).masked_fill(~valid, 0)
-        if s.window:
-            s.window.advance(pos, valid)
-        h = s.model(idx, pos, cache=s.cache, valid=valid, qk_hook=s.window)
-        s.fed.add_(n)
-        last = h[torch.arange(len(n), device=P.device), (n - 1).clamp(min=0)]  # (B, C) after each row's last token
-        logits[n > 0] = s.model.logits(last)[n > 0]
-        if ev:
-            fire_round(s, (n > 0) & is_round_end(s.fed - 1, ev.delta))
-    return logits
-
-
-def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
-    """The one loop over time: sample up to M tokens per row from the logits (B, V) after each prompt,
-    stopping a row at EOS. Returns them and their log-probs (B, M), each row's count (B,), its EOS (B,)."""
-    ev, B, M, device = s.eviction, len(s.lens), s.sampling.max_new_tokens, s.fed.device
-    phases = set()
-    if ev:  # a row still going after step t has been fed its token lens[i] + t: it fires a round if due[t % δ]
-        due = is_round_end(torch.tensor(s.lens) + torch.arange(ev.delta)[:, None], ev.delta)  # (δ, B), on the host
-        phases, due = set(due.any(1).nonzero().flatten().tolist()), due.to(device)  # no sync in the loop
-    new = torch.zeros(B, M, dtype=torch.long, device=device)  # token t of each completion
-    new_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
-    active, hit_eos = torch.ones(B, dtype=torch.bool, device=device), torch.zeros(B, dtype=torch.bool, device=device)
-    n_new = torch.zeros(B, dtype=torch.long, device=device)
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    for t in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
-        tok, lp = sample_tokens(logits, s.sampling, s.generator)
-        if s.meta is not None:  # the token at index kδ-1, the last before a round, is g (constrained decoding)
-            force = is_round_end(s.prompt_lens + n_new, ev.delta)
-            tok, lp = tok.masked_fill(force, s.meta), lp.masked_fill(force, 0.0)
-        new[:, t], new_logprobs[:, t] = tok, lp
-        n_new += active
-        hit_eos |= active & torch.isin(tok, eos)
-        active &= ~hit_eos & (n_new < M)
-        if t == M - 1:
-            break
-        if eos.numel():  # a host sync, needless without EOS ids
-            going = int(active.sum())
-            if going == 0:
-                break
-            if s.can_drop:
-                drop_ended_rows(s, active, going)
-        live = slice(None) if s.live is None else s.live  # the rows the cache holds
-        out = s.step(s.model, s.cache, s.window, tok[live, None], s.fed[live, None], active[live, None])
-        logits = out if s.live is None else logits.index_copy(0, s.live, out)  # ended rows' logits are never used
-        s.fed += active
-        if ev and t % ev.delta in phases:
-            fire_round(s, due[t % ev.delta] & active)
-    return new, new_logprobs, n_new, hit_eos
-
-
 ROW_STEP = 16  # the decoded batch shrinks in steps of this many rows
 
 
 def drop_ended_rows(s: RolloutState, active, going: int):
-    """Once ROW_STEP rows have ended, the cache and query window keep only the rows still going, padded with
-    ended ones to a multiple of ROW_STEP (so each shrink pays for its copy). A row's results do not depend
-    on which rows share its batch: bit for bit on one thread (a test), else up to float rounding (a CPU
-    kernel splits its work over threads by batch size)."""
+    """Once ROW_STEP rows have ended, the cache and query window keep the rows still going, padded
+    with ended ones to a multiple of ROW_STEP (each shrink pays for its copy). A row's results do
+    not depend on its batch: bit for bit on one thread (a test), else up to float rounding."""
     live = torch.arange(len(active), device=active.device) if s.live is None else s.live
     size = min(len(live), -(-going // ROW_STEP) * ROW_STEP)
     if size == len(live):
         return
     still = active[live]  # (B',)
-    stay = still | ((~still).cumsum(0) <= size - going)  # the rows going, then the first ended ones as padding
+    stay = still | ((~still).cumsum(0) <= size - going)  # the rows going, then ended ones to pad
     s.cache.check()  # an overflow is an error before a row leaves, too
     s.final_alive[live[~stay]] = s.cache.alive_counts()[~stay]
     kept = stay.nonzero().flatten()
@@ -384,82 +429,37 @@ def drop_ended_rows(s: RolloutState, active, going: int):
     s.cache_row[s.live] = torch.arange(size, device=active.device)
 
 
-def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
-    """The Rollout: each prompt followed by its first n_new (B,) tokens of new (B, M), and the record."""
-    s.cache.check()  # an overflow after the last round is an error too
-    P, M, device = s.prompt_lens, new.shape[1], new.device
-    lengths = P + n_new
-    done = torch.arange(M, device=device) < n_new[:, None]  # (B, M)
-    at = P[:, None] + torch.arange(M, device=device)
-    tokens = s.tokens.scatter_(1, at, torch.where(done, new, 0))
-    logprobs = torch.zeros_like(tokens, dtype=torch.float32).scatter_(1, at, torch.where(done, new_logprobs, 0.0))
-    kept, n_rounds, evict_logprobs, before = s.record.tensors()
-    alive = s.cache.alive_counts()  # (B', L)
-    final = alive if s.live is None else s.final_alive.index_copy(0, s.live, alive)  # (B, L)
-    # Alive entries only grow between rounds, so a row holds the most just before a round or at the end.
-    held = torch.cat([before.sum(2), final.sum(1, keepdim=True)], 1)  # (B, R + 1)
-    T = int(lengths.max())
-    t = torch.arange(T, device=device)
-    forced = (t >= P[:, None]) & (t < lengths[:, None])  # (B, T): the completions
-    forced = forced & is_round_end(t, s.eviction.delta) if s.meta is not None else torch.zeros_like(forced)
-    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, kept, n_rounds, evict_logprobs, before,
-                   peak_kv=held.amax(1), kv_slots=s.cache.slots(), eos=hit_eos, sampling=s.sampling,
-                   eviction=s.eviction, rates=s.rates)
+def inverse_cdf_sample(logits, generator=None):
+    """A token per row (B,) from softmax(logits (B, V)): the first whose cumulative probability
+    passes one uniform (torch.multinomial's way on CUDA; on the CPU it draws B·V exponentials)."""
+    cdf = logits.softmax(-1).cumsum(-1)  # (B, V)
+    total = cdf[:, -1:].contiguous()  # (B, 1)
+    u = torch.rand(total.shape, generator=generator, device=total.device) * total
+    u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))
+    tok = torch.searchsorted(cdf, u, right=True)[:, 0]
+    return tok.clamp(max=logits.shape[-1] - 1)  # NaN logits (a diverged model) still give a token
 
 
-def fire_round(s: RolloutState, fired):
-    """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
-    rows = fired.nonzero().flatten()
-    if len(rows):
-        at = Round(rows, None, None, None, s.tokens[rows], s.prompt_lens[rows]) if s.eviction.score else None
-        s.record.add(rows, *eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows], s.eviction,
-                                           s.generator, at))
+def check_eviction(delta, block, window, rate):
+    """A one-line ValueError for δ, b, w or ε (a float, or (B,)) the method cannot use."""
+    if not all(0 < r <= 1 for r in (rate.tolist() if torch.is_tensor(rate) else [rate])):
+        raise ValueError(f"eviction rate ε={rate} must lie in (0, 1]: the fraction evicted")
+    if block < 1:
+        raise ValueError(f"block size b={block} must be at least 1")
+    if window < 1:
+        raise ValueError(f"scoring window w={window} must be at least 1")
+    if delta <= window:
+        raise ValueError(f"eviction cadence δ={delta} must be larger than the window w={window}")
+    if delta < block:
+        raise ValueError(f"eviction cadence δ={delta} must be at least the block size b={block}")
 
 
-def eviction_round(layers: list[LayerCache], window: QueryWindow, in_cache, rates, ev: Eviction, generator=None,
-                   at: Round | None = None):
-    """One eviction round at every layer for cache rows in_cache (N,) at eviction rates (N,) (§4.1–4.3); at:
-    their Round for a baseline's score (each layer fills in its layer and positions). Returns σ of each layer
-    [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round (N, L)."""
-    qpos = window.pos[in_cache]  # (N, w) positions of the w newest tokens (δ > w: all w are scored by a round)
-    sigmas, logps, before = [], [], []
-    for layer, c in enumerate(layers):
-        alive, keys, kpos = c.alive[in_cache], c.k.index_select(0, in_cache), c.pos[in_cache]  # (N, S), (N, Hkv, S, D)
-        seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal, alive keys only
-        psi, logits, exists = round_logits(window.q[layer][in_cache], keys, seen, alive[:, None], ev.block)
-        psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb): the one round
-        ranking = logits
-        if ev.score is not None:  # a baseline: the plain block mean of its own per-key score (may be < 0)
-            here = at._replace(layer=layer, key_pos=kpos, query_pos=qpos)
-            ranking = torch.where(exists, block_means(ev.score(psi, keys, alive, here), alive, ev.block)[0], MISSING)
-        K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
-        sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)  # σ (N, Kmax), §4.3
-        logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
-        c.evict(in_cache, kept_keys(alive, sigma, ev.block))  # the survivors move to the front, the rest are gone
-        sigmas.append(sigma), before.append(alive.sum(1))
-    return sigmas, torch.stack(logps, 1), torch.stack(before, 1)
-
-
-class Recorder:
-    """Collects each round's decisions; rows fire rounds at different steps."""
-
-    def __init__(self, B, L, device):
-        self.L, self.rounds = L, []
-        self.n_rounds = torch.zeros(B, dtype=torch.long, device=device)
-
-    def add(self, rows, sigmas, logps, before):
-        self.rounds.append((rows, self.n_rounds[rows].clone(), sigmas, logps, before))
-        self.n_rounds[rows] += 1
-
-    def tensors(self):
-        B, L = len(self.n_rounds), self.L
-        R = int(self.n_rounds.max()) if self.rounds else 0
-        Kmax = max([s.shape[1] for _, _, sigmas, _, _ in self.rounds for s in sigmas], default=1)
-        kept = self.n_rounds.new_full((B, R, L, Kmax), -1)
-        logps = torch.zeros(B, R, L, device=self.n_rounds.device)
-        before = self.n_rounds.new_zeros(B, R, L)
-        for rows, r, sigmas, lp, bf in self.rounds:
-            for layer, s in enumerate(sigmas):
-                kept[rows, r, layer, : s.shape[1]] = s
-            logps[rows, r], before[rows, r] = lp, bf
-        return kept, self.n_rounds, logps, before
+def check_rollout(prompts, meta, vocab_size: int, ev: Eviction | None, rates):
+    """A one-line ValueError for prompts, a meta-token g or rates (B,) the method cannot use."""
+    if not prompts or min(map(len, prompts)) == 0:
+        raise ValueError("rollout needs one or more prompts, each of at least one token")
+    if meta is not None and not 0 <= meta < vocab_size:
+        raise ValueError(f"meta_token={meta} is not a token id of this model "
+                         f"(vocabulary {vocab_size})")
+    if ev is not None and rates is not None:
+        check_eviction(ev.delta, ev.block, ev.window, torch.as_tensor(rates))
