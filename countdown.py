@@ -1,8 +1,8 @@
-"""The Countdown task of the NGC paper (Stream-of-Search / TinyZero style): numbers and a target, e.g.
-(3, 5, 2) and 16; the reward is 1.0 when the last <answer> ... </answer> is an equation using every
-number exactly once with + - * / and parentheses whose value is the target, e.g. (3 + 5) * 2. Answers
-are read by a small parser with exact Fraction arithmetic, never eval. Problems are solvable by
-construction (paper: 327,680 train and 1,024 held-out, 3 and 4 numbers). `trace` writes the
+"""The Countdown task of the NGC paper (Stream-of-Search / TinyZero style): numbers and a target,
+e.g. (3, 5, 2) and 16; the reward is 1.0 when the last <answer> ... </answer> is an equation using
+every number exactly once with + - * / and parentheses whose value is the target, e.g. (3 + 5) * 2.
+Answers are read by a small parser with exact Fraction arithmetic, never eval. Problems are solvable
+by construction (paper: 327,680 train and 1,024 held-out, 3 and 4 numbers). `trace` writes the
 depth-first search the tiny models are pretrained on (make_tiny.py), `check_trace` replays one.
 """
 import itertools
@@ -24,16 +24,16 @@ class Difficulty:
     num_range: tuple[int, int] = (1, 99)      # inclusive range of each input number
     target_range: tuple[int, int] = (10, 100) # inclusive range of the target
     held_out: int = 1024                      # the held-out stream's problems (the paper's size)
-    backtracks: bool = False                  # only problems whose search must go back (see backtracks)
+    backtracks: bool = False                  # only problems whose search must go back (backtracks)
 
 PAPER = Difficulty()  # Countdown-Tasks-3to4-like: 3-4 numbers in 1..99, targets 10..100
-SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100),
-                   held_out=500)  # the tiny models' problems; tiny/ was pretrained on none of its 500 held out
-SMALL_BACK = replace(SMALL, backtracks=True)  # SMALL's problems whose search goes back: 278 of its 500 held out
+# SMALL: the tiny models' problems; tiny/ was pretrained on none of its 500 held out
+SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100), held_out=500)
+SMALL_BACK = replace(SMALL, backtracks=True)  # those of SMALL that go back: 278 of its 500 held out
 HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
 
 def backtracks(p) -> bool:
-    """Whether a depth-first search over 3 numbers whose first move adds the two largest (`trace`'s) must
+    """Whether `trace`'s depth-first search over 3 numbers (first move: the two largest added) must
     go back: no operation on that sum and the third number (+, *, -, exact /) reaches the target."""
     a, b, c = sorted(p.nums, reverse=True)
     return all(w != p.target for w in _ops(max(a + b, c), min(a + b, c)))
@@ -42,7 +42,7 @@ def _key(p):  # a problem's identity
     return (tuple(sorted(p.nums)), p.target)
 
 def _ops(a, b):
-    """The values of a + b, a * b, a - b and a / b for a >= b: nothing negative, division only when exact."""
+    """a + b, a * b, a - b and a / b for a >= b: nothing negative, division only when exact."""
     return [a + b, a * b, a - b, a // b] if b and a % b == 0 else [a + b, a * b, a - b]
 
 def moves(a, b):
@@ -50,7 +50,7 @@ def moves(a, b):
     return list(zip("+*-/", _ops(a, b)))
 
 def _target(nums, rng, lo, hi):
-    """Fold the numbers with random pairs and ops, the last drawn among those landing in [lo, hi] (or None)."""
+    """Fold nums by random pairs and ops, the last drawn from those landing in [lo, hi]; or None."""
     vals, r = list(nums), rng.random  # rng.random() is much faster than randint/sample
     while len(vals) > 1:
         a = vals.pop(int(r() * len(vals)))
@@ -64,7 +64,7 @@ def _target(nums, rng, lo, hi):
     return vals[0]
 
 def _stream(rng, difficulty):
-    """An endless stream of solvable problems (all of the preset's sizes and ranges, whether or not they backtrack)."""
+    """Endless solvable problems of the preset's sizes and ranges, whether or not they backtrack."""
     (lo, hi), r = difficulty.num_range, rng.random
     while True:
         k = rng.choice(difficulty.n_nums)
@@ -91,7 +91,7 @@ def _take(stream, n, skip=frozenset(), unique=False, patience=50_000):
         out.append(p)
     return out
 
-def _in_preset(p, difficulty) -> bool:  # all of the stream's problems are, unless it asks for backtracking
+def _in_preset(p, difficulty) -> bool:  # all of the stream's are, unless it asks for backtracking
     return not difficulty.backtracks or backtracks(p)
 
 def _problems(rng, difficulty):
@@ -102,20 +102,20 @@ def generate(n, seed, difficulty=PAPER):
     return list(itertools.islice(_problems(random.Random(seed), difficulty), n))
 
 def held_out(difficulty=PAPER):
-    """The held-out set: of the first difficulty.held_out distinct problems of the HELD_OUT_SEED stream,
-    those of the preset (with backtracks, a subset of the same held-out problems), one set for every seed."""
-    first = _take(_stream(random.Random(HELD_OUT_SEED), difficulty), difficulty.held_out, unique=True)
-    return [p for p in first if _in_preset(p, difficulty)]
+    """The held-out set, one for every seed: of the first difficulty.held_out distinct problems of
+    the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones)."""
+    stream = _stream(random.Random(HELD_OUT_SEED), difficulty)
+    return [p for p in _take(stream, difficulty.held_out, unique=True) if _in_preset(p, difficulty)]
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
-    """(train, test): the first n_test problems of the held-out set, whatever the seed, and n_train from the
-    seed's own stream, none of them held out, distinct when unique (SMALL has only a few thousand distinct
-    problems: unique=False there). With seed HELD_OUT_SEED, train is the stream after the held-out set."""
+    """(train, test): the first n_test held-out problems, whatever the seed, and n_train from the
+    seed's own stream, none held out, distinct when unique (SMALL has only a few thousand distinct
+    problems: unique=False). With seed HELD_OUT_SEED, train is the stream after the held-out set."""
     test = held_out(difficulty)
     if n_test > len(test):
         raise ValueError(f"--eval-problems {n_test}: the held-out set has {len(test)} problems")
-    train = _take(_problems(random.Random(seed), difficulty), n_train, skip={_key(p) for p in test}, unique=unique)
-    return train, test[:n_test]
+    skip = {_key(p) for p in test}
+    return _take(_problems(random.Random(seed), difficulty), n_train, skip, unique), test[:n_test]
 
 def prompt_text(problem, eviction_rate=None, blind=False):
     """The task text; with eviction_rate, the paper's budget tag is appended (blind: the tag
@@ -162,10 +162,10 @@ def rate_tag(eviction_rate, blind=False, one_token=False) -> str:
         return f" <eviction_rate> {'-' if blind else pct}% </eviction_rate>"
     return f" <eviction_rate> {'- -' if blind else f'{pct // 10} {pct % 10}'} % </eviction_rate>"
 
-PROMPTS = {"plain": prompt_text, "tiny-shift": shift_prompt,  # prompt style -> (problem, eviction_rate, blind) -> text
+PROMPTS = {"plain": prompt_text, "tiny-shift": shift_prompt,  # style: (problem, rate, blind) -> str
            "tiny-shift-unseen": partial(shift_prompt, unseen=True)}
 SHIFTED = {"tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
-DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK}  # --difficulty name -> preset
+DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK}  # --difficulty -> preset
 
 def prompt(tokenizer, problem, style="plain", eviction_rate=None, blind=False) -> str:
     """A problem's prompt text in a style; a tiny style's budget tag as the tokenizer reads it: one
@@ -287,7 +287,7 @@ def reward(completion, problem):
         return 0.0
     return 1.0 if sorted(numbers_in(lhs)) == sorted(problem.nums) else 0.0
 
-# Search traces: the depth-first search the tiny models learn to write (make_tiny.py pretrains on them)
+# Search traces: the depth-first search the tiny models are pretrained on (make_tiny.py)
 
 MAX_LEAF = 999  # larger leaves are not written: the tiny models' vocabulary has the integers 0..999
 
@@ -354,11 +354,10 @@ def check_trace(problem, text: str) -> bool:
             else:  # a move: a op b = v [ x y ]
                 a, op, b, eq, v = take(5)
                 a, b, v = int(a), int(b), int(v)
-                rest = list(nums)
-                rest.remove(a), rest.remove(b)
-                if eq != "=" or a < b or dict(moves(a, b)).get(op) != v or take(4) != numbers(rest + [v]).split():
+                nums, value = list(nums), dict(moves(a, b)).get(op)
+                nums.remove(a), nums.remove(b), nums.append(v)  # the pair becomes its value
+                if eq != "=" or a < b or value != v or take(4) != numbers(nums).split():
                     return False
-                nums = rest + [v]
         return reward(" ".join(words[k:]), problem) == 1.0
     except (ValueError, TypeError, IndexError):
         return False
