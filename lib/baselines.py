@@ -112,12 +112,11 @@ def lookahead(cumulative, delta: int):
     queries t+1..t+δ paid it (cumulative: its future_attention, made from the same noise), so while the evicting
     rollout follows it, the round keeps what the next δ tokens will read; ties go to the newer key."""
     def score(psi, keys, alive, at):
-        c = cumulative[at.layer][at.rows]  # (N, T + 1, T)
+        c = cumulative[at.layer]  # (B, T + 1, T): the round's rows are read in place, never copied
         T = c.shape[2]
-        t = at.query_pos[:, -1:].clamp(max=T - 1)  # (N, 1) the newest token
+        t = at.query_pos[:, -1].clamp(max=T - 1)  # (N,) the newest token
         ahead = (t + 1 + delta).clamp(max=T)
-        rows_of = lambda i: c.gather(1, i[:, :, None].expand(-1, 1, T))[:, 0]  # (N, T)
-        paid = rows_of(ahead) - rows_of(t + 1)  # (N, T) attention of queries t+1..t+δ to each position
+        paid = c[at.rows, ahead] - c[at.rows, t + 1]  # (N, T) attention of queries t+1..t+δ to each position
         rank = (alive.long().cumsum(1) - 1).float() / alive.shape[1]  # in [0, 1): newer higher
         return paid.gather(1, at.key_pos.clamp(0, T - 1)) + 1e-6 * rank
     return score
