@@ -140,7 +140,7 @@ def plot(rows, path):
     """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, a line per policy (Figure 3, right;
     a row's "label", where given, names its line instead)."""
     plt = pyplot("--plot")
-    n = rows[0]["samples"]
+    n = rows[0]["samples"] if "pass_at_k" in rows[0] else 1  # reproduce.py's rows over seeds: pass@1
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
     fig, ax = plt.subplots(figsize=(5.5, 4))
     label = lambda r: r.get("label", r["policy"])
