@@ -37,6 +37,17 @@ def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
     assert (tmp_path / "ablations-2.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_reproduce_plots_pass_at_1_of_rows_over_seeds(tmp_path):
+    """Rows over seeds carry no pass@k: a study sampled twice per problem plots its pass@1 (it used to end in a
+    KeyError wherever matplotlib is installed)."""
+    pytest.importorskip("matplotlib")
+    rows = reproduce.over_seeds([dict(run="ngc", policy=p, eviction_rate=e, seed=0, accuracy=0.3, samples=2,
+                                      problems=200, length=100.0, rounds=4.0, kv_reduction=2.0 + e,
+                                      pass_at_k={"1": 0.3, "2": 0.4}) for p in ("ngc", "oracle") for e in (0.4, 0.5)])
+    evaluation.plot(rows, str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
     """over_seeds: one row per (run, policy, ε) with the mean over seeds, the standard deviation
     across seeds, and the mean binomial standard error sqrt(p(1-p)/n), n = problems x samples."""
