@@ -40,7 +40,7 @@ from checkpoint import META_TOKEN, load
 from cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
-from settings import Settings, add_flags, run_defaults, trained_task
+from settings import Settings, add_flags, run_defaults
 from tasks import TASK_REWARD, check_prompt, held_out, prompt_encoder
 
 POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --policy name -> its --help line
@@ -286,10 +286,7 @@ def run_settings(args) -> Settings:
         if getattr(args, flag) is not None:
             check_output_file(getattr(args, flag), f"--{flag}")
     args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
-    trained = trained_task(args.model)
-    if args.task and trained and args.task != trained:  # its recipe has no prompts for the other task
-        raise ValueError(f"{args.model} was trained on {trained} (its ngc.json); evaluate it with --task {trained}")
-    c = run_defaults(args.model, args.task)
+    c = run_defaults(args.model, args.task)  # another task than ngc.json's: its recipe has no prompts for it
     given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
     if given and c.task != "math":
         raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")

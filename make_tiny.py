@@ -36,12 +36,12 @@ from tqdm import tqdm
 import countdown as cd
 import mathtask
 from checkpoint import load, save_pretrained
-from cli import Exit, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
+from cli import Error, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
 from eval import roll_out_and_score
 from files import recover_swap, swap_in, write_text
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling
-from settings import add_flags, read_ngc_json
+from settings import add_flags, read_ngc_json, run_defaults
 from tasks import TASK_REWARD, prompt_encoder
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
@@ -153,7 +153,7 @@ TASKS = {
 def main(argv=None):
     args = parse_args(argv)
     task = TASKS[args.task]
-    with one_line_errors():  # CheckpointError too
+    with one_line_errors():
         check_flags(args)
         pretraining, test = draw_problems(task, args)
         if args.eval_only:
@@ -205,7 +205,7 @@ def parse_args(argv) -> argparse.Namespace:
                     "prompted as tiny/ is, tiny-shift)")
     add_flags(ap, None, names=["task"], helps={"task": "countdown (tiny/) or math (tiny-math/, with the defaults of "
                                                        "MATH_BUILD)"})
-    with one_line_errors():  # CheckpointError too
+    with one_line_errors():
         task = chosen_task(argv)
     ap.set_defaults(**TASKS[task].flags, task=task, threads=1)
     return ap.parse_args(argv)
@@ -222,11 +222,7 @@ def chosen_task(argv) -> str:
     if not known.eval_only:
         return known.task or "countdown"
     run = read_ngc_json(known.out)
-    trained = run.get("task")
-    if known.task and trained and known.task != trained:
-        raise ValueError(f"--out {known.out} was trained on {trained} (its ngc.json); evaluate it with --task {trained} "
-                         f"or without --task")
-    task = known.task or trained or "countdown"
+    task = run_defaults(known.out, known.task, "--out").task
     if task == "countdown" and run.get("prompt", TINY_RUN["prompt"]) != TINY_RUN["prompt"]:
         raise ValueError(f"--out {known.out} is prompted {run['prompt']} (its ngc.json); make_tiny.py evaluates "
                          f"{TINY_RUN['prompt']}, tiny/'s: evaluate it with eval.py")
@@ -326,7 +322,7 @@ def save_build(model, tok, run, out):
         swap_in(path)
     except OSError as e:
         recover_swap(path)
-        raise Exit(f"error: could not write {out} ({e.strerror or e}); nothing half-written is left")
+        raise Error(f"could not write {out} ({e.strerror or e}); nothing half-written is left")
 
 
 def report(model, tok, test, task, max_new_tokens):

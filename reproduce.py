@@ -45,7 +45,7 @@ import show
 import train
 from checkpoint import load_config
 from claims import BASELINES, INTERO_SWEEP, RULES, TAG_CHECK, cell, claims_markdown
-from cli import (Exit, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors,
+from cli import (Error, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors,
                  parser, pyplot)
 from files import recover_swap, save_figure, write_jsonl, write_text
 
@@ -97,10 +97,7 @@ def check_runs(out, model, runs, jobs, extra):
     """Before anything is created: a one-line ValueError for a bad --model or --train-args, or a run directory
     whose saved settings (its ngc.json) are not those train.py would run now."""
     load_config(model)  # a missing or foreign checkpoint
-    task = settings.trained_task(model)
-    if task not in (None, "countdown"):
-        raise ValueError(f"--model {model} was trained on {task} (its ngc.json); reproduce.py's studies are "
-                         f"Countdown's: start from a Countdown model such as tiny/")
+    settings.run_defaults(model, "countdown")  # reproduce.py's studies are Countdown's
     try:  # a flag train.py cannot take: its parser's message, naming --train-args
         given = train.parse_args(extra)
         fixed = [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]
@@ -148,7 +145,7 @@ def train_all(out, model, jobs, runs, extra):
                 status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see {log.name})"
                 say(f"{name} {status} in {(time.time() - t0) / 60:.1f} min")
                 if proc.returncode:
-                    raise Exit(f"error: training run {name} failed; see {log.name}")
+                    raise Error(f"training run {name} failed; see {log.name}")
     except BaseException as e:
         stop_runs(running, e.signum if isinstance(e, Interrupted) else signal.SIGTERM)
         raise
@@ -322,7 +319,7 @@ def run_studies(args):
     """Train the runs, evaluate each study, then write claims.md, show.py's forgets and summary.md."""
     extra = args.train_args.split()
     runs = study_runs(args.seeds, args.ablation_seeds, 0 if args.no_interoception else args.interoception_seeds)
-    with one_line_errors():  # a CheckpointError is a ValueError
+    with one_line_errors():
         check_runs(args.out, args.model, runs, args.jobs, extra)
         make_output_dir(args.out)
     t0 = time.time()
@@ -386,7 +383,7 @@ def main(argv=None):
         again = shlex.join(["python", "reproduce.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"{e}: stopped; finished runs and evaluations are kept and interrupted runs saved their step: "
               f"run the same command to continue ({again})", file=sys.stderr)
-        raise Exit(128 + e.signum)
+        raise SystemExit(128 + e.signum) from None
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from cli import at_least, check_output_file, check_values, exits, need, one_line
 from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
-from settings import run_defaults, trained_task
+from settings import run_defaults
 from tasks import TASK_REWARD, held_out, prompt_encoder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -307,11 +307,7 @@ def check(args):
         raise ValueError("--survival measures a Countdown target; this run's task is " + c.task)
     args.before = args.before or BEFORE[c.task]
     load_config(args.before)
-    before_task = trained_task(args.before)
-    if before_task and before_task != c.task:
-        raise ValueError(f"--before {args.before} was trained on {before_task} (its ngc.json) but --model "
-                         f"{args.model} on {c.task}; compare with a {c.task} model, such as --before "
-                         f"{os.path.relpath(BEFORE[c.task])}")
+    run_defaults(args.before, c.task, "--before")  # a model of --model's task
     ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
     return c, ev, held_out(c, args.problems)
 
@@ -343,7 +339,7 @@ def print_lines(problems, runs, measures, page: bool):
 @exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     args = parse_args(argv)
-    with one_line_errors():  # a CheckpointError is a ValueError
+    with one_line_errors():
         c, ev, problems = check(args)
         runs, measures = trace_models(args, c, problems, ev)
     print_lines(problems, runs, measures, page=bool(args.out))

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench
 import eval as evaluation
@@ -21,7 +22,8 @@ import reproduce
 import rundir
 import show
 import train
-from checkpoint import CheckpointError, from_pretrained
+from checkpoint import from_pretrained
+from cli import Error
 from conftest import Reached, files_under, one_line_error, reached, run_train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +51,7 @@ NGC_EDITS = [("steps", "60", 'steps is "60"; it must be an integer'),
              ("prompt", "fancy", 'prompt is "fancy"; it must be one of plain, tiny-shift, tiny-shift-unseen'),
              ("lr", "1e-3", 'lr is "1e-3"; it must be a number'),
              ("retention", "0.9;0.5", 'retention is "0.9;0.5"; it must be comma-separated numbers'),
-             ("term_grad_norms", 1, "term_grad_norms is 1; it must be true or false"),
+             ("interoception", 1, "interoception is 1; it must be true or false"),
              ("prompt", None, "prompt is null; a Countdown run's must be one of plain, tiny-shift, tiny-shift-unseen")]
 CONFIG_EDITS = [("hidden_size", "64", 'hidden_size is "64"; it must be a positive integer'),
                 ("num_hidden_layers", 2.5, "num_hidden_layers is 2.5; it must be a positive integer"),
@@ -101,6 +103,35 @@ def test_an_edited_config_json_is_one_line_naming_the_key_in_every_script(train_
         SCRIPTS[script](edited_copy(train_ckpt, tmp_path / "model", "config.json", "hidden_size", 64), out)
 
 
+def test_the_settings_of_an_earlier_version_load_at_the_values_this_code_runs_as(train_ckpt, small_run, tmp_path,
+                                                                                nothing_runs):
+    """ngc.json and trainer.pt of runs saved before --mem-weight, --term-grad-norms, --eviction-rate and
+    --eval-rate went hold them: at what this code does (and --term-grad-norms, which only logged, at any
+    value) every script takes the checkpoint and a resume goes on; another value is refused in one line."""
+    old = {"mem_weight": 1.0, "term_grad_norms": True, "eviction_rate": None, "eval_rate": None}
+    out = tmp_path / "out"
+    out.mkdir()
+    for script in [s for s in SCRIPTS if s != "bench"]:
+        model = edited_copy(train_ckpt, tmp_path / "model", "ngc.json", "mem_weight", 1.0)
+        (Path(model) / "ngc.json").write_text(json.dumps({**json.loads((Path(model) / "ngc.json").read_text()), **old}))
+        with pytest.raises(Reached):
+            SCRIPTS[script](model, out)
+        model = edited_copy(train_ckpt, tmp_path / "model", "ngc.json", "mem_weight", 2)
+        assert one_line_error(lambda: SCRIPTS[script](model, out)) == (
+            f"error: {model}/ngc.json: mem_weight is 2; this version has no --mem-weight (it runs as 1.0): use the "
+            f"version that trained it")
+    run, trainer = tmp_path / "run", tmp_path / "run" / "checkpoint" / "trainer.pt"
+    shutil.copytree(small_run, run)
+    state = torch.load(trainer, weights_only=False)
+    torch.save({**state, "config": {**state["config"], **old}}, trainer)
+    with pytest.raises(Reached):  # rundir.prepare: every check passed
+        train.main(["--resume", str(run), "--steps", "3", "--threads", "1"])
+    torch.save({**state, "config": {**state["config"], **old, "eviction_rate": 0.5}}, trainer)
+    assert one_line_error(lambda: train.main(["--resume", str(run), "--steps", "3"])) == (
+        f"error: {trainer}: eviction_rate is 0.5; this version has no --eviction-rate (it runs as null): use the "
+        f"version that trained it")
+
+
 @pytest.mark.parametrize("text, says", [("{not json", "is not valid JSON"),
                                         ('{"metadata": {}}', "has no weight_map of tensor names to shard files"),
                                         ('{"weight_map": ["model.norm.weight"]}', "has no weight_map")])
@@ -110,7 +141,7 @@ def test_a_broken_shard_index_is_one_line_naming_it(ckpt, tmp_path, text, says):
     (model / "model.safetensors").rename(model / "model-00001-of-00001.safetensors")
     index = model / "model.safetensors.index.json"
     index.write_text(text)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(Error) as err:
         from_pretrained(str(model))
     assert str(err.value).startswith(f"{index} {says}")
     assert one_line_error(lambda: evaluation.main(["--model", str(model)])).startswith(f"error: {index} {says}")
@@ -216,8 +247,8 @@ def test_make_tiny_eval_only_takes_the_task_of_the_model(monkeypatch):
     with pytest.raises(Reached) as r:
         make_tiny.main(["--eval-only", "--out", TINY_MATH, "--threads", "1"])
     assert r.value.args[3].run["task"] == "math"
-    assert one_line_error(lambda: make_tiny.main(["--eval-only", "--out", TINY_MATH, "--task", "countdown"])) == (
-        f"error: --out {TINY_MATH} was trained on math (its ngc.json); evaluate it with --task math or without --task")
+    assert one_line_error(lambda: make_tiny.main(["--eval-only", "--out", TINY_MATH, "--task", "countdown"])) \
+        .startswith(f"error: --out {TINY_MATH} was trained on math (its ngc.json), not countdown: give a countdown")
 
 
 def test_make_tiny_eval_only_refuses_a_countdown_model_prompted_otherwise(tmp_path, monkeypatch):
