@@ -45,7 +45,9 @@ def read_json(path: str, advice: str = ""):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:  # another user's file, a directory
+        raise Error(f"cannot read {path} ({e.strerror}){advice}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise Error(f"{path} is not valid JSON ({e}){advice}") from None
 
 
@@ -104,7 +106,7 @@ CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test
 
 def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     """Load config.json and (sharded) safetensors weights, strictly: a missing, unexpected or
-    mis-shaped tensor is an Error."""
+    mis-shaped tensor, or one holding a NaN or an infinity (a diverged run's, a bad conversion), is an Error."""
     cfg = load_config(path)
     with torch.device("meta"):
         model = Qwen2(cfg)
@@ -120,6 +122,9 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
             for name in f.keys():
                 if not name.endswith("rotary_emb.inv_freq"):  # RoPE's table: computed here, not loaded
                     state[name] = f.get_tensor(name).to(dtype)
+                    if not torch.isfinite(state[name]).all():
+                        raise Error(f"{file}: {name} holds values that are not finite (NaN or inf): these weights "
+                                    f"are no model; use a checkpoint saved before they went bad")
     if cfg.tie_word_embeddings:  # one matrix, embed_tokens's; a copy saved as lm_head.weight is ignored
         state.pop("lm_head.weight", None)
         if "model.embed_tokens.weight" in state:

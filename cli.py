@@ -46,8 +46,37 @@ def raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What a terminal (Ctrl-C, a closed window or ssh session) or a scheduler sends to stop a process: SIGTERM
+# (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal warning before its time limit), SIGXCPU (a CPU-time limit).
+# Each saves and stops a run alike; Windows has only the first two.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGXCPU")
+                     if hasattr(signal, name))
 _stopping = []  # the handlers exits replaced, while a decorated main runs
+
+
+class Console:
+    """sys.stdout or sys.stderr, whose writes are dropped once its reader is gone (a closed terminal, a pipe
+    whose reader quit): the work and its files go on, only the console lines are lost."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        self.call("write", text)
+        return len(text)
+
+    def flush(self):
+        self.call("flush")
+
+    def call(self, name, *args):
+        try:
+            getattr(self.stream, name)(*args)
+        except (OSError, ValueError):  # EIO, EPIPE; ValueError: closed. What is left goes to /dev/null
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...
+        return getattr(self.stream, name)
 
 
 def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
@@ -62,13 +91,16 @@ def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
 
 def exits(main):
     """A script's main: an Error ends the process with its line and exit code 2, a stop signal with one line
-    and 128 + the signal (files.py writes files whole, so nothing is half-written). A main called inside
-    another (reproduce.py runs eval.main) leaves the signals to the outer one."""
+    and 128 + the signal (files.py writes files whole, so nothing is half-written); a signal the process was
+    started ignoring (nohup) stays ignored, and a console that goes away takes no more lines (Console). A main
+    called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
         if _stopping:
             return main(*args, **kwargs)
-        _stopping.append({s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS})
+        _stopping.append({s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS
+                          if signal.getsignal(s) is not signal.SIG_IGN})
+        streams, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (Console(sys.stdout), Console(sys.stderr))
         try:
             return main(*args, **kwargs)
         except Error as e:
@@ -80,6 +112,7 @@ def exits(main):
         finally:
             for s, handler in _stopping.pop().items():
                 signal.signal(s, handler)
+            sys.stdout, sys.stderr = streams
     return wrapped
 
 

@@ -41,7 +41,7 @@ from cli import at_least, check_output_file, check_values, exits, need, one_line
 from files import save_figure, write_jsonl
 from ngc import Eviction, Sampling, rollout
 from settings import Settings, add_flags, run_defaults
-from tasks import TASK_REWARD, check_prompt, held_out, prompt_encoder
+from tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 
 POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --policy name -> its --help line
             "none": "the full cache: one row, reported at ε = 0 (reduction 1.0)"}
@@ -321,7 +321,8 @@ def main(argv=None):
         c = run_settings(args)
         problems = held_out(c, args.problems)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
-        check_prompt(c, tokenizer, args.model)
+        check_prompts(c, tokenizer, args.model, problems, model.config.max_position_embeddings,
+                      c.eval_max_new_tokens or c.max_new_tokens)
         for name in args.policy:
             make_eviction(name, c, args.eviction_rate[0], model, tokenizer)  # the tokenizer has what the policy reads
     rows = evaluate_policies(args, c, model, tokenizer, problems)

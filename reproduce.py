@@ -43,7 +43,7 @@ import rundir
 import settings
 import show
 import train
-from checkpoint import load_config
+from checkpoint import from_pretrained
 from claims import BASELINES, INTERO_SWEEP, RULES, TAG_CHECK, cell, claims_markdown
 from cli import (Error, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir, one_line_errors,
                  parser, pyplot)
@@ -96,7 +96,7 @@ def threads_per_run(jobs: int) -> int:
 def check_runs(out, model, runs, jobs, extra):
     """Before anything is created: a one-line ValueError for a bad --model or --train-args, or a run directory
     whose saved settings (its ngc.json) are not those train.py would run now."""
-    load_config(model)  # a missing or foreign checkpoint
+    from_pretrained(model)  # a missing or foreign checkpoint, weights that are not finite
     settings.run_defaults(model, "countdown")  # reproduce.py's studies are Countdown's
     try:  # a flag train.py cannot take: its parser's message, naming --train-args
         given = train.parse_args(extra)

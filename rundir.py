@@ -9,9 +9,12 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -20,7 +23,7 @@ from tqdm import tqdm
 import distributed
 import settings
 from checkpoint import save_pretrained, save_tokenizer
-from cli import Error, Interrupted
+from cli import STOP_SIGNALS, Error, Interrupted
 from files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
 try:
@@ -88,8 +91,9 @@ def lock_error(path: str, why: str) -> str:
 
 # ---- Before a run starts, and its first writes ------------------------------------------------------------
 def check_run_dir(out: str, resume: bool, overwrite: bool):
-    """Errors before anything starts: a new run never writes into a directory that holds another run (unless
-    --overwrite), nor where another process trains, nor where it cannot create or write."""
+    """Errors before anything starts: a new run never writes into a directory that holds another run's
+    checkpoint (unless --overwrite) or files not a run's, nor where another process trains, nor where it
+    cannot create or write. A run that never saved left nothing to resume: the same command starts again."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise Error(f"--out {out} is a file; the run directory must be a directory")
     if os.path.isdir(out):
@@ -97,9 +101,12 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
         if os.path.lexists(path) and not (os.path.isfile(path) and os.access(path, os.R_OK | os.W_OK)):
             raise Error(lock_error(path, "a directory" if os.path.isdir(path) else "permission denied"))
         lock(out, check_only=True)
-    if not resume and os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not overwrite:
-        raise Error(f"{out} already holds a run; continue it with --resume {out}, choose another --out, or pass "
-                    f"--overwrite to start afresh there")
+    if not resume and not overwrite and os.path.isdir(out):
+        if any(os.path.exists(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old")):
+            raise Error(f"{out} already holds a run; continue it with --resume {out}, choose another --out, or "
+                        f"pass --overwrite to start afresh there")
+        if others := sorted(set(os.listdir(out)) - {LOCK, *RUN_FILES}):
+            raise Error(f"{out} holds files that are not a run's ({', '.join(others[:3])}); choose another --out")
     parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -107,10 +114,11 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
         raise Error(f"cannot create or write the run directory {out}: {parent} is not a writable directory")
 
 
-def prepare(out: str, overwrite: bool, state: dict | None, settings: dict) -> list[dict]:
-    """The first writes of a run: create the run directory and take its lock, with --overwrite remove the
-    earlier run's files, and keep (and return) the log records of the steps before the resumed checkpoint's
-    (state: load_trainer_state's). A resume prints the settings it changes (settings: those it runs with)."""
+def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> list[dict]:
+    """The first writes of a run: create the run directory and take its lock; a resume keeps (and returns) the
+    log records of the steps before its checkpoint's (state: load_trainer_state's) and prints the settings it
+    changes (recorded: settings.recorded's, of this run), a new run removes an earlier run's files (--overwrite,
+    or one that never saved)."""
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -118,17 +126,16 @@ def prepare(out: str, overwrite: bool, state: dict | None, settings: dict) -> li
     lock(out)
     try:
         check_run_dir(out, state is not None, overwrite)  # again, now that no other run can start here
-        if overwrite:
-            for name in RUN_FILES:
-                path = os.path.join(out, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        for name in RUN_FILES if state is None else ():
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
         step, log = state["step"] if state else 0, os.path.join(out, "log.jsonl")
         kept = [r for r in read_log(log) if r["step"] < step]  # later steps will run again
         write_jsonl(log, kept)
     except BaseException:
         release(out)
         raise
-    changed = changed_settings({**state["session"], **state["config"]} if state else {}, settings)
+    changed = changed_settings({**state["session"], **state["config"]} if state else {}, recorded)
     if changed:
         tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
     return kept
@@ -185,10 +192,13 @@ def load_trainer_state(run_dir) -> dict:
     recover_swap(os.path.join(run_dir, "checkpoint"))
     path = os.path.join(run_dir, "checkpoint", "trainer.pt")
     if not os.path.exists(path):
-        raise Error(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt")
+        raise Error(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt (a run that never saved "
+                    f"starts again by its own command)")
     try:
         state = torch.load(path, weights_only=False)
         state = {**{k: state[k] for k in ("step", "optimizer", "config")}, "session": state.get("session", {})}
+    except OSError as e:  # another user's file
+        raise Error(f"cannot read {path} ({e.strerror})") from None
     except Exception as e:  # a truncated or foreign file
         raise Error(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is not a "
                     f"trainer state this code wrote") from None
@@ -221,7 +231,10 @@ def read_log(path) -> list[dict]:
     naming the file and the line."""
     if not os.path.exists(path):
         return []
-    raw = Path(path).read_bytes()
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:  # another user's file, a directory
+        raise Error(f"cannot read {path} ({e.strerror})") from None
     try:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
@@ -259,11 +272,11 @@ def record_error(record) -> str | None:
 # ---- The guard: what stops a run ends in one line, and loses nothing ---------------------------------------
 @contextlib.contextmanager
 def signals_held():
-    """SIGINT/SIGTERM that arrive inside the block are delivered when it ends."""
+    """Stop signals (cli.STOP_SIGNALS) that arrive inside the block are delivered when it ends."""
     if not hasattr(signal, "pthread_sigmask"):  # not on Windows
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         yield
     finally:
@@ -304,27 +317,47 @@ class Run:
                 else "no checkpoint was written")
 
     def go_on(self) -> str:
-        return f"continue with --resume {self.out}" if self.saved is not None else "start again with --overwrite"
+        return f"continue with --resume {self.out}" if self.saved is not None else "run the same command again"
+
+
+def stopped(run: Run, fsdp: bool) -> str:
+    """What a stop saves: the state after run.step, written by process 0 (not under --fsdp: its save is a
+    collective the processes may not all reach), or else which checkpoint is kept."""
+    rank, world = distributed.rank_and_world()
+    if rank:
+        later = f" (process 0, if alive, saves step {run.step})" if run.step != run.saved else ""
+        return f"process {rank} of {world} stopped; {run.kept()}{later}"
+    if fsdp:
+        return f"with --fsdp a stop does not save; {run.kept()}"
+    try:
+        return (f"saved step {run.step} to {run.out}/checkpoint" if run.try_save() else
+                f"step {run.step} is not saved; {run.kept()}")
+    except Diverged as d:  # weights that are not finite are never saved
+        return f"step {run.step} is not saved ({d}); {run.kept()}"
 
 
 @contextlib.contextmanager
-def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
-    """The training loop of `run`, inside a main under cli.exits (where a stop signal raises Interrupted). A
-    signal saves the state after run.step steps (not under --fsdp) and exits with 128 + the signal; divergence
-    or a failed save or write is an Error saying which checkpoint is kept. The lock is let go at the end."""
+def guard(run: Run, lr: float, fsdp: bool):
+    """The training loop of `run`, inside a main under cli.exits (where a stop signal raises Interrupted).
+    A signal saves the state after run.step steps (stopped) and exits with 128 + the signal; a lost process
+    of the run or running out of memory saves it too, then is an Error, as are divergence and a failed save
+    or write, saying which checkpoint is kept. Every process says one line. The lock is let go at the end."""
     try:
         yield run
     except Interrupted as e:
-        if fsdp:  # saving is a collective, and the processes may be inside different ones now
-            say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
-        else:
-            try:
-                saved = run.try_save()
-                say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}"
-                    if saved else f"\n{e}: step {run.step} is not saved; {run.kept()}")
-            except Diverged as d:  # weights that are not finite are never saved
-                say(f"\n{e}: step {run.step} is not saved ({d}); {run.kept()}")
+        tell(f"\n{e}: {stopped(run, fsdp)}; {run.go_on()}")
         raise SystemExit(128 + e.signum) from None
+    except torch.OutOfMemoryError as e:
+        traceback.clear_frames(e.__traceback__)  # the failed step's tensors go before the save
+        raise Error(f"out of memory in step {run.step + 1} ({gist(e)}); {stopped(run, fsdp)}; lower "
+                    f"--micro-batch (or --group, --max-new-tokens), then {run.go_on()}") from None
+    except RuntimeError as e:
+        if not distributed.peer_lost(e):
+            raise
+        with contextlib.suppress(AttributeError):  # the launcher's SIGTERM follows: held (not on Windows)
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+        raise Error(f"a process of this run is gone ({gist(e)}); {stopped(run, fsdp)}; {run.go_on()} "
+                    f"(on as many processes)") from None
     except Diverged as e:
         raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})") from None
     except SaveFailed as e:
@@ -333,3 +366,17 @@ def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
         raise Error(f"could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}") from None
     finally:
         release(run.out)
+
+
+def gist(e: BaseException) -> str:
+    """An exception in a few words: its type and its message's first sentence, less a source location."""
+    text = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip().splitlines() or [""])[0])
+    return f"{type(e).__name__}: {text.split('. ')[0][:160]}"
+
+
+def tell(line: str):
+    """A stop's line: process 0's on stdout (tqdm's), each other process's on stderr."""
+    if distributed.rank_and_world()[0] == 0:
+        tqdm.write(line)
+    else:
+        print(line.strip(), file=sys.stderr)

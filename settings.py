@@ -265,18 +265,24 @@ def run_defaults(model_dir: str, task: str | None = None, flag: str = "--model")
     extra = read_ngc_json(model_dir)
     trained = extra.get("task", task)
     if task and trained != task:
+        example = os.path.join(HERE, EXAMPLE[task])
+        example = example if os.path.relpath(example).startswith("..") else os.path.relpath(example)
         raise Error(f"{flag} {model_dir} was trained on {trained} (its ngc.json), not {task}: give a {task} model, "
-                    f"such as {os.path.relpath(os.path.join(HERE, EXAMPLE[task]))}, or a copy of {model_dir} without "
-                    f"ngc.json to start from its weights")
+                    f"such as {example}, or a copy of {model_dir} without ngc.json to start from its weights")
     task = trained or "countdown"
     return from_dict({**extra, "task": task, "model": model_dir}, RECIPES[task])
 
 
 def check(c: Settings):
-    """An Error for the first setting of c that a run cannot use."""
+    """An Error for the first setting of c that a run cannot use, at any of its steps."""
     if c.out is not None and not c.out.strip():
         raise Error("--out is empty; give the run directory")
     check_values(c, RULES)
+    for name, what, rule in (("retention", "stage", in_unit(low_open=False)), ("interoception_rates", "rate",
+                                                                                in_unit(low_open=True))):
+        for i, value in enumerate(getattr(c, name)):  # every stage of the schedule, every rate a group draws
+            if rule(value) is not True:
+                raise Error(f"--{name.replace('_', '-')} {saved(c)[name]}: {what} {i + 1}, {value:g}, {rule(value)}")
     if c.task == "math":
         if not c.data or (c.eval_every and not c.eval_data):
             raise Error("--task math reads its problems from files: --data FILE (training) and --eval-data FILE "

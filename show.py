@@ -47,7 +47,7 @@ from files import save_figure, write_json, write_text
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, evicted_by
 from settings import run_defaults
-from tasks import TASK_REWARD, held_out, prompt_encoder
+from tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BEFORE = {"countdown": os.path.join(HERE, "tiny"), "math": os.path.join(HERE, "tiny-math")}  # --before's default
@@ -317,6 +317,7 @@ def trace_models(args, c, problems, ev):
     runs, measures = {}, {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
         model, tokenizer = load(path, args.device, c.meta_token)
+        check_prompts(c, tokenizer, path, problems)  # words the model cannot read: one line, not a page
         runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
         if args.survival:
             full = trace_rollouts(model, tokenizer, c, problems, None)

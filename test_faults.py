@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import bench
 import eval as evaluation
@@ -132,6 +133,30 @@ def test_the_settings_of_an_earlier_version_load_at_the_values_this_code_runs_as
         f"version that trained it")
 
 
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_weights_that_are_not_finite_are_refused_by_every_script_naming_the_file(train_ckpt, tmp_path, nothing_runs,
+                                                                                 script):
+    """A NaN in a checkpoint (a diverged run's, a bad conversion): eval.py used to print an ordinary table,
+    show.py its page, train.py to make the run directory and then blame --lr."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for bad in (float("nan"), float("inf")):
+        model = tmp_path / "model"
+        shutil.rmtree(model, ignore_errors=True)
+        shutil.copytree(train_ckpt, model)
+        state = load_file(model / "model.safetensors")
+        state["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+        save_file(state, model / "model.safetensors")
+        assert one_line_error(lambda: SCRIPTS[script](str(model), out)) == (
+            f"error: {model}/model.safetensors: model.layers.1.mlp.up_proj.weight holds values that are not finite "
+            f"(NaN or inf): these weights are no model; use a checkpoint saved before they went bad")
+        assert list(out.iterdir()) == []
+    state["model.layers.1.mlp.up_proj.weight"][3, 5] = 0.0
+    save_file(state, model / "model.safetensors")
+    with pytest.raises(Reached):  # the control: the weights made finite again
+        SCRIPTS[script](str(model), out)
+
+
 @pytest.mark.parametrize("text, says", [("{not json", "is not valid JSON"),
                                         ('{"metadata": {}}', "has no weight_map of tensor names to shard files"),
                                         ('{"weight_map": ["model.norm.weight"]}', "has no weight_map")])
@@ -171,6 +196,30 @@ def test_an_edited_log_line_stops_a_resume_in_one_line_naming_it(small_run, tmp_
     assert one_line_error(lambda: train.main(["--resume", str(run), "--threads", "1"])) == \
         f"error: {run}/log.jsonl {says}; repair or remove that line"
     assert files_under(run) == before  # nothing lost, nothing half-written
+
+
+def test_an_input_that_cannot_be_read_is_one_line_naming_it(train_ckpt, tmp_path, nothing_runs):
+    """ngc.json or log.jsonl this user cannot read (another user's; here a directory in its place, which
+    root cannot read either): one line naming the file, not 'not valid JSON' or a traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    model = tmp_path / "model"
+    shutil.copytree(train_ckpt, model)
+    (model / "ngc.json").unlink()
+    (model / "ngc.json").mkdir()
+    for script in [s for s in SCRIPTS if s != "bench"]:
+        assert one_line_error(lambda: SCRIPTS[script](str(model), out)) == \
+            f"error: cannot read {model}/ngc.json (Is a directory); fix or delete it", script
+    assert list(out.iterdir()) == []
+
+
+def test_a_log_that_cannot_be_read_stops_a_resume_in_one_line(small_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    (run / "log.jsonl").unlink()
+    (run / "log.jsonl").mkdir()
+    assert one_line_error(lambda: train.main(["--resume", str(run), "--threads", "1"])) == \
+        f"error: cannot read {run}/log.jsonl (Is a directory)"
 
 
 def refuse_lock(real_open):
@@ -230,7 +279,7 @@ def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
     """--prompt plain on tiny/: most of its tokens were <unk>, and it evaluated to 0% without a word."""
     monkeypatch.setattr(evaluation, "compare", reached)
     monkeypatch.setattr(rundir, "prepare", reached)
-    says = (f"error: the prompt style plain has 45 words that {TINY}/tokenizer.json cannot spell (Using, the, "
+    says = (f"error: the prompt style plain has 43 words that {TINY}/tokenizer.json cannot spell (Using, the, "
             f"numbers, ...): they would all be one unknown token; this model's tokenizer spells the styles "
             f"tiny-shift, tiny-shift-unseen: give one with --prompt")
     assert one_line_error(lambda: evaluation.main(["--model", TINY, "--prompt", "plain", "--problems", "1"])) == says
@@ -239,6 +288,37 @@ def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
     with pytest.raises(Reached):  # the control: a layout tiny/ never trained on, but spelled
         evaluation.main(["--model", TINY, "--prompt", "tiny-shift-unseen", "--problems", "1"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tokenizer_that_is_not_the_model_s_is_refused_in_one_line(tmp_path, monkeypatch, nothing_runs):
+    """tiny-math/'s tokenizer.json beside tiny/'s weights (its ids all inside tiny/'s vocabulary): the words
+    of tiny/'s Countdown prompt it lacks became <unk>, eval.py reported 0.0%, train.py trained, as the check
+    left alone a tokenizer that spells no prompt style. Likewise a tag the run writes (interoception) that
+    the tokenizer lacks, and prompts with their new tokens past the model's positions. The control: tiny/
+    as shipped passes, and the tests' random vocabularies (no word at all) are still left alone."""
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    shutil.copy(os.path.join(TINY_MATH, "tokenizer.json"), model / "tokenizer.json")
+    says = (f"error: {model}/tokenizer.json cannot spell 2 words of this run's prompts (Countdown, reach): each "
+            f"would be its unknown token, and the run would learn from noise or score 0%: the tokenizer is not this "
+            f"model's, or the prompts are not its task")
+    for script in ("train", "eval", "show"):
+        assert one_line_error(lambda: SCRIPTS[script](str(model), tmp_path)) == says, script
+    vocab = json.loads(Path(TINY, "tokenizer.json").read_text())
+    del vocab["model"]["vocab"]["37%"]  # a tag interoception may write: ε = 0.37
+    (model / "tokenizer.json").write_text(json.dumps(vocab))
+    with pytest.raises(Reached):  # no tag, no interoception: every word is there
+        SCRIPTS["train"](str(model), tmp_path)
+    assert one_line_error(lambda: train.main(["--model", str(model), "--out", str(tmp_path / "r"),
+                                              "--interoception"])).startswith(f"error: {model}/tokenizer.json cannot spell 1 words of this run's prompts (37%)")
+    assert one_line_error(lambda: train.main(["--model", TINY, "--out", str(tmp_path / "r"), "--max-new-tokens",
+                                              "1010"])) == (
+        f"error: prompts of up to 18 tokens and 1010 new ones pass the 1024 positions of {TINY} "
+        f"(max_position_embeddings in its config.json): lower --max-new-tokens")
+    for script in ("train", "eval"):
+        with pytest.raises(Reached):
+            SCRIPTS[script](TINY, tmp_path)
+    assert list(tmp_path.iterdir()) == [model]
 
 
 def test_make_tiny_eval_only_takes_the_task_of_the_model(monkeypatch):

@@ -5,6 +5,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import FrozenInstanceError, fields, replace
@@ -211,6 +212,26 @@ def test_a_kill_at_any_point_of_the_checkpoint_swap_leaves_a_checkpoint(train_ck
         assert rundir.load_trainer_state(str(run))["step"] == 3 and sorted(p.name for p in run.iterdir()) == ["checkpoint"]
 
 
+def test_files_replaced_keep_the_permissions_others_read_them_by(train_ckpt, tmp_path):
+    """A run directory made readable to a group (chmod -R g+rX) by a user whose umask is private (077): a
+    resume rewrites log.jsonl and swaps in a new checkpoint/, each keeping the mode it had. The control:
+    a new file gets the umask's mode."""
+    run = tmp_path / "run"
+    run_train(train_ckpt, run, "--steps", "1")
+    for p in [run, *run.rglob("*")]:
+        p.chmod(0o750 if p.is_dir() else 0o640)
+    umask = os.umask(0o077)
+    try:
+        run_train(train_ckpt, run, "--resume", str(run), "--steps", "2")
+        files.write_text(str(tmp_path / "new.txt"), "x")
+    finally:
+        os.umask(umask)
+    assert rundir.load_trainer_state(str(run))["step"] == 2
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [run / "checkpoint", *run.rglob("*")] if p.name != "lock"}
+    assert modes == {name: 0o750 if (run / name).is_dir() or name == "checkpoint" else 0o640 for name in modes}
+    assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o600
+
+
 # What each writer raises on a full disk (ENOSPC; EFBIG under a file size limit alike): none is an OSError
 FULL_DISK = {"safetensors": lambda: SafetensorError("Error while serializing: I/O error: No space left on device "
                                                     "(os error 28)"),
@@ -286,8 +307,10 @@ def test_a_save_past_a_real_file_size_limit_keeps_the_previous_checkpoint(train_
 # Signals and the log
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckpt, tmp_path, sig, code):
+    """SIGTERM (a scheduler), SIGINT (Ctrl-C) and SIGHUP (a closed terminal or ssh session) alike: the
+    state of the steps taken is saved, and a resume takes exactly the steps an uninterrupted run would."""
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run),
                              "--threads", "1", "--steps", "200"], cwd=os.path.dirname(train.__file__),
@@ -306,6 +329,112 @@ def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckp
     for a, b in zip(resumed, straight):
         for key in ("reward", "L_token", "L_mem", "response_len"):
             assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGXCPU])
+def test_a_scheduler_s_warning_signal_saves_and_stops_the_run(train_ckpt, tmp_path, sig):
+    """SLURM's --signal=USR1@N before its time limit, SIGXCPU at a CPU-time limit: by default each ends the
+    process at once, the steps since the last checkpoint lost; here the run saves and stops in one line."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run),
+                             "--threads", "1", "--steps", "200", "--save-every", "0"],
+                            cwd=os.path.dirname(train.__file__), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    wait_for_log_lines(run / "log.jsonl", 2)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    saved = rundir.load_trainer_state(str(run))["step"]
+    assert proc.returncode == 128 + sig and out.strip().endswith(
+        f"{signal.Signals(sig).name}: saved step {saved} to {run}/checkpoint; continue with --resume {run}"), out
+    assert [r["step"] for r in rundir.read_log(str(run / "log.jsonl"))] == list(range(saved)) and saved >= 2
+
+
+def test_a_run_started_ignoring_sighup_goes_on_through_it(train_ckpt, tmp_path):
+    """Under nohup (SIGHUP ignored from the start) a closed terminal does not stop the run; the control,
+    SIGTERM, still saves and stops it."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run), "--threads",
+                             "1", "--steps", "200"], cwd=os.path.dirname(train.__file__), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        wait_for_log_lines(run / "log.jsonl", 2)
+        proc.send_signal(signal.SIGHUP)
+        steps = len((run / "log.jsonl").read_text().splitlines())
+        wait_for_log_lines(run / "log.jsonl", steps + 2)
+        assert proc.poll() is None  # still training
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and f"continue with --resume {run}" in out, out
+    assert rundir.load_trainer_state(str(run))["step"] >= steps + 2
+
+
+def test_a_run_killed_before_its_first_save_starts_again_by_the_same_command(train_ckpt, tmp_path):
+    """SIGKILL (the OOM killer, a lost node) before any checkpoint: the run directory holds a log and the
+    lock, nothing to resume (--resume says so); the same command starts the run again there."""
+    run = tmp_path / "run"
+    command = ["--model", train_ckpt, "--out", str(run), "--threads", "1", "--steps", "6", "--save-every", "0"]
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, *command], cwd=os.path.dirname(train.__file__),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_log_lines(run / "log.jsonl", 2)
+    proc.kill()
+    proc.wait()
+    assert sorted(p.name for p in run.iterdir()) == ["lock", "log.jsonl"]
+    with pytest.raises(SystemExit) as err:
+        train.main(["--resume", str(run)])
+    assert str(err.value) == (f"error: nothing to resume in '{run}': it has no checkpoint/trainer.pt (a run that "
+                              f"never saved starts again by its own command)")
+    train.main(command, reward_fn=parity_reward)  # the same command
+    assert [r["step"] for r in rundir.read_log(str(run / "log.jsonl"))] == list(range(6))
+    (run / "notes.txt").write_text("mine")  # the control: files not a run's are never taken
+    shutil.rmtree(run / "checkpoint")
+    with pytest.raises(SystemExit) as err:
+        train.main(command)
+    assert str(err.value) == f"error: {run} holds files that are not a run's (notes.txt); choose another --out"
+
+
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_a_console_that_goes_away_costs_only_its_lines(train_ckpt, tmp_path, script):
+    """stdout a pipe whose reader is gone (`| head`, a closed terminal): the run trains to its end and
+    saves, eval.py writes its --out; the lines are lost, nothing else, and the exit code is 0."""
+    command = {"train": [SIGNAL_RUN, "--model", train_ckpt, "--out", str(tmp_path / "run"), "--threads", "1",
+                         "--steps", "2"],
+               "eval": ["import eval; eval.main()", "--model", train_ckpt, "--policy", "none", "ngc", "--problems", "2",
+                        "--samples", "0", "--out", str(tmp_path / "rows.jsonl")]}[script]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    proc = subprocess.run([sys.executable, "-c", *command], cwd=os.path.dirname(train.__file__), stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+    os.close(write)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    if script == "train":
+        assert rundir.load_trainer_state(str(tmp_path / "run"))["step"] == 2
+    else:
+        assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 2
+
+
+def test_out_of_memory_saves_the_steps_taken_and_stops_in_one_line(train_ckpt, tmp_path, monkeypatch):
+    """CUDA out of memory in a step (here raised by a stand-in rollout at the third step): the state
+    after the steps taken is saved, one line says what to lower, and a resume goes on from there."""
+    calls = []
+
+    def rollout_until_memory_runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+        return rollout(*args, **kwargs)
+
+    monkeypatch.setattr(train, "rollout", rollout_until_memory_runs_out)
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path, "--steps", "4")
+    assert str(err.value) == (f"error: out of memory in step 3 (OutOfMemoryError: CUDA out of memory); saved step 2 to "
+                              f"{tmp_path}/checkpoint; lower --micro-batch (or --group, --max-new-tokens), then "
+                              f"continue with --resume {tmp_path}")
+    monkeypatch.undo()
+    log = run_train(train_ckpt, tmp_path, "--resume", str(tmp_path))
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
 
 
 def test_two_runs_on_one_run_directory_one_trains_the_other_stops_in_one_line(train_ckpt, tmp_path):
@@ -393,7 +522,10 @@ BAD_TRAIN_FLAGS = [
     (["--eval-batch", "0"], "at least 1"), (["--lr", "-1"], "--lr -1.0 must be positive"),
     (["--steps", "-3"], "--steps -3 must be at least 1"), (["--eval-problems", "0"], "at least 1"),
     (["--device", "foo"], "--device 'foo' is not a device"), (["--retention", "0.9,x"], "comma-separated numbers"),
-    (["--retention", "1.5,0.5"], "must lie in"), (["--delta", "2"], "larger than the window"),
+    (["--retention", "1.5,0.5"], "--retention 1.5,0.5: stage 1, 1.5, must lie in [0, 1)"),
+    (["--retention", "0.9,1.5,0.5"], "--retention 0.9,1.5,0.5: stage 2, 1.5, must lie in [0, 1)"),  # a middle one
+    (["--interoception", "--interoception-rates", "0.25,0,0.75"], "--interoception-rates 0.25,0,0.75: rate 2, 0,"),
+    (["--delta", "2"], "larger than the window"),
     (["--group", "1"], "--group"), (["--beta2", "1"], "must lie in [0, 1)"), (["--threads", "0"], "at least 1"),
     (["--steps", "x"], "invalid int value"), (["--adam-eps", "0"], "--adam-eps 0.0 must be positive"),
     (["--mem-norm", "mean"], "invalid choice: 'mean'"),

@@ -35,7 +35,7 @@ from cli import Error, exits, one_line_errors, parser
 from eval import before_after, eval_line, evaluate
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
+from tasks import TASK_REWARD, check_prompts, load_problems, prompt_encoder
 
 LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record follows them
 
@@ -216,7 +216,8 @@ def main(argv=None, reward_fn=None):
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(banner(c, model, run.step))
     eval_ev = Eviction(c.delta, c.block, c.window, final_eviction_rate(c), greedy=True)
-    encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
+    tag = eval_ev.rate if c.interoception else None
+    encode = prompt_encoder(c.task, c.prompt, tag, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
@@ -233,7 +234,7 @@ def main(argv=None, reward_fn=None):
         say(eval_line(run.step, r, eval_ev.rate))
 
     t_start = time.time()
-    with rundir.guard(run, c.lr, c.fsdp, say):
+    with rundir.guard(run, c.lr, c.fsdp):
         bar = tqdm(total=c.steps, initial=run.step, desc="train", unit="step",
                    disable=not interactive)
         while run.step < c.steps:
@@ -284,12 +285,11 @@ def resolve(args, state=None) -> settings.Settings:
         base = settings.from_dict({**state["config"], "model": start, "out": args.resume})
     else:
         base = settings.run_defaults(args.model or settings.COUNTDOWN.model, args.task)
-    own = ("model", "out") if args.resume else ()  # given with --resume: the run's own (resumed_state)
-    c = settings.from_dict({k: v for k, v in vars(args).items() if v is not None and k not in own}, base)
+    own = ("model", "out") if args.resume else ()  # with --resume: the run's own (resumed_state)
+    flags = {k: v for k, v in vars(args).items() if v is not None and k not in own}
+    c = settings.from_dict(flags, base)
     settings.check(c)
-    rates = [eviction_rate_at(s, c) for s in (0, c.steps)] + list(c.interoception_rates)
-    for eps in rates:
-        check_eviction(c.delta, c.block, c.window, eps)  # one-line errors for bad δ, b, w, ε
+    check_eviction(c.delta, c.block, c.window, final_eviction_rate(c))  # one-line errors: δ, b, w
     device = distributed.pick_device(c.device)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if c.fsdp and not distributed.launched():
@@ -335,12 +335,13 @@ def setup(argv):
         c = resolve(args, state)
         if c.threads:
             torch.set_num_threads(c.threads)
-        problems = load_problems(c)  # the data files read and checked before anything is made
+        train, test = load_problems(c)  # the data files read and checked before anything is made
         model, tokenizer = load(weights(c), c.device, c.meta_token)  # before the optimizer: g's row
         if not model.config.eos_ids:
             raise Error(f"{weights(c)}/config.json has no eos_token_id; rollouts would never end")
-        check_prompt(c, tokenizer, weights(c))
-    return c, state, model, tokenizer, problems
+        check_prompts(c, tokenizer, weights(c), train + test, model.config.max_position_embeddings,
+                      c.max_new_tokens)
+    return c, state, model, tokenizer, (train, test)
 
 
 def banner(c, model, step) -> str:
