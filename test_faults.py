@@ -310,7 +310,8 @@ def test_a_tokenizer_that_is_not_the_model_s_is_refused_in_one_line(tmp_path, mo
     with pytest.raises(Reached):  # no tag, no interoception: every word is there
         SCRIPTS["train"](str(model), tmp_path)
     assert one_line_error(lambda: train.main(["--model", str(model), "--out", str(tmp_path / "r"),
-                                              "--interoception"])).startswith(f"error: {model}/tokenizer.json cannot spell 1 words of this run's prompts (37%)")
+                                              "--interoception"])).startswith(
+        f"error: {model}/tokenizer.json cannot spell 1 words of this run's prompts (37%)")
     assert one_line_error(lambda: train.main(["--model", TINY, "--out", str(tmp_path / "r"), "--max-new-tokens",
                                               "1010"])) == (
         f"error: prompts of up to 18 tokens and 1010 new ones pass the 1024 positions of {TINY} "

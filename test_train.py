@@ -638,8 +638,8 @@ def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monke
         message = str(err.value)
         assert "\n" not in message and not (tmp_path / "cd").exists()
         assert message == (f"error: --model {tmp_path}/run/checkpoint was trained on math (its ngc.json), not "
-                           f"countdown: give a countdown model, such as {os.path.relpath(settings.HERE + '/tiny')}, or a copy of "
-                           f"{tmp_path}/run/checkpoint without ngc.json to start from its weights" if task
+                           f"countdown: give a countdown model, such as {os.path.relpath(settings.HERE + '/tiny')}, "
+                           f"or a copy of {tmp_path}/run/checkpoint without ngc.json to start from its weights" if task
                            else "error: no such file: /no/such.jsonl")
     monkeypatch.setattr(evaluation, "rollout", counting_rollout(seen := []))
     evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
