@@ -465,4 +465,4 @@ def test_a_study_stopped_by_a_signal_continues_with_the_same_command(tmp_path):
         resumed = f"--resume {run} --threads {reproduce.threads_per_run(2)}"
         assert console.startswith(before) and resumed in console[len(before):]
     summary = (out / "summary.md").read_text()
-    assert "3. Ablation: token-only" in summary and "1. The baselines at ε = 0.5" in summary
+    assert "3. Ablation: token-only" in summary and "1. The baselines at ε* = " in summary
