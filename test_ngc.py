@@ -168,27 +168,6 @@ def test_one_step_on_l_mem_moves_log_p_sigma_with_the_advantage(ckpt, sampled, s
         assert (after - before) * sign > 0, (row, before, after)
 
 
-def test_per_term_gradient_norms_are_those_of_each_loss_alone(ckpt, sampled):
-    """--term-grad-norms: one extra backward per term gives ‖∇L_token‖ and ‖∇L_mem‖, each its own."""
-    model = from_pretrained(ckpt)
-    params = list(model.parameters())
-    c = settings.Settings(mode="ngc", max_new_tokens=30)
-    adv = torch.linspace(-1, 1, len(sampled.n_rounds))
-    diag = train.TermGradNorms(params, train.LOSSES)
-    for rows in torch.arange(len(adv)).split(2):  # micro-batches, as in train.backward
-        terms = train.policy_losses(model, sampled.select(rows), adv[rows], train.MODES[c.mode], c.max_new_tokens,
-                                    n_total=len(adv))
-        diag.add(terms)
-        (terms["L_token"] + terms["L_mem"]).backward()
-    norms = diag.norms()
-    terms = train.policy_losses(model, sampled, adv, train.MODES[c.mode], c.max_new_tokens, n_total=len(adv))
-    for loss, key in ((terms["L_token"], "grad_norm_token"), (terms["L_mem"], "grad_norm_mem")):
-        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        direct = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None])).item()
-        assert norms[key] == pytest.approx(direct, rel=1e-4), key
-    assert abs(norms["grad_norm_token"] - norms["grad_norm_mem"]) > 1e-3 * norms["grad_norm_mem"]  # two different numbers
-
-
 def test_a_micro_batch_without_rounds_adds_nothing_to_l_mem(ckpt):
     """A rollout that ends before its first round has no eviction term; its micro-batch adds 0 to
     L_mem, and the step's L_mem is that of the rollouts that had rounds."""

@@ -1,4 +1,4 @@
-"""Train NGC: Dr. GRPO over tokens and evictions (paper §4.4–4.6, Appendix A.1), on Countdown or math.
+"""Train NGC: Dr. GRPO over tokens and evictions (paper §4.4–4.6, App. A.1), on Countdown or math.
 
     python train.py --task countdown                           # the shipped tiny model, on the CPU
     python train.py --task countdown --model DIR --out runs/r1 # a Hugging Face Qwen2 directory
@@ -12,9 +12,9 @@ micro-batches, L = L_token + L_mem (eqs. 3-5), one backward, grad-norm clipping,
 constant LR. Defaults are the paper's recipe for the task (settings.py); a checkpoint directory may
 carry an ngc.json whose values replace them (the tiny model's does), and any flag replaces both.
 
-This file is the method, top to bottom: modes, curriculum, objective, one step, the loop, then the
-command line. Run directory and its guard (signals, divergence, failed saves), processes, checkpoints
-and evaluation are called, not written, here.
+This file is the method, top to bottom: modes, curriculum, objective, one step, the loop, then
+the command line. Run directory and its guard (signals, divergence, failed saves), processes,
+checkpoints and evaluation are called, not written, here.
 """
 import contextlib
 import functools
@@ -30,39 +30,30 @@ from tqdm import tqdm
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
 from lib import distributed, rundir, settings
-from lib.checkpoint import META_TOKEN, CheckpointError, load
-from lib.cli import exits, one_line_errors, parser
+from lib.checkpoint import META_TOKEN, load
+from lib.cli import Error, exits, one_line_errors, parser
 from lib.scoring import before_after, eval_line, evaluate
-from lib.tasks import TASK_REWARD, check_prompt, load_problems, prompt_encoder
+from lib.tasks import TASK_REWARD, check_prompts, load_problems, prompt_encoder
 
-LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record, checks and line follow them
-GRAD_NORMS = {term: "grad_norm_" + term.removeprefix("L_") for term in LOSSES}  # their record keys (--term-grad-norms)
+LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record follows them
 
 
 @dataclass(frozen=True)
 class Mode:
     evict: bool  # evict during rollouts
-    replay_masks: bool  # token log-probs under the per-layer replay masks (else the plain causal mask)
+    replay_masks: bool  # token log-probs under the per-layer replay masks (else the causal mask)
     eviction_loss: bool  # add L_mem
-    token_loss: bool = True  # follow L_token (else it is only logged)
-
-    def logs(self, term: str) -> bool:  # a name not in LOSSES is a KeyError, never a silent default
-        return {"L_token": True, "L_mem": self.eviction_loss}[term]
-
-    def trains(self, term: str) -> bool:
-        return {"L_token": self.token_loss, "L_mem": self.eviction_loss}[term]
 
 
 MODES = {
     "ngc": Mode(evict=True, replay_masks=True, eviction_loss=True),
     "token-only": Mode(evict=True, replay_masks=True, eviction_loss=False),  # ablation: no L_mem
-    "mem-only": Mode(evict=True, replay_masks=True, eviction_loss=True, token_loss=False),  # diagnosis: no L_token
-    "targeted-dropout": Mode(evict=True, replay_masks=False, eviction_loss=False),  # ablation: causal log-probs
-    "no-evict": Mode(evict=False, replay_masks=False, eviction_loss=False),  # the full-cache upper bound
+    "targeted-dropout": Mode(evict=True, replay_masks=False, eviction_loss=False),  # causal log-p
+    "no-evict": Mode(evict=False, replay_masks=False, eviction_loss=False),  # the full-cache bound
 }
 
 
-# ---- Eviction-rate curriculum (paper §4.6) --------------------------------------------------------
+# ---- Eviction-rate curriculum (paper §4.6) -------------------------------------------------------
 def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float) -> float:
     """Staircase over retention p0 = 1 - ε (eq. 6): hold ρ_ℓ for the first (1 - α) of stage ℓ,
     then blend linearly to ρ_{ℓ+1}; the last stage holds ρ_K."""
@@ -77,103 +68,74 @@ def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float)
 
 
 def eviction_rate_at(step: int, c) -> float:
-    if c.eviction_rate is not None:
-        return c.eviction_rate
     return 1 - retention_at(step, c.retention, c.stage_steps, c.alpha)
 
 
 def final_eviction_rate(c) -> float:
-    return c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
+    return 1 - c.retention[-1]
 
 
-# ---- The objective (paper eqs. 3-5, Dr. GRPO) -----------------------------------------------------
+# ---- The objective (paper eqs. 3-5, Dr. GRPO) ----------------------------------------------------
 def group_advantages(reward, group: int):
     """A_i = r_i - mean of its group's rewards (Dr. GRPO: no division by the std). reward (P·G,)."""
     r = reward.view(-1, group)
     return (r - r.mean(1, keepdim=True)).flatten()
 
 
-def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm: str = "paper",
-                  mem_weight: float = 1.0) -> dict:
-    """The loss's terms for rollouts ro with advantages adv (B,): "L_token" (eq. 3) and, when the mode
-    has it and a round fired, "L_mem" (eq. 4, times mem_weight). Both are normalised by the whole step's
-    rollout count n_total (L_token also by the max completion length, Dr. GRPO's constant), so the
-    micro-batches' losses add up to the step's. mem_norm "paper" is eq. (4): per rollout and layer the mean
-    of log p(σ) over its rounds, summed over layers; "joint" sums over rounds and layers and divides by
-    L_token's constant, the exact gradient of one policy whose actions are tokens and evictions (§4.4)."""
+def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm="paper"):
+    """The loss's terms for rollouts ro with advantages adv (B,): "L_token" (eq. 3) and, when the
+    mode has it and a round fired, "L_mem" (eq. 4). Both are normalised by the whole step's rollout
+    count n_total (L_token also by the max completion length, Dr. GRPO's constant), so the
+    micro-batches' losses add up to the step's. mem_norm "paper" is eq. (4): per rollout and layer
+    the mean of log p(σ) over its rounds, summed over layers; "joint" sums over rounds and layers
+    and divides by L_token's constant, the exact gradient of one policy whose actions are tokens
+    and evictions (§4.4)."""
     tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)  # (B, T), (B, R, L)
     terms = {"L_token": -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)}  # eq. (3)
     if mode.eviction_loss and ev_lp is not None:
         if mem_norm == "paper":  # eq. (4)
-            per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): mean over each rollout's rounds
-            l_mem = -(adv[:, None] * per_layer).sum() / n_total  # summed over layers
+            per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): its rounds' mean
+            terms["L_mem"] = -(adv[:, None] * per_layer).sum() / n_total  # summed over layers
         else:  # every round at every layer (rounds that did not fire hold 0)
-            l_mem = -(adv * ev_lp.sum((1, 2))).sum() / (n_total * max_new_tokens)
-        terms["L_mem"] = mem_weight * l_mem
+            terms["L_mem"] = -(adv * ev_lp.sum((1, 2))).sum() / (n_total * max_new_tokens)
     return terms
 
 
-class TermGradNorms:
-    """--term-grad-norms (the paper's Figure 5): each term's gradient norm apart, from one more backward
-    per term and micro-batch into a buffer of its own (a term logged but not trained keeps zeros)."""
-
-    def __init__(self, params, terms):
-        self.params = params
-        self.acc = {term: [torch.zeros_like(p) for p in params] for term in terms}
-
-    def add(self, terms: dict):
-        for term, loss in terms.items():
-            grads = torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
-            for a, g in zip(self.acc[term], grads):
-                if g is not None:
-                    a += g
-
-    def norms(self) -> dict:
-        """Each term's norm, of its gradient averaged over the processes as the step's is."""
-        norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])).item()
-        for acc in self.acc.values():
-            distributed.average_gradients(self.params, acc)
-        return {GRAD_NORMS[term]: norm(acc) for term, acc in self.acc.items()}
-
-
 def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
-    """Replay the rollouts with A != 0 in micro-batches, accumulate the gradient of the terms the mode
-    trains and average it over the processes (each normalised by its own rollout count, so this is the
-    single-process gradient). Returns each term summed and (asked) its gradient norm; None if not logged."""
+    """Replay the rollouts with A != 0 in micro-batches, accumulate the loss's gradient and average
+    it over the processes (each normalised by its own rollout count, so this is the single-process
+    gradient). Returns each term summed over the micro-batches (None: not in this mode)."""
     params = [p for p in model.parameters() if p.requires_grad]
     mode = MODES[c.mode]
-    logged = [term for term in LOSSES if mode.logs(term)]
-    diag = TermGradNorms(params, logged) if c.term_grad_norms else None
-    sums = dict.fromkeys(logged, 0.0)  # a micro-batch without a round adds 0 to L_mem
+    sums = dict.fromkeys(LOSSES if mode.eviction_loss else LOSSES[:1], 0.0)  # no round: L_mem 0
     learn = torch.nonzero(adv).flatten()
-    learn = learn[ro.lengths[learn].argsort(stable=True)]  # rollouts of like length together: less padding to replay
+    learn = learn[ro.lengths[learn].argsort(stable=True)]  # like lengths together: less padding
     chunks = [(rows, adv[rows]) for rows in learn.split(c.micro_batch)] if len(learn) else []
-    chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many on every process
+    chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many everywhere
     for rows, a in chunks:
         with amp:
-            terms = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, len(adv), c.mem_norm, c.mem_weight)
-        if diag:
-            diag.add({term: loss for term, loss in terms.items() if mode.trains(term)})
-        parts = [loss if mode.trains(term) else 0 * loss for term, loss in terms.items()]  # 0 ·: still a graph,
-        sum(parts[1:], parts[0]).backward()  # since under FSDP every process runs every backward
+            terms = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, len(adv),
+                                  c.mem_norm)
+        losses = list(terms.values())
+        sum(losses[1:], losses[0]).backward()
         for term, loss in terms.items():
             sums[term] += loss.item()
     distributed.average_gradients(params)
     sums = distributed.mean_over_processes(sums)
-    norms = diag.norms() if diag else {}
-    return {**{t: sums.get(t) for t in LOSSES}, **{k: norms.get(k) for k in GRAD_NORMS.values()}}
+    return {t: sums.get(t) for t in LOSSES}
 
 
-# ---- One step: rollout → reward → advantage → replay → backward → clip ----------------------------
+# ---- One step: rollout → reward → advantage → replay → backward → clip ---------------------------
 def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     """The noise of one step on one rank (tokens, Gumbel draws, interoception rates), derived from
     (seed, rank, step) alone: a resumed run draws exactly what an uninterrupted one would have."""
-    return torch.Generator(device=device).manual_seed(int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]))
+    mixed = np.random.SeedSequence([seed, rank, step]).generate_state(1)[0]
+    return torch.Generator(device=device).manual_seed(int(mixed))
 
 
 def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress=False):
-    """One step's gradients, clipped, and its log record (main then steps the optimizer). With several
-    processes each rolls out whole groups of its share of the P prompts."""
+    """One step's gradients, clipped, and its log record (main then steps the optimizer). With
+    several processes each rolls out whole groups of its share of the P prompts."""
     t0 = time.perf_counter()
     device = model.lm_head.weight.device
     rank, world = distributed.rank_and_world()
@@ -184,16 +146,18 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     group_eps = rates = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
         choices = torch.tensor(c.interoception_rates) * eps / final_eviction_rate(c)
-        group_eps = choices[torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()].clamp(0.01, 1)
+        drawn = torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()
+        group_eps = choices[drawn].clamp(0.01, 1)
         rates = group_eps.repeat_interleave(G)
     batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
-    prompts = [prompt_encoder(c.task, c.prompt, None if group_eps is None else float(group_eps[i]), c.blind_tag)(
-        tokenizer, p) for i, p in enumerate(batch) for _ in range(G)]
+    rate = lambda i: None if group_eps is None else float(group_eps[i])
+    prompts = [prompt_encoder(c.task, c.prompt, rate(i), c.blind_tag)(tokenizer, p)
+               for i, p in enumerate(batch) for _ in range(G)]
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, top_p=c.top_p, meta_token=meta)
     with amp, distributed.whole_model(model):
-        ro = rollout(model, prompts, sampling, ev, rates=rates, eos_ids=model.config.eos_ids, generator=gen,
-                     progress=progress, compile=c.compile)
+        ro = rollout(model, prompts, sampling, ev, rates=rates, eos_ids=model.config.eos_ids,
+                     generator=gen, progress=progress, compile=c.compile)
     t_rollout = time.perf_counter() - t0
     texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
@@ -202,18 +166,19 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     t_replay = time.perf_counter()
     losses = backward(model, ro, adv, c, amp)
     t_replay = time.perf_counter() - t_replay
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], c.clip).item()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, c.clip).item()
 
     n_new = (ro.lengths - ro.prompt_lens).float()
     m = distributed.mean_over_processes(dict(
-        reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(), rounds=ro.n_rounds.float().mean(),
-        peak_kv=ro.peak_kv.float().mean(), tokens_per_s=n_new.sum() * world / t_rollout,  # all processes together
+        reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(),
+        rounds=ro.n_rounds.float().mean(), peak_kv=ro.peak_kv.float().mean(),
+        tokens_per_s=n_new.sum() * world / t_rollout,  # all processes together
         zero_adv_groups=(adv.view(-1, G) == 0).all(1).float().mean(),  # groups that teach nothing
-        sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the model's logits are not (diverged)
-    return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,  # the log's record
-            "response_len": m["response_len"], "rounds": m["rounds"], **{t: losses[t] for t in LOSSES},
-            "grad_norm": grad_norm, **{k: losses[k] for k in GRAD_NORMS.values()},
-            "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
+        sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the logits are not (diverged)
+    return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,
+            "response_len": m["response_len"], "rounds": m["rounds"], **losses,
+            "grad_norm": grad_norm, "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
             "rollout_time": t_rollout, "replay_time": t_replay, "tokens_per_s": m["tokens_per_s"],
             "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
 
@@ -227,51 +192,55 @@ def make_optimizer(model, c, state=None):
     return opt
 
 
-# ---- The loop -------------------------------------------------------------------------------------
-@exits  # a RunStopped (a signal, divergence, a failed save) ends the process with its status
+# ---- The loop ------------------------------------------------------------------------------------
+@exits  # a signal, divergence or a failed save ends the process with one line (rundir.guard)
 def main(argv=None, reward_fn=None):
     c, state, model, tokenizer, (train, test) = setup(argv)
-    distributed.start(device := torch.device(c.device))  # under torchrun; every process has checked its arguments
+    distributed.start(device := torch.device(c.device))  # every process has checked its arguments
     master = distributed.rank_and_world()[0] == 0  # the one process that prints, logs and saves
     if c.fsdp:
         distributed.shard(model)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16" else contextlib.nullcontext()
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16"
+           else contextlib.nullcontext())
     opt = make_optimizer(model, c, state and state["optimizer"])
-    save = lambda step: rundir.save_checkpoint(c.out, model, opt, tokenizer, c.model, step, settings.saved(c),
-                                               settings.session(c))
-    run = rundir.Run(c.out, save, saved=state and state["step"])  # a resume starts at its checkpoint's step
+    save = lambda step: rundir.save_checkpoint(c.out, model, opt, tokenizer, weights(c), step,
+                                               settings.saved(c), settings.session(c))
+    run = rundir.Run(c.out, save, saved=state and state["step"])  # a resume: its checkpoint's step
     log_path = os.path.join(c.out, "log.jsonl")
     say = tqdm.write if master else lambda text: None
     log = functools.partial(rundir.write_log, log_path) if master else lambda record: None
-    with one_line_errors():  # the run directory and its lock, the log cut back to run.step; a resume says what it changes
+    with one_line_errors():  # the directory, its lock, the log cut to run.step, a resume's changes
         kept = rundir.prepare(c.out, c.overwrite, state, settings.recorded(c)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(banner(c, model, run.step))
-    eval_ev = Eviction(c.delta, c.block, c.window, c.eval_rate or final_eviction_rate(c), greedy=True)
-    encode = prompt_encoder(c.task, c.prompt, eval_ev.rate if c.interoception else None, c.blind_tag)
+    eval_ev = Eviction(c.delta, c.block, c.window, final_eviction_rate(c), greedy=True)
+    tag = eval_ev.rate if c.interoception else None
+    encode = prompt_encoder(c.task, c.prompt, tag, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
+    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
 
     def run_eval():
         t0 = time.perf_counter()
+        sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p)
         with amp, distributed.whole_model(model):
-            r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn, c.eval_batch,
-                         progress=interactive, meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None,
-                         compile=c.compile, sampling=Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p),
-                         samples=c.eval_samples, seed=c.seed)
+            r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn,
+                         c.eval_batch, progress=interactive, meta_token=meta, compile=c.compile,
+                         sampling=sampling, samples=c.eval_samples, seed=c.seed)
         evals.append(r)
         log({"step": run.step, "eval": r, "eval_time": time.perf_counter() - t0})
         say(eval_line(run.step, r, eval_ev.rate))
 
     t_start = time.time()
-    with rundir.guard(run, c.lr, c.fsdp, say):
-        bar = tqdm(total=c.steps, initial=run.step, desc="train", unit="step", disable=not interactive)
+    with rundir.guard(run, c.lr, c.fsdp):
+        bar = tqdm(total=c.steps, initial=run.step, desc="train", unit="step",
+                   disable=not interactive)
         while run.step < c.steps:
             if c.eval_every and run.step % c.eval_every == 0:
                 run_eval()
-            m = step_gradients(model, tokenizer, train, run.step, c, amp, reward_fn, progress=interactive)
+            m = step_gradients(model, tokenizer, train, run.step, c, amp, reward_fn, interactive)
             rundir.check_finite({k: m[k] for k in ("sampled_logprob", *LOSSES, "grad_norm")})
-            with rundir.signals_held():  # an update and its log record land together, or neither does
+            with rundir.signals_held():  # an update and its record land together, or neither does
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 run.step += 1
@@ -283,88 +252,103 @@ def main(argv=None, reward_fn=None):
         bar.close()
         if c.eval_every:
             run_eval()
-        with rundir.signals_held():
-            run.save()
+        run.save()
     distributed.stop()
-    say(f"\ndone in {(time.time() - t_start) / 60:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
+    minutes = (time.time() - t_start) / 60
+    say(f"\ndone in {minutes:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
     if evals:
         say(before_after(evals, eval_ev.rate, time.time() - t_start, len(test)))
 
 
-# ---- The command line -----------------------------------------------------------------------------
+# ---- The command line ----------------------------------------------------------------------------
 def parse_args(argv=None):
-    """One flag per setting (settings.py); --help shows the paper's defaults, or --model's ngc.json over them."""
+    """A flag per setting (settings.py); --help shows the recipe, or --model's ngc.json's values."""
     pre = parser(add_help=False)
     settings.add_flags(pre, None, ["model", "task"])
     known = pre.parse_known_args(argv)[0]
     try:
         defaults = settings.run_defaults(known.model or settings.COUNTDOWN.model, known.task)
-    except CheckpointError:
-        defaults = settings.RECIPES[known.task or "countdown"]  # resolve() reports the broken ngc.json
+    except Error:
+        defaults = settings.RECIPES[known.task or "countdown"]  # resolve() reports what is wrong
     p = parser(__doc__)
     settings.add_flags(p, defaults)
     return p.parse_args(argv)
 
 
 def resolve(args, state=None) -> settings.Settings:
-    """The run's settings: unset flags from the resumed run, else the checkpoint's ngc.json, else the paper;
-    all checked (a one-line CheckpointError or ValueError)."""
-    if args.resume:  # the run's own settings, its checkpoint and directory
-        saved, args.model, args.out = rundir.resume_from(args.resume, args.out, state)
-        base = settings.from_dict(saved)
+    """The run's settings: unset flags from the resumed run (state), else the checkpoint's ngc.json,
+    else the paper's; all checked (an Error or another one-line ValueError)."""
+    if args.resume:  # the run's own settings; its model: the one it started from (or its own)
+        start = state["session"].get("model", os.path.join(args.resume, "checkpoint"))
+        base = settings.from_dict({**state["config"], "model": start, "out": args.resume})
     else:
         base = settings.run_defaults(args.model or settings.COUNTDOWN.model, args.task)
-    c = settings.from_dict({k: v for k, v in vars(args).items() if v is not None}, base)
+    own = ("model", "out") if args.resume else ()  # with --resume: the run's own (resumed_state)
+    flags = {k: v for k, v in vars(args).items() if v is not None and k not in own}
+    c = settings.from_dict(flags, base)
     settings.check(c)
-    for eps in [eviction_rate_at(s, c) for s in (0, c.steps)] + list(c.interoception_rates) + [c.eval_rate or 0.5]:
-        check_eviction(c.delta, c.block, c.window, eps)  # one-line errors for bad δ, b, w, ε
+    check_eviction(c.delta, c.block, c.window, final_eviction_rate(c))  # one-line errors: δ, b, w
     device = distributed.pick_device(c.device)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if c.fsdp and not distributed.launched():
-        raise ValueError("--fsdp runs under torchrun: torchrun --nproc_per_node N train.py ... --fsdp")
+        raise Error("--fsdp runs under torchrun: torchrun --nproc_per_node N train.py ... --fsdp")
     if c.prompts % world:
-        raise ValueError(f"--prompts {c.prompts} must be a multiple of the {world} processes (each takes whole groups)")
-    c = replace(c, device=device, dtype=c.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
-                out=c.out or os.path.join("runs", c.mode),
-                term_grad_norms=c.term_grad_norms and not c.fsdp)  # their extra backward is not sharded
+        raise Error(f"--prompts {c.prompts} must be a multiple of the {world} processes (each "
+                    f"takes whole groups)")
+    dtype = c.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    c = replace(c, device=device, dtype=dtype, out=c.out or os.path.join("runs", c.mode))
     rundir.check_run_dir(c.out, c.resume, c.overwrite)
     return c
 
 
 def resumed_state(args) -> dict:
-    """The saved state of the run --resume continues, once no flag changes its model or task and no
-    other process trains there."""
-    given = [f"--{k}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
-             if k in ("model", "task", "overwrite") and v is not None]
+    """The saved state of the run --resume continues, once no other process trains there and the
+    flags given with it that a run cannot change (model, task, directory) are the run's own."""
+    rundir.lock(args.resume, check_only=True)
+    state = rundir.load_trainer_state(args.resume)
+    own = {**state["session"], "task": state["config"]["task"], "out": args.resume}
+    path = os.path.realpath
+    same = lambda k, v: k in own and (v == own[k] if k == "task" else path(v) == path(own[k]))
+    given = [f"--{k} {v}" for k in ("model", "task", "out")
+             if (v := getattr(args, k)) and not same(k, v)]
+    given += ["--overwrite"] if args.overwrite else []
     if given:
-        raise ValueError(f"--resume {args.resume} continues that run with its own model and task; drop "
-                         f"{', '.join(given)} (to start a new run, give --out instead of --resume)")
-    rundir.check_free(args.resume)
-    return rundir.load_trainer_state(args.resume)
+        raise Error(f"--resume {args.resume} continues that run with its own model, task and "
+                    f"directory; drop {', '.join(given)} (to start a new run, give --out instead "
+                    f"of --resume)")
+    return state
+
+
+def weights(c) -> str:
+    """The checkpoint a run starts from: its --model, or a resumed run's own checkpoint."""
+    return os.path.join(c.resume, "checkpoint") if c.resume else c.model
 
 
 def setup(argv):
-    """Settings, a resume's saved state (else None), model, tokenizer and (training, held-out) problems.
-    Bad flags or files end the script with one line, before anything is written."""
+    """Settings, a resume's saved state (else None), model, tokenizer and (training, held-out)
+    problems. Bad flags or files end the script with one line, before anything is written."""
     args = parse_args(argv)
     with one_line_errors():
         state = resumed_state(args) if args.resume else None
         c = resolve(args, state)
         if c.threads:
             torch.set_num_threads(c.threads)
-        problems = load_problems(c)  # the data files read and checked before the run directory is made
-        model, tokenizer = load(c.model, c.device, c.meta_token)  # before the optimizer: g may add a row
+        train, test = load_problems(c)  # the data files read and checked before anything is made
+        model, tokenizer = load(weights(c), c.device, c.meta_token)  # before the optimizer: g's row
         if not model.config.eos_ids:
-            raise CheckpointError(f"{c.model}/config.json has no eos_token_id; rollouts could never end early")
-        check_prompt(c, tokenizer, c.model)
-    return c, state, model, tokenizer, problems
+            raise Error(f"{weights(c)}/config.json has no eos_token_id; rollouts would never end")
+        check_prompts(c, tokenizer, weights(c), train + test, model.config.max_position_embeddings,
+                      c.max_new_tokens)
+    return c, state, model, tokenizer, (train, test)
 
 
 def banner(c, model, step) -> str:
-    return (f"NGC on {c.task}: model {c.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
-            f"{c.device} {c.dtype}" + (f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else "")
-            + f", mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} w={c.window}, "
-            f"ε -> {final_eviction_rate(c):g}, steps {step}..{c.steps}, run dir {c.out}")
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    processes = f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else ""
+    return (f"NGC on {c.task}: model {weights(c)} ({params:.1f} M params), {c.device} {c.dtype}"
+            f"{processes}, mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} "
+            f"w={c.window}, ε -> {final_eviction_rate(c):g}, steps {step}..{c.steps}, "
+            f"run dir {c.out}")
 
 
 def step_line(m, steps) -> str:

@@ -3,7 +3,6 @@ written without transformers, so R1's own directory and the tiny models load thr
 the meta-token's surgery on a checkpoint (paper, Appendix "Compression via Meta-Tokens")."""
 import json
 import os
-import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -13,44 +12,43 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model import Qwen2, Qwen2Config
+from lib.cli import Error
 from lib.files import write_atomic, write_json
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message says why and what to do."""
 
 
 def config_from_dict(d: dict) -> Qwen2Config:
     """A config.json's contents as a Qwen2Config, refusing what this Qwen2 does not implement."""
     if d.get("model_type", "qwen2") != "qwen2":
-        raise CheckpointError(f"model_type is {d['model_type']!r}; this code implements qwen2 only")
+        raise Error(f"model_type is {d['model_type']!r}; this code implements qwen2 only")
     if d.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
+        raise Error(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
     if d.get("rope_scaling"):
-        raise CheckpointError(f"rope_scaling {d['rope_scaling']} is not supported; remove it from config.json")
+        raise Error(f"rope_scaling {d['rope_scaling']} is not supported; remove it from config.json")
     rope = d.get("rope_parameters") or {}  # newer config.json files keep rope_theta here
     if rope.get("rope_type", "default") != "default":
-        raise CheckpointError(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
+        raise Error(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
     if d.get("use_sliding_window", False):
-        raise CheckpointError("use_sliding_window is true; sliding-window attention is not supported")
+        raise Error("use_sliding_window is true; sliding-window attention is not supported")
     known = {f.name for f in fields(Qwen2Config)}
     cfg = Qwen2Config(**{k: v for k, v in d.items() if k in known})
     if "rope_theta" in rope:
         cfg.rope_theta = rope["rope_theta"]
     if d.get("head_dim", cfg.head_dim) != cfg.head_dim:
-        raise CheckpointError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads; not supported")
+        raise Error(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads; not supported")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+        raise Error("num_attention_heads must be a multiple of num_key_value_heads")
     return cfg
 
 
 def read_json(path: str, advice: str = ""):
-    """The JSON in path, or a one-line CheckpointError that ends with `advice`."""
+    """The JSON in path, or an Error that ends with `advice`."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}){advice}") from None
+    except OSError as e:  # another user's file, a directory
+        raise Error(f"cannot read {path} ({e.strerror}){advice}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Error(f"{path} is not valid JSON ({e}){advice}") from None
 
 
 def _weight_files(path: str) -> list[str]:
@@ -59,13 +57,13 @@ def _weight_files(path: str) -> list[str]:
     if not os.path.exists(index):
         if os.path.exists(single):
             return [single]
-        raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        raise Error(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     d = read_json(index, "; re-download it or re-save the checkpoint")
     weight_map = d.get("weight_map") if isinstance(d, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
-        raise CheckpointError(f"{index} has no weight_map of tensor names to shard files "
-                              f"({{\"weight_map\": {{\"model.norm.weight\": \"model-00001-of-00002.safetensors\", ...}}}}); "
-                              f"re-download it or re-save the checkpoint")
+        raise Error(f"{index} has no weight_map of tensor names to shard files ({{\"weight_map\": "
+                    f"{{\"model.norm.weight\": \"model-00001-of-00002.safetensors\", ...}}}}); re-download it or "
+                    f"re-save the checkpoint")
     return sorted({os.path.join(path, name) for name in weight_map.values()})
 
 
@@ -76,14 +74,14 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 def load_config(path: str) -> Qwen2Config:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
+        raise Error(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
     d = read_json(cfg_path)
     missing = [k for k in REQUIRED if not isinstance(d, dict) or k not in d]
     if missing:
-        raise CheckpointError(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")
+        raise Error(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")
     for key, accepts in CONFIG_VALUES.items():
         if key in d and not accepts[0](d[key]):
-            raise CheckpointError(f"{cfg_path}: {key} is {json.dumps(d[key])}; it must be {accepts[1]}")
+            raise Error(f"{cfg_path}: {key} is {json.dumps(d[key])}; it must be {accepts[1]}")
     return config_from_dict(d)
 
 
@@ -108,49 +106,48 @@ CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test
 
 def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     """Load config.json and (sharded) safetensors weights, strictly: a missing, unexpected or
-    mis-shaped tensor is a one-line CheckpointError."""
+    mis-shaped tensor, or one holding a NaN or an infinity (a diverged run's, a bad conversion), is an Error."""
     cfg = load_config(path)
     with torch.device("meta"):
         model = Qwen2(cfg)
     state = {}
     for file in _weight_files(path):
         if not os.path.exists(file):
-            raise CheckpointError(f"missing weight shard {file}")
+            raise Error(f"missing weight shard {file}")
         try:
             f = safe_open(file, framework="pt", device=str(device))
         except Exception as e:  # empty, truncated or not safetensors at all
-            raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it")
+            raise Error(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from None
         with f:
             for name in f.keys():
                 if not name.endswith("rotary_emb.inv_freq"):  # RoPE's table: computed here, not loaded
                     state[name] = f.get_tensor(name).to(dtype)
+                    if not torch.isfinite(state[name]).all():
+                        raise Error(f"{file}: {name} holds values that are not finite (NaN or inf): these weights "
+                                    f"are no model; use a checkpoint saved before they went bad")
     if cfg.tie_word_embeddings:  # one matrix, embed_tokens's; a copy saved as lm_head.weight is ignored
         state.pop("lm_head.weight", None)
         if "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    try:
-        model.load_state_dict(state, assign=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"the weights of {path} do not fit its config.json: {load_errors(e)}") from None
+    if wrong := misfits(model.state_dict(), state):
+        raise Error(f"the weights of {path} do not fit its config.json: {wrong}")
+    model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device)
 
 
-def load_errors(e: RuntimeError, shown: int = 3) -> str:
-    """torch's load_state_dict error in one line: the first `shown` missing, unexpected and mis-shaped tensors."""
-    text, parts = str(e), []
-
+def misfits(want: dict, got: dict, shown: int = 3) -> str:
+    """The first `shown` missing, unexpected and mis-shaped tensors of `got` (name -> tensor) against `want`."""
     def listed(items, sep=", "):
         return sep.join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
-    for kind, names in re.findall(r"(Missing|Unexpected) key\(s\) in state_dict: (.*)", text):
-        parts.append(f"{kind.lower()} " + listed(re.findall(r'"([^"]+)"', names)))
-    shapes = re.findall(r"size mismatch for (\S+): copying a param with shape torch.Size\(\[(.*?)\]\) from checkpoint, "
-                        r"the shape in current model is torch.Size\(\[(.*?)\]\)", text)
-    if shapes:
-        parts.append(listed([f"{name} has shape ({got}), config.json implies ({want})" for name, got, want in shapes], "; "))
-    return "; ".join(parts) or " ".join(text.split())[:300]
+    missing, unexpected = [k for k in want if k not in got], [k for k in got if k not in want]
+    shapes = [f"{k} has shape {tuple(got[k].shape)}, config.json implies {tuple(v.shape)}" for k, v in want.items()
+              if k in got and got[k].shape != v.shape]
+    parts = [("missing " + listed(missing), missing), ("unexpected " + listed(unexpected), unexpected),
+             (listed(shapes, "; "), shapes)]
+    return "; ".join(text for text, found in parts if found)
 
 
 def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32):
@@ -159,10 +156,9 @@ def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32)
     model, tokenizer = from_pretrained(path, dtype=dtype, device=device), load_tokenizer(path)
     top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= model.config.vocab_size:  # another model's tokenizer (R1's config has spare rows past its ids)
-        raise CheckpointError(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
-                              f"{os.path.join(path, 'config.json')} gives the model only vocab_size "
-                              f"{model.config.vocab_size} rows: the tokenizer is another model's; use the "
-                              f"tokenizer.json of these weights")
+        raise Error(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
+                    f"{os.path.join(path, 'config.json')} gives the model only vocab_size {model.config.vocab_size} "
+                    f"rows: the tokenizer is another model's; use the tokenizer.json of these weights")
     if meta_token:
         add_meta_token(model, tokenizer)
     return model, tokenizer
@@ -186,11 +182,11 @@ def load_tokenizer(path: str):
     from tokenizers import Tokenizer
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
-        raise CheckpointError(f"no tokenizer.json in {path!r}: copy it from the model's Hugging Face repository")
+        raise Error(f"no tokenizer.json in {path!r}: copy it from the model's Hugging Face repository")
     try:
         return Tokenizer.from_file(file)
     except Exception as e:
-        raise CheckpointError(f"{file} is not a readable tokenizer ({str(e).splitlines()[0][:200]})")
+        raise Error(f"{file} is not a readable tokenizer ({str(e).splitlines()[0][:200]})") from None
 
 
 def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = None):
@@ -212,7 +208,8 @@ def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = 
         tok_cfg["pad_token"] = "<pad>" if tokenizer.token_to_id("<pad>") is not None else tok_cfg.get("eos_token")
     if tok_cfg.get("unk_token") is None:  # written even when null, or transformers invents one
         tok_cfg["unk_token"] = "<unk>" if tokenizer.token_to_id("<unk>") is not None else None
-    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, **source_json("generation_config.json")}
+    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+               **source_json("generation_config.json")}
     for name, content in (("tokenizer_config.json", tok_cfg), ("generation_config.json", gen_cfg)):
         write_json(os.path.join(path, name), content, indent=2)
 

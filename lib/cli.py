@@ -1,8 +1,10 @@
-"""What every script's command line shares: errors in one line, the exit, optional extras, output paths.
+"""What every script's command line shares: the one error a script ends with, the signals that stop it,
+optional extras, output paths.
 
-Library code never ends the process: it raises. A script's main, decorated with `exits`, turns a FlagError
-(a bad flag) or an Exit raised below it (a ValueError inside `one_line_errors`, a failed child run) into one
-line and exit 2."""
+Library code never ends the process: it raises. An `Error` is bad input or a failure a user can act on,
+its message one line saying what to do; a script's main, decorated with `exits`, prints it as `error: ...`
+and exits with code 2 (`one_line_errors` makes a ValueError raised inside, another module's check, one).
+A stop signal raises `Interrupted` where the process is: one line and exit code 128 + the signal."""
 import argparse
 import contextlib
 import functools
@@ -13,29 +15,16 @@ import signal
 import sys
 
 
-def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
-    """An ArgumentParser whose errors are one line (no usage dump), with `doc` as its --help text."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-    def error(message):
-        raise FlagError(message)
-    p.error = error
-    return p
+class Error(ValueError):
+    """Bad input, or a failure a user can act on: the script ends with 'error: <message>', exit code 2."""
 
 
-class FlagError(ValueError):
-    """A flag `parser` cannot take; a ValueError, so that reproduce.py can read train.py's message."""
-
-
-class Exit(Exception):
-    """A script's end, raised by library code; `status` is an exit code or a one-line error (exit code 2)."""
-
-    def __init__(self, status: int | str):
-        super().__init__(status)
-        self.status = status
+class FlagError(Error):
+    """A flag a `parser` cannot take (reproduce.py names its --train-args in the message)."""
 
 
 class Failed(SystemExit):
-    """The SystemExit of a one-line error: exit code 2, str() the line (already printed)."""
+    """How `exits` ends a script on an Error: exit code 2, str() the line (already printed)."""
 
     def __init__(self, line: str):
         super().__init__(2)
@@ -46,7 +35,7 @@ class Failed(SystemExit):
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM, raised where the process is (see exits); no `except Exception` takes it."""
+    """A stop signal, raised where the process is (see exits); no `except Exception` takes it."""
 
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -57,51 +46,92 @@ def raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
+# What a terminal (Ctrl-C, a closed window or ssh session) or a scheduler sends to stop a process: SIGTERM
+# (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal warning before its time limit), SIGXCPU (a CPU-time limit).
+# Each saves and stops a run alike; Windows has only the first two.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGXCPU")
+                     if hasattr(signal, name))
 _stopping = []  # the handlers exits replaced, while a decorated main runs
 
 
+class Console:
+    """sys.stdout or sys.stderr, whose writes are dropped once its reader is gone (a closed terminal, a pipe
+    whose reader quit): the work and its files go on, only the console lines are lost."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        self.call("write", text)
+        return len(text)
+
+    def flush(self):
+        self.call("flush")
+
+    def call(self, name, *args):
+        try:
+            getattr(self.stream, name)(*args)
+        except (OSError, ValueError):  # EIO, EPIPE; ValueError: closed. What is left goes to /dev/null
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...
+        return getattr(self.stream, name)
+
+
+def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
+    """An ArgumentParser whose errors are one line (no usage dump), with `doc` as its --help text."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(message):
+        raise FlagError(message)
+    p.error = error
+    return p
+
+
 def exits(main):
-    """A script's main: an Exit inside ends the process with its status, SIGINT or SIGTERM with one line
-    and exit code 130 or 143 (files.py writes files whole, so nothing is half-written). A main called
-    inside another (reproduce.py runs eval.main) leaves the signals to the outer one."""
+    """A script's main: an Error ends the process with its line and exit code 2, a stop signal with one line
+    and 128 + the signal (files.py writes files whole, so nothing is half-written); a signal the process was
+    started ignoring (nohup) stays ignored, and a console that goes away takes no more lines (Console). A main
+    called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
         if _stopping:
             return main(*args, **kwargs)
-        _stopping.append({s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)})
+        _stopping.append({s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS
+                          if signal.getsignal(s) is not signal.SIG_IGN})
+        streams, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (Console(sys.stdout), Console(sys.stderr))
         try:
             return main(*args, **kwargs)
-        except (Exit, FlagError) as e:
-            status = e.status if isinstance(e, Exit) else f"error: {e}"
-            if isinstance(status, str):
-                print(status, file=sys.stderr)
-                raise Failed(status) from None
-            sys.exit(status)
+        except Error as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise Failed(f"error: {e}") from None
         except Interrupted as e:
             print(f"\n{e}: stopped; no file is half-written", file=sys.stderr)
             sys.exit(128 + e.signum)
         finally:
             for s, handler in _stopping.pop().items():
                 signal.signal(s, handler)
+            sys.stdout, sys.stderr = streams
     return wrapped
 
 
 @contextlib.contextmanager
 def one_line_errors(*kinds):
-    """A ValueError (or one of `kinds`) raised inside is an Exit 'error: <its message>'."""
+    """A ValueError (or one of `kinds`) raised inside is an Error with its message."""
     try:
         yield
     except kinds or ValueError as e:
-        raise Exit(f"error: {e}") from None
+        raise Error(str(e)) from None
 
 
 @contextlib.contextmanager
 def writing():
-    """An OSError inside (an output that cannot be written) is an Exit naming the file."""
+    """An OSError inside (an output that cannot be written) is an Error naming the file."""
     try:
         yield
     except OSError as e:
-        raise Exit(f"error: could not write {e.filename} ({e.strerror})") from None
+        raise Error(f"could not write {e.filename} ({e.strerror})") from None
 
 
 def at_least(n):
@@ -114,11 +144,11 @@ def positive(v):
 
 
 def check_values(args, rules: dict):
-    """A one-line ValueError for the first flag of args that breaks its rule ({name: rule}); None passes."""
+    """An Error for the first flag of args that breaks its rule ({name: rule}); None passes."""
     for name, rule in rules.items():
         value = getattr(args, name)
         if value is not None and rule(value) is not True:
-            raise ValueError(f"--{name.replace('_', '-')} {value} {rule(value)}")
+            raise Error(f"--{name.replace('_', '-')} {value} {rule(value)}")
 
 
 def have(module: str) -> bool:
@@ -126,43 +156,43 @@ def have(module: str) -> bool:
 
 
 def need(module: str, what: str, package: str | None = None):
-    """Import an optional extra, or a one-line ValueError saying what needs it and how to install it."""
+    """Import an optional extra, or an Error saying what needs it and how to install it."""
     package = package or module.split(".")[0]
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ValueError(f"{what} needs {package}: pip install {package}") from None
+        raise Error(f"{what} needs {package}: pip install {package}") from None
 
 
 def pyplot(what: str):
-    """matplotlib.pyplot drawing to files (the Agg backend), or need()'s one-line error."""
+    """matplotlib.pyplot drawing to files (the Agg backend), or need()'s Error."""
     need("matplotlib", what).use("Agg")
     return importlib.import_module("matplotlib.pyplot")
 
 
 def check_output_file(path: str, flag: str = "the output path"):
-    """A one-line ValueError unless `path` (given with `flag`) is a file name in a writable directory."""
+    """An Error unless `path` (given with `flag`) is a file name in a writable directory."""
     if not str(path).strip():
-        raise ValueError(f"{flag} is empty; give a file name")
+        raise Error(f"{flag} is empty; give a file name")
     if os.path.isdir(path):
-        raise ValueError(f"{path} is a directory; give a file path")
+        raise Error(f"{path} is a directory; give a file path")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"cannot write {path}: " + (f"{folder} is not a directory" if os.path.exists(folder)
-                                                     else "its directory does not exist"))
+        raise Error(f"cannot write {path}: " + (f"{folder} is not a directory" if os.path.exists(folder)
+                                                else "its directory does not exist"))
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"cannot write {path}: permission denied")
+        raise Error(f"cannot write {path}: permission denied")
 
 
 def make_output_dir(path: str):
-    """Create directory `path` (and its parents), or a one-line ValueError saying why not."""
+    """Create directory `path` (and its parents), or an Error saying why not."""
     if not str(path).strip():
-        raise ValueError("the output directory is empty; give a directory name")
+        raise Error("the output directory is empty; give a directory name")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{path} is a file; give a directory")
+        raise Error(f"{path} is a file; give a directory")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot create the directory {path} ({e.strerror})")
+        raise Error(f"cannot create the directory {path} ({e.strerror})") from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write into {path}: permission denied")
+        raise Error(f"cannot write into {path}: permission denied")

@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,13 @@ def start(device: torch.device):
 def stop():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether e is a collective of several processes that failed: one of them is gone (killed, out of
+    memory, its node lost), and the others' connections to it closed."""
+    return rank_and_world()[1] > 1 and any("torch/distributed" in frame.filename.replace(os.sep, "/")
+                                            for frame in traceback.extract_tb(e.__traceback__))
 
 
 def rank_and_world() -> tuple[int, int]:

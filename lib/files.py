@@ -1,5 +1,6 @@
 """Output files that are whole or absent: each write goes to `<path>.tmp`, then a rename, so a crash or a
-full disk can leave a stray `<path>.tmp` behind, never half of `<path>`."""
+full disk can leave a stray `<path>.tmp` behind, never half of `<path>`. A file or directory replaced keeps
+its permissions (a run directory made readable to a group stays so, whatever the writer's umask)."""
 import contextlib
 import json
 import os
@@ -12,6 +13,8 @@ def write_atomic(path: str, write):
     tmp = path + ".tmp"
     try:
         write(tmp)
+        if os.path.exists(path):
+            shutil.copymode(path, tmp)
     except BaseException:
         if os.path.isfile(tmp):
             os.remove(tmp)
@@ -45,6 +48,8 @@ def save_figure(fig, path: str, dpi: int):
 def swap_in(final: str):
     tmp, old = final + ".tmp", final + ".old"
     if os.path.exists(final):
+        for name in [""] + [n for n in os.listdir(tmp) if os.path.exists(os.path.join(final, n))]:
+            shutil.copymode(os.path.join(final, name), os.path.join(tmp, name))  # "": the directory's own
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)

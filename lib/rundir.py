@@ -9,17 +9,20 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from lib import distributed
-from lib.checkpoint import CheckpointError, save_pretrained, save_tokenizer
-from lib.cli import Exit, Interrupted
+from lib import distributed, settings
+from lib.checkpoint import save_pretrained, save_tokenizer
+from lib.cli import STOP_SIGNALS, Error, Interrupted
 from lib.files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
 try:
@@ -32,73 +35,27 @@ LOCK = "lock"  # held by the process that trains in the directory; not a file of
 _held = {}  # run directory (real path) -> the open file that holds its lock, for the process's life
 
 
-def holder(out: str) -> int | None:
-    """The id of the live process that holds out's lock (None: unknown); it writes it just after taking
-    the lock, so this waits for it a moment."""
-    for _ in range(100):
-        try:
-            text = Path(out, LOCK).read_text().strip()
-        except OSError:
-            return None
-        if text.isdigit():
-            try:
-                os.kill(int(text), 0)  # alive? (a killed run's id stays in the file until the next run's)
-                return int(text)
-            except PermissionError:  # alive, another user's
-                return int(text)
-            except OSError:
-                pass
-        time.sleep(0.01)
-    return None
-
-
-def in_use(out: str) -> str:
-    pid = holder(out)
-    who = "another process" if pid is None else f"process {pid}"
-    return (f"{out} is in use: {who} is training there (it holds {os.path.join(out, LOCK)}); wait for it to end "
-            f"or stop it, or choose another --out")
-
-
-def check_free(out: str):
-    """A ValueError (in_use) if another process holds out's lock; writes nothing (a shared lock, let go)."""
-    path = os.path.join(out, LOCK)
-    if fcntl is None or os.path.realpath(out) in _held or not os.path.isfile(path):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise ValueError(in_use(out)) from None
-    finally:
-        os.close(fd)
-
-
-def hold(out: str):
-    """Take out's lock until release (or the process ends), writing this process's id into it; a
-    ValueError if another process holds it or it cannot be opened."""
+# ---- The lock ---------------------------------------------------------------------------------------------
+def lock(out: str, check_only: bool = False):
+    """Take out's lock until release (or the process ends), writing this process's id into it; check_only:
+    take it shared and let go at once, writing nothing. An Error if another process holds it."""
     key, path = os.path.realpath(out), os.path.join(out, LOCK)
-    if fcntl is None or key in _held:
+    if fcntl is None or key in _held or (check_only and not os.path.isfile(path)):
         return
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDONLY if check_only else os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise ValueError(lock_error(path, e.strerror)) from None
+        raise Error(lock_error(path, e.strerror)) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if check_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ValueError(in_use(out)) from None
+        raise Error(in_use(out)) from None
+    if check_only:
+        return os.close(fd)
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _held[key] = fd
-
-
-def lock_error(path: str, why: str) -> str:
-    return (f"cannot open the run directory's lock {path} ({why}); it must be a file this user can write: fix its "
-            f"permissions or remove it")
 
 
 def release(out: str):
@@ -107,61 +64,88 @@ def release(out: str):
         os.close(fd)
 
 
+def in_use(out: str) -> str:
+    """The message for a lock another process holds, naming it: it writes its id just after taking the lock,
+    so this waits a moment for a live id (a killed run's stays in the file until the next run's)."""
+    who = "another process"
+    for _ in range(100):
+        text = Path(out, LOCK).read_text().strip() if os.path.isfile(os.path.join(out, LOCK)) else ""
+        try:
+            os.kill(int(text), 0)
+            who = f"process {text}"
+            break
+        except PermissionError:  # alive, another user's
+            who = f"process {text}"
+            break
+        except (ValueError, OSError):
+            time.sleep(0.01)
+    return (f"{out} is in use: {who} is training there (it holds {os.path.join(out, LOCK)}); wait for it to end "
+            f"or stop it, or choose another --out")
+
+
+def lock_error(path: str, why: str) -> str:
+    return (f"cannot open the run directory's lock {path} ({why}); it must be a file this user can write: fix its "
+            f"permissions or remove it")
+
+
+# ---- Before a run starts, and its first writes ------------------------------------------------------------
 def check_run_dir(out: str, resume: bool, overwrite: bool):
-    """One-line errors before anything starts: a new run never writes into a directory that holds another run
-    (unless --overwrite), nor where another process trains, nor where it cannot create or write."""
+    """Errors before anything starts: a new run never writes into a directory that holds another run's
+    checkpoint (unless --overwrite) or files not a run's, nor where another process trains, nor where it
+    cannot create or write. A run that never saved left nothing to resume: the same command starts again."""
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out} is a file; the run directory must be a directory")
+        raise Error(f"--out {out} is a file; the run directory must be a directory")
     if os.path.isdir(out):
-        lock = os.path.join(out, LOCK)
-        if os.path.lexists(lock) and not (os.path.isfile(lock) and os.access(lock, os.R_OK | os.W_OK)):
-            raise ValueError(lock_error(lock, "a directory" if os.path.isdir(lock) else "permission denied"))
-        check_free(out)
-    if not resume and os.path.isdir(out) and set(os.listdir(out)) - {LOCK} and not overwrite:
-        raise ValueError(f"{out} already holds a run; continue it with --resume {out}, choose another --out, "
-                         f"or pass --overwrite to start afresh there")
+        path = os.path.join(out, LOCK)
+        if os.path.lexists(path) and not (os.path.isfile(path) and os.access(path, os.R_OK | os.W_OK)):
+            raise Error(lock_error(path, "a directory" if os.path.isdir(path) else "permission denied"))
+        lock(out, check_only=True)
+    if not resume and not overwrite and os.path.isdir(out):
+        if any(os.path.exists(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old")):
+            raise Error(f"{out} already holds a run; continue it with --resume {out}, choose another --out, or "
+                        f"pass --overwrite to start afresh there")
+        if others := sorted(set(os.listdir(out)) - {LOCK, *RUN_FILES}):
+            raise Error(f"{out} holds files that are not a run's ({', '.join(others[:3])}); choose another --out")
     parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot create or write the run directory {out}: {parent} is not a writable directory")
+        raise Error(f"cannot create or write the run directory {out}: {parent} is not a writable directory")
 
 
-def prepare(out: str, overwrite: bool, state: dict | None, settings: dict) -> list[dict]:
-    """The first writes of a run: create the run directory and take its lock, with --overwrite remove the
-    earlier run's files, and keep (and return) the log records of the steps before the resumed checkpoint's
-    (state: load_trainer_state's). A resume prints the settings it changes (settings: those it runs with)."""
+def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> list[dict]:
+    """The first writes of a run: create the run directory and take its lock; a resume keeps (and returns) the
+    log records of the steps before its checkpoint's (state: load_trainer_state's) and prints the settings it
+    changes (recorded: settings.recorded's, of this run), a new run removes an earlier run's files (--overwrite,
+    or one that never saved)."""
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot create the run directory {out} ({e.strerror}); choose another --out") from None
-    hold(out)
+        raise Error(f"cannot create the run directory {out} ({e.strerror}); choose another --out") from None
+    lock(out)
     try:
         check_run_dir(out, state is not None, overwrite)  # again, now that no other run can start here
-        if overwrite:
-            for name in RUN_FILES:
-                path = os.path.join(out, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        for name in RUN_FILES if state is None else ():
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
         step, log = state["step"] if state else 0, os.path.join(out, "log.jsonl")
         kept = [r for r in read_log(log) if r["step"] < step]  # later steps will run again
         write_jsonl(log, kept)
     except BaseException:
         release(out)
         raise
-    changed = changed_settings({**state["session"], **state["config"]} if state else {}, settings)
+    changed = changed_settings({**state["session"], **state["config"]} if state else {}, recorded)
     if changed:
         tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
     return kept
 
 
-def resume_from(run_dir: str, out: str | None, state: dict | None = None):
-    """(settings, checkpoint directory, run directory) of the run saved in run_dir."""
-    if out and os.path.abspath(out) != os.path.abspath(run_dir):
-        raise ValueError(f"--resume continues in {run_dir} itself; drop --out {out} "
-                         f"(or copy the run directory there and resume that)")
-    return (state or load_trainer_state(run_dir))["config"], os.path.join(run_dir, "checkpoint"), run_dir
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """'name old → new' for each setting a resume changes, of those the run recorded."""
+    return [f"{k} {saved[k]} → {now[k]}" for k in saved if k in now and now[k] != saved[k]]
 
 
+# ---- The checkpoint ---------------------------------------------------------------------------------------
 class Diverged(Exception):
     """A non-finite loss, gradient or weight: the run stops and no checkpoint holds it."""
 
@@ -203,17 +187,21 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
 
 
 def load_trainer_state(run_dir) -> dict:
-    """The step, optimizer state and settings of the run saved in run_dir (after recover_swap)."""
+    """The step, optimizer state, settings and session of the run saved in run_dir (after recover_swap)."""
     recover_swap(os.path.join(run_dir, "checkpoint"))
     path = os.path.join(run_dir, "checkpoint", "trainer.pt")
     if not os.path.exists(path):
-        raise CheckpointError(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt")
+        raise Error(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt (a run that never saved "
+                    f"starts again by its own command)")
     try:
         state = torch.load(path, weights_only=False)
-        return {**{k: state[k] for k in ("step", "optimizer", "config")}, "session": state.get("session", {})}
+        state = {**{k: state[k] for k in ("step", "optimizer", "config")}, "session": state.get("session", {})}
+    except OSError as e:  # another user's file
+        raise Error(f"cannot read {path} ({e.strerror})") from None
     except Exception as e:  # a truncated or foreign file
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                              f"it is not a trainer state this code wrote")
+        raise Error(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is not a "
+                    f"trainer state this code wrote") from None
+    return {**state, "config": settings.without_retired(state["config"], path)}
 
 
 def saved_step(run_dir) -> int | None:
@@ -224,11 +212,7 @@ def saved_step(run_dir) -> int | None:
         return None
 
 
-def changed_settings(saved: dict, now: dict) -> list[str]:
-    """'name old → new' for each setting a resume changes, of those the run recorded."""
-    return [f"{k} {saved[k]} → {now[k]}" for k in saved if k in now and now[k] != saved[k]]
-
-
+# ---- The log ----------------------------------------------------------------------------------------------
 def json_safe(value):
     """NaN and ±inf are not JSON: they are written as null."""
     if isinstance(value, dict):
@@ -242,17 +226,20 @@ def write_log(path, record):
 
 
 def read_log(path) -> list[dict]:
-    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is a
-    CheckpointError naming the file and the line."""
+    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is an Error
+    naming the file and the line."""
     if not os.path.exists(path):
         return []
-    raw = Path(path).read_bytes()
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:  # another user's file, a directory
+        raise Error(f"cannot read {path} ({e.strerror})") from None
     try:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise CheckpointError(f"{path} line {line} is not UTF-8 text (byte {raw[e.start]:#x}); repair or remove "
-                              f"that line") from None
+        raise Error(f"{path} line {line} is not UTF-8 text (byte {raw[e.start]:#x}); repair or remove that line") \
+            from None
     records = []
     for i, line in enumerate(lines):
         try:
@@ -261,10 +248,10 @@ def read_log(path) -> list[dict]:
             if i == len(lines) - 1:
                 print(f"note: dropping the unfinished last line of {path}")
                 break
-            raise CheckpointError(f"{path} line {i + 1} is not JSON; repair or remove that line")
+            raise Error(f"{path} line {i + 1} is not JSON; repair or remove that line") from None
         wrong = record_error(record)
         if wrong:
-            raise CheckpointError(f"{path} line {i + 1} {wrong}; repair or remove that line")
+            raise Error(f"{path} line {i + 1} {wrong}; repair or remove that line")
         records.append(record)
     return records
 
@@ -281,21 +268,25 @@ def record_error(record) -> str | None:
     return None
 
 
+# ---- The guard: what stops a run ends in one line, and loses nothing ---------------------------------------
 @contextlib.contextmanager
 def signals_held():
-    """SIGINT/SIGTERM that arrive inside the block are delivered when it ends."""
+    """Stop signals (cli.STOP_SIGNALS) that arrive inside the block are delivered when it ends."""
     if not hasattr(signal, "pthread_sigmask"):  # not on Windows
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-class RunStopped(Exit):
-    """The run stopped before its last step; `status` is the script's exit (cli.Exit)."""
+def check_finite(values: dict):
+    """Diverged unless every value (None: not measured) is finite."""
+    checked = {k: v for k, v in values.items() if v is not None}
+    if not all(map(math.isfinite, checked.values())):
+        raise Diverged(", ".join(f"{k} {v:.4g}" for k, v in checked.items()))
 
 
 class Run:
@@ -307,58 +298,84 @@ class Run:
         self.step = 0 if saved is None else saved
 
     def save(self):
-        self.write(self.step)
+        with signals_held():  # never cut short
+            self.write(self.step)
         self.saved = self.step
+
+    def try_save(self) -> bool:
+        """A save that fails keeps the previous checkpoint, says so in one line, and training goes on."""
+        try:
+            self.save()
+            return True
+        except SaveFailed as e:
+            tqdm.write(f"warning: {e}; {self.kept()}; training goes on")
+            return False
 
     def kept(self) -> str:
         return (f"the checkpoint of step {self.saved} is kept in {self.out}/checkpoint" if self.saved is not None
                 else "no checkpoint was written")
 
     def go_on(self) -> str:
-        return f"continue with --resume {self.out}" if self.saved is not None else "start again with --overwrite"
-
-    def try_save(self) -> bool:
-        """A save (signals held: never cut short) that fails keeps the previous checkpoint, says so in one
-        line, and training goes on."""
-        try:
-            with signals_held():
-                self.save()
-            return True
-        except SaveFailed as e:
-            tqdm.write(f"warning: {e}; {self.kept()}; training goes on")
-            return False
+        return f"continue with --resume {self.out}" if self.saved is not None else "run the same command again"
 
 
-def check_finite(values: dict):
-    """Diverged unless every value (None: not measured) is finite."""
-    checked = {k: v for k, v in values.items() if v is not None}
-    if not all(map(math.isfinite, checked.values())):
-        raise Diverged(", ".join(f"{k} {v:.4g}" for k, v in checked.items()))
+def stopped(run: Run, fsdp: bool) -> str:
+    """What a stop saves: the state after run.step, written by process 0 (not under --fsdp: its save is a
+    collective the processes may not all reach), or else which checkpoint is kept."""
+    rank, world = distributed.rank_and_world()
+    if rank:
+        later = f" (process 0, if alive, saves step {run.step})" if run.step != run.saved else ""
+        return f"process {rank} of {world} stopped; {run.kept()}{later}"
+    if fsdp:
+        return f"with --fsdp a stop does not save; {run.kept()}"
+    try:
+        return (f"saved step {run.step} to {run.out}/checkpoint" if run.try_save() else
+                f"step {run.step} is not saved; {run.kept()}")
+    except Diverged as d:  # weights that are not finite are never saved
+        return f"step {run.step} is not saved ({d}); {run.kept()}"
 
 
 @contextlib.contextmanager
-def guard(run: Run, lr: float, fsdp: bool, say=tqdm.write):
-    """The training loop of `run` runs inside a main under cli.exits (where SIGINT/SIGTERM raise Interrupted);
-    what stops it ends in RunStopped. A signal saves the state after run.step steps (not under --fsdp), exit code 128 + signum; divergence, a failed
-    save or write is a one-line error (exit code 2) saying which checkpoint is kept. The lock is let go at the end."""
+def guard(run: Run, lr: float, fsdp: bool):
+    """The training loop of `run`, inside a main under cli.exits (where a stop signal raises Interrupted).
+    A signal saves the state after run.step steps (stopped) and exits with 128 + the signal; a lost process
+    of the run or running out of memory saves it too, then is an Error, as are divergence and a failed save
+    or write, saying which checkpoint is kept. Every process says one line. The lock is let go at the end."""
     try:
         yield run
     except Interrupted as e:
-        if fsdp:  # saving is a collective, and the processes may be inside different ones now
-            say(f"\n{e}: with --fsdp a signal does not save; resume from the last periodic checkpoint")
-        else:
-            try:
-                saved = run.try_save()
-                say(f"\n{e}: saved step {run.step} to {run.out}/checkpoint; continue with --resume {run.out}"
-                    if saved else f"\n{e}: step {run.step} is not saved; {run.kept()}")
-            except Diverged as d:  # weights that are not finite are never saved
-                say(f"\n{e}: step {run.step} is not saved ({d}); {run.kept()}")
-        raise RunStopped(128 + e.signum)
+        tell(f"\n{e}: {stopped(run, fsdp)}; {run.go_on()}")
+        raise SystemExit(128 + e.signum) from None
+    except torch.OutOfMemoryError as e:
+        traceback.clear_frames(e.__traceback__)  # the failed step's tensors go before the save
+        raise Error(f"out of memory in step {run.step + 1} ({gist(e)}); {stopped(run, fsdp)}; lower "
+                    f"--micro-batch (or --group, --max-new-tokens), then {run.go_on()}") from None
+    except RuntimeError as e:
+        if not distributed.peer_lost(e):
+            raise
+        with contextlib.suppress(AttributeError):  # the launcher's SIGTERM follows: held (not on Windows)
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+        raise Error(f"a process of this run is gone ({gist(e)}); {stopped(run, fsdp)}; {run.go_on()} "
+                    f"(on as many processes)") from None
     except Diverged as e:
-        raise RunStopped(f"error: training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})")
+        raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})") from None
     except SaveFailed as e:
-        raise RunStopped(f"error: {e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}")
+        raise Error(f"{e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}") from None
     except OSError as e:  # the log
-        raise RunStopped(f"error: could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}")
+        raise Error(f"could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}") from None
     finally:
         release(run.out)
+
+
+def gist(e: BaseException) -> str:
+    """An exception in a few words: its type and its message's first sentence, less a source location."""
+    text = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip().splitlines() or [""])[0])
+    return f"{type(e).__name__}: {text.split('. ')[0][:160]}"
+
+
+def tell(line: str):
+    """A stop's line: process 0's on stdout (tqdm's), each other process's on stderr."""
+    if distributed.rank_and_world()[0] == 0:
+        tqdm.write(line)
+    else:
+        print(line.strip(), file=sys.stderr)

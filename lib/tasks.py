@@ -5,6 +5,7 @@ import torch
 
 import countdown
 from lib import mathtask
+from lib.cli import Error
 
 TASK_REWARD = {"countdown": countdown.reward, "math": mathtask.reward}
 
@@ -52,28 +53,64 @@ def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blin
     return lambda tokenizer, problem: countdown.encode(tokenizer, problem, style, eviction_rate, blind)
 
 
+def prompt_text(c, tokenizer, problem, rate=None) -> str:
+    """The text of a problem's prompt in run c (Countdown: in its style, with the budget tag at ε = rate
+    as the tokenizer reads it, countdown.prompt)."""
+    if c.task == "math":
+        return mathtask.prompt_text(problem)
+    return countdown.prompt(tokenizer, problem, c.prompt, rate, c.blind_tag)
+
+
+def check_prompts(c, tokenizer, model_dir: str, problems: list, positions: int | None = None, new_tokens=0):
+    """An Error unless the tokenizer of model_dir spells every word of the run's prompts: each problem's, with
+    each budget tag the run may write. A word it does not know is its unknown token, and a run on such prompts
+    trains on noise or scores 0% without a word (another model's tokenizer.json beside the weights, a --prompt
+    or --data not the model's). A tokenizer with no unknown token (byte-level: R1's) spells every text; one that
+    spells not one word of them is no language's (the tests' w2, w3, ...) and is left alone. positions: the
+    model's max_position_embeddings, which no prompt and its new_tokens may pass."""
+    tags = [k / 100 for k in range(1, 101)] if c.interoception and problems else []  # every percentage shown
+    try:
+        texts = [prompt_text(c, tokenizer, p) for p in problems]
+        texts += [prompt_text(c, tokenizer, problems[0], rate) for rate in tags]
+    except ValueError as e:  # countdown.prompt: a budget tag in neither form the tokenizer could spell
+        raise Error(f"{model_dir}/tokenizer.json: {e}") from None
+    unknown, spelled_any, longest = spelling(tokenizer, texts)
+    if unknown and spelled_any:
+        if c.task == "countdown" and (words := unknown_words(tokenizer, c)):  # the style's own words
+            spelled = [s for s in sorted(countdown.PROMPTS) if not unknown_words(tokenizer, replace(c, prompt=s))]
+            if spelled:
+                raise Error(f"the prompt style {c.prompt} has {len(words)} words that {model_dir}/tokenizer.json "
+                            f"cannot spell ({', '.join(words[:3])}, ...): they would all be one unknown token; this "
+                            f"model's tokenizer spells the styles {', '.join(spelled)}: give one with --prompt")
+        raise Error(f"{model_dir}/tokenizer.json cannot spell {len(unknown)} words of this run's prompts "
+                    f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): each would be its unknown "
+                    f"token, and the run would learn from noise or score 0%: the tokenizer is not this model's, or "
+                    f"the prompts are not its task")
+    longest += len(countdown.encode_prompt(tokenizer, ""))  # + R1's chat template, where the vocab has it
+    if positions and longest + new_tokens > positions:
+        raise Error(f"prompts of up to {longest} tokens and {new_tokens} new ones pass the {positions} positions "
+                    f"of {model_dir} (max_position_embeddings in its config.json): lower --max-new-tokens")
+
+
+def spelling(tokenizer, texts: list[str]) -> tuple[list[str], bool, int]:
+    """Over texts: the words the tokenizer writes as its unknown token (a word-level one's <unk>; a byte-level
+    one has none), whether it spells any word, and the most tokens of one text."""
+    unk = getattr(tokenizer.model, "unk_token", None)
+    unknown, spelled_any, longest = {}, False, 0
+    for start in range(0, len(texts), 4096):  # a few thousand at a time: R1's recipe has 327,680 problems
+        chunk = texts[start:start + 4096]
+        for text, e in zip(chunk, tokenizer.encode_batch(chunk, add_special_tokens=False)):
+            longest = max(longest, len(e))
+            for token, (a, b) in zip(e.tokens, e.offsets) if unk else ():
+                if token == unk:
+                    unknown[text[a:b]] = None
+                spelled_any |= token != unk
+    return list(unknown), spelled_any, longest
+
+
 SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each prompt style with
 
 
-def unknown_words(tokenizer, style: str, eviction_rate=None, blind: bool = False) -> list[str]:
-    """The words of a Countdown prompt in `style` that the tokenizer writes as its unknown token
-    (a word-level tokenizer's <unk>; a byte-level one has none)."""
-    unk = getattr(tokenizer.model, "unk_token", None)
-    text = countdown.prompt(tokenizer, SAMPLE, style, eviction_rate, blind)  # the tag as it reads it
-    encoding = tokenizer.encode(text, add_special_tokens=False)
-    return [text[a:b] for token, (a, b) in zip(encoding.tokens, encoding.offsets) if unk and token == unk]
-
-
-def check_prompt(c, tokenizer, model_dir: str):
-    """A ValueError when the tokenizer of model_dir cannot spell the run's Countdown prompt style
-    while it spells another: such prompts are mostly <unk>, and evaluate to 0% or train on noise
-    without a word. (A tokenizer that spells no style, a test's random one, is left alone.)"""
-    if c.task != "countdown":
-        return
-    rate = 0.5 if c.interoception else None
-    unknown = unknown_words(tokenizer, c.prompt, rate, c.blind_tag)
-    spelled = [s for s in sorted(countdown.PROMPTS) if not unknown_words(tokenizer, s, rate, c.blind_tag)]
-    if unknown and spelled:
-        raise ValueError(f"the prompt style {c.prompt} has {len(unknown)} words that {model_dir}/tokenizer.json cannot "
-                         f"spell ({', '.join(unknown[:3])}, ...): they would all be one unknown token; this model's "
-                         f"tokenizer spells the styles {', '.join(spelled)}: give one with --prompt")
+def unknown_words(tokenizer, c) -> list[str]:
+    """The words of run c's Countdown prompt style, on a sample problem, that the tokenizer cannot spell."""
+    return spelling(tokenizer, [prompt_text(c, tokenizer, SAMPLE, 0.5 if c.interoception else None)])[0]

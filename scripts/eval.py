@@ -38,11 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ngc import Eviction, Sampling
 from lib import baselines, distributed
 from lib.checkpoint import META_TOKEN, load
-from lib.cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
+from lib.cli import (Error, at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot,
+                     writing)
 from lib.files import save_figure, write_jsonl
 from lib.scoring import kv_reduction, roll_out_and_score, standard_error
-from lib.settings import Settings, add_flags, run_defaults, trained_task
-from lib.tasks import TASK_REWARD, check_prompt, held_out, prompt_encoder
+from lib.settings import Settings, add_flags, run_defaults
+from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 
 POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --policy name -> its --help line
             "none": "the full cache: one row, reported at ε = 0 (reduction 1.0 without --base-model)"}
@@ -206,10 +207,7 @@ def run_settings(args) -> Settings:
         if getattr(args, flag) is not None:
             check_output_file(getattr(args, flag), f"--{flag}")
     args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
-    trained = trained_task(args.model)
-    if args.task and trained and args.task != trained:  # its recipe has no prompts for the other task
-        raise ValueError(f"{args.model} was trained on {trained} (its ngc.json); evaluate it with --task {trained}")
-    c = run_defaults(args.model, args.task)
+    c = run_defaults(args.model, args.task)  # another task than ngc.json's: its recipe has no prompts for it
     given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
     if given and c.task != "math":
         raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")
@@ -224,13 +222,12 @@ def run_settings(args) -> Settings:
 
 
 def load_base_model(path, device, c, tokenizer):
-    """--base-model: a checkpoint that reads the evaluated prompts with the same tokenizer, or a one-line ValueError."""
-    trained = trained_task(path)
-    if trained and trained != c.task:
-        raise ValueError(f"--base-model {path} was trained on {trained}; this evaluation's task is {c.task}")
+    """--base-model: a checkpoint of the evaluation's task that reads its prompts with the same tokenizer, or an
+    Error."""
+    run_defaults(path, c.task, "--base-model")
     model, base_tokenizer = load(path, device)
     if base_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"--base-model {path} has another tokenizer than --model: its completions cannot be compared")
+        raise Error(f"--base-model {path} has another tokenizer than --model: its completions cannot be compared")
     return model
 
 
@@ -256,7 +253,8 @@ def main(argv=None):
         c = run_settings(args)
         problems = held_out(c, args.problems)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
-        check_prompt(c, tokenizer, args.model)
+        check_prompts(c, tokenizer, args.model, problems, model.config.max_position_embeddings,
+                      c.eval_max_new_tokens or c.max_new_tokens)
         base_model = args.base_model and load_base_model(args.base_model, args.device, c, tokenizer)
         for name in args.policy:
             make_eviction(name, c, args.eviction_rate[0], model, tokenizer)  # the tokenizer has what the policy reads

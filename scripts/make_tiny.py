@@ -43,10 +43,10 @@ from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction
 from lib import mathtask, settings
 from lib.checkpoint import load, save_pretrained
-from lib.cli import Exit, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
+from lib.cli import Error, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
 from lib.files import recover_swap, swap_in, write_text
 from lib.scoring import roll_out_and_score
-from lib.settings import add_flags, read_ngc_json
+from lib.settings import add_flags, read_ngc_json, run_defaults
 from lib.tasks import TASK_REWARD, prompt_encoder
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
@@ -162,7 +162,7 @@ TASKS = {
 def main(argv=None):
     args = parse_args(argv)
     task = TASKS[args.task]
-    with one_line_errors():  # CheckpointError too
+    with one_line_errors():
         check_flags(args)
         run, c = ngc_run(task, args)
         pretraining, test = draw_problems(task, args)
@@ -224,7 +224,7 @@ def parse_args(argv) -> argparse.Namespace:
                     "prompted as tiny/ is, tiny-shift)")
     add_flags(ap, None, names=["task"], helps={"task": "countdown (tiny/) or math (tiny-math/, with the defaults of "
                                                        "MATH_BUILD)"})
-    with one_line_errors():  # CheckpointError too
+    with one_line_errors():
         task = chosen_task(argv)
     ap.set_defaults(**TASKS[task].flags, task=task, threads=1)
     return ap.parse_args(argv)
@@ -241,11 +241,7 @@ def chosen_task(argv) -> str:
     if not known.eval_only:
         return known.task or "countdown"
     run = read_ngc_json(known.out)
-    trained = run.get("task")
-    if known.task and trained and known.task != trained:
-        raise ValueError(f"--out {known.out} was trained on {trained} (its ngc.json); evaluate it with --task {trained} "
-                         f"or without --task")
-    task = known.task or trained or "countdown"
+    task = run_defaults(known.out, known.task, "--out").task
     if task == "countdown" and run.get("prompt", TINY_RUN["prompt"]) != TINY_RUN["prompt"]:
         raise ValueError(f"--out {known.out} is prompted {run['prompt']} (its ngc.json); make_tiny.py evaluates "
                          f"{TINY_RUN['prompt']}, tiny/'s: evaluate it with eval.py")
@@ -364,14 +360,14 @@ def save_build(model, tok, run, out):
         swap_in(path)
     except OSError as e:
         recover_swap(path)
-        raise Exit(f"error: could not write {out} ({e.strerror or e}); nothing half-written is left")
+        raise Error(f"could not write {out} ({e.strerror or e}); nothing half-written is left")
 
 
 def report(model, tok, test, task, c):
     """Accuracy (mean reward; greedy tokens, or pass@1 of one completion sampled at temperature 1 from a
     generator seeded 0), the fraction of correct traces and the mean length, full cache and the final ε
     of the run c (ngc.json's: 0.5 on tiny/), at its completion cap."""
-    rate = c.eviction_rate if c.eviction_rate is not None else 1 - c.retention[-1]
+    rate = 1 - c.retention[-1]  # the curriculum's last stage
     ev, max_new_tokens = Eviction(c.delta, c.block, c.window, rate, greedy=True), c.max_new_tokens
     encode, reward = prompt_encoder(c.task, c.prompt), TASK_REWARD[c.task]  # as train.py's evaluations
     for name, eviction in [("full cache", None), (f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}", ev)]:

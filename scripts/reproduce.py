@@ -26,7 +26,7 @@ a 2.4× reduction on those completions (OUT/budget.json):
     2. curve          NGC and the oracle on NGC's model, the strongest baselines and the task rules on the
                       no-evict model, over ε = 0.3 ... 0.8 and ε* (Figure 3, right: curve.png); a rate is testable
                       where the oracle on NGC's model solves at least 20%
-    3. ablations      ngc vs token-only vs targeted-dropout, with reward and grad-norm curves (Figure 5)
+    3. ablations      ngc vs token-only vs targeted-dropout, with their reward curves (Figure 5)
     4. interoception  budget-aware NGC against its blind-tag control, and whether it reads the tag (Figure 6)
     6. layout shift   NGC, the untrained model and the baselines on prompt layouts never trained on
 
@@ -47,8 +47,8 @@ import countdown
 import ngc
 import train
 from lib import rundir, settings
-from lib.checkpoint import load_config
-from lib.cli import (Exit, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir,
+from lib.checkpoint import from_pretrained
+from lib.cli import (Error, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir,
                      one_line_errors, parser, pyplot)
 from lib.files import recover_swap, save_figure, write_jsonl, write_text
 import eval as evaluation  # scripts/, beside this file
@@ -103,11 +103,8 @@ def threads_per_run(jobs: int) -> int:
 def check_runs(out, model, runs, jobs, extra):
     """Before anything is created: a one-line ValueError for a bad --model or --train-args, or a run directory
     whose saved settings (its ngc.json) are not those train.py would run now."""
-    load_config(model)  # a missing or foreign checkpoint
-    task = settings.trained_task(model)
-    if task not in (None, "countdown"):
-        raise ValueError(f"--model {model} was trained on {task} (its ngc.json); reproduce.py's studies are "
-                         f"Countdown's: start from a Countdown model such as tiny/")
+    from_pretrained(model)  # a missing or foreign checkpoint, weights that are not finite
+    settings.run_defaults(model, "countdown")  # reproduce.py's studies are Countdown's
     try:  # a flag train.py cannot take: its parser's message, naming --train-args
         given = train.parse_args(extra)
         fixed = [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]
@@ -155,7 +152,7 @@ def train_all(out, model, jobs, runs, extra):
                 status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see {log.name})"
                 say(f"{name} {status} in {(time.time() - t0) / 60:.1f} min")
                 if proc.returncode:
-                    raise Exit(f"error: training run {name} failed; see {log.name}")
+                    raise Error(f"training run {name} failed; see {log.name}")
     except BaseException as e:
         stop_runs(running, e.signum if isinstance(e, Interrupted) else signal.SIGTERM)
         raise
@@ -299,8 +296,8 @@ def curve_markdown(rows, oracle) -> str:
 
 # Figures 5 and 6 (Figure 3's are eval.plot's)
 def curves(out, names, seeds, path):
-    """Reward (moving mean of 5 steps) and grad-norm curves of the runs, means over seeds (Figure 5)."""
-    fig, axes = pyplot("plots").subplots(1, 3, figsize=(13, 3.6))
+    """Reward curves of the runs (moving mean of 5 steps), means over seeds (Figure 5)."""
+    fig, ax = pyplot("plots").subplots(figsize=(5.5, 3.6))
     for name in names:
         paths = [os.path.join(out, "runs", run_name(name, k), "log.jsonl") for k in range(seeds)]
         if missing := [p for p in paths if not os.path.exists(p)]:  # a mean over fewer seeds than asked
@@ -308,16 +305,9 @@ def curves(out, names, seeds, path):
         logs = [{s["step"]: s for s in rundir.read_log(p) if "reward" in s} for p in paths]
         x = sorted(set.intersection(*(set(log) for log in logs)))
         reward = [statistics.fmean(log[i]["reward"] for log in logs) for i in x]
-        axes[0].plot(x, [sum(reward[max(0, i - 4): i + 1]) / min(i + 1, 5) for i in range(len(x))], label=name)
-        for ax, key in ((axes[1], "grad_norm_token"), (axes[2], "grad_norm_mem")):  # null: not measured that step
-            pts = [(i, statistics.fmean(log[i][key] for log in logs)) for i in x
-                   if all(log[i].get(key) is not None for log in logs)]
-            if pts:
-                ax.plot(*zip(*pts), label=name)
-    for ax, title in zip(axes, [f"reward (moving mean of 5{f', mean of {seeds} seeds' if seeds > 1 else ''})",
-                                "grad norm of L_token", "grad norm of L_mem"]):
-        ax.set(title=title, xlabel="step")
-    axes[0].legend()
+        ax.plot(x, [sum(reward[max(0, i - 4): i + 1]) / min(i + 1, 5) for i in range(len(x))], label=name)
+    ax.set(title=f"reward (moving mean of 5{f', mean of {seeds} seeds' if seeds > 1 else ''})", xlabel="step")
+    ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
 
@@ -391,7 +381,7 @@ def run_studies(args):
     """Train the runs, evaluate each study, then write claims.md, show.py's forgets and summary.md."""
     extra = args.train_args.split()
     runs = study_runs(args.seeds, args.ablation_seeds, 0 if args.no_interoception else args.interoception_seeds)
-    with one_line_errors():  # a CheckpointError is a ValueError
+    with one_line_errors():
         check_runs(args.out, args.model, runs, args.jobs, extra)
         make_output_dir(args.out)
     t0 = time.time()
@@ -462,7 +452,7 @@ def main(argv=None):
         again = shlex.join(["python", "scripts/reproduce.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"{e}: stopped; finished runs and evaluations are kept and interrupted runs saved their step: "
               f"run the same command to continue ({again})", file=sys.stderr)
-        raise Exit(128 + e.signum)
+        raise SystemExit(128 + e.signum) from None
 
 
 if __name__ == "__main__":

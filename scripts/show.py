@@ -47,8 +47,8 @@ from lib import distributed, settings
 from lib.checkpoint import META_TOKEN, load, load_config
 from lib.cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
 from lib.files import save_figure, write_json, write_text
-from lib.settings import run_defaults, trained_task
-from lib.tasks import TASK_REWARD, held_out, prompt_encoder
+from lib.settings import run_defaults
+from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: tiny/, tiny-math/
 BEFORE = {"countdown": os.path.join(ROOT, "tiny"), "math": os.path.join(ROOT, "tiny-math")}  # --before's default
@@ -308,11 +308,7 @@ def check(args):
         raise ValueError("--survival measures a Countdown target; this run's task is " + c.task)
     args.before = args.before or BEFORE[c.task]
     load_config(args.before)
-    before_task = trained_task(args.before)
-    if before_task and before_task != c.task:
-        raise ValueError(f"--before {args.before} was trained on {before_task} (its ngc.json) but --model "
-                         f"{args.model} on {c.task}; compare with a {c.task} model, such as --before "
-                         f"{os.path.relpath(BEFORE[c.task])}")
+    run_defaults(args.before, c.task, "--before")  # a model of --model's task
     ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
     return c, ev, held_out(c, args.problems)
 
@@ -322,6 +318,7 @@ def trace_models(args, c, problems, ev):
     runs, measures = {}, {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
         model, tokenizer = load(path, args.device, c.meta_token)
+        check_prompts(c, tokenizer, path, problems)  # words the model cannot read: one line, not a page
         runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
         if args.survival:
             full = trace_rollouts(model, tokenizer, c, problems, None)
@@ -344,7 +341,7 @@ def print_lines(problems, runs, measures, page: bool):
 @exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     args = parse_args(argv)
-    with one_line_errors():  # a CheckpointError is a ValueError
+    with one_line_errors():
         c, ev, problems = check(args)
         runs, measures = trace_models(args, c, problems, ev)
     print_lines(problems, runs, measures, page=bool(args.out))

@@ -123,7 +123,7 @@ def sampled(model):
 # The keys of a step record in log.jsonl, in order (train.step_gradients writes them; a test there
 # checks it), for the tests that write logs by hand.
 STEP_KEYS = ["step", "reward", "accuracy", "eps", "response_len", "rounds", "L_token", "L_mem", "grad_norm",
-             "grad_norm_token", "grad_norm_mem", "peak_kv", "step_time", "rollout_time", "replay_time", "tokens_per_s",
+             "peak_kv", "step_time", "rollout_time", "replay_time", "tokens_per_s",
              "zero_adv_groups", "sampled_logprob"]
 TRAIN_DEFAULTS = dict(difficulty="tiny", train_problems=64, eval_problems=4, prompts=2, group=4, max_new_tokens=24,
                       temperature=1.0, top_k=0, delta=8, block=2, window=3, retention="0.75,0.5", stage_steps=1,

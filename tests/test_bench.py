@@ -19,7 +19,7 @@ from lib.files import write_jsonl
     (["--model", "/no/such/model"], "no config.json in '/no/such/model'"),
     (["--held-out"], "--held-out and --hf read a checkpoint directory: give --model DIR"),
     (["--hf", "--model", "tiny-math"], "bench.py --hf needs transformers: pip install transformers"),
-    (["--held-out", "--model", "tiny-math"], "--held-out takes Countdown's held-out problems; tiny-math is not"),
+    (["--held-out", "--model", "tiny-math"], "--model tiny-math was trained on math (its ngc.json), not countdown"),
     (["--profile", "/no/such/run"], "--profile /no/such/run: no log.jsonl there")])
 def test_bench_checks_every_flag_before_it_runs(flags, message, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed (an import raises ImportError)

@@ -3,7 +3,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
 import eval as evaluation
@@ -14,11 +16,11 @@ from lib.checkpoint import from_pretrained
 from conftest import EV, SIGNAL_RUN, wait_for_log_lines
 
 
-def torchrun(tmp_path, *args, nproc=2, timeout=240):
+def torchrun(tmp_path, *args, nproc=2, timeout=240, env=None):
     """Run `torchrun --standalone --nproc_per_node nproc args...` from the repository directory."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
     here = os.path.dirname(train.__file__)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": here}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": here, **(env or {})}
     proc = subprocess.run(cmd, cwd=here, capture_output=True, text=True, timeout=timeout,
                           env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -118,3 +120,53 @@ def test_two_process_run_interrupted_and_resumed_logs_what_an_uninterrupted_one_
     assert [r["step"] for r in straight if "eval" not in r] == list(range(saved + 1))
     assert strip(resumed) == strip(straight)
     assert any(r.get("grad_norm") for r in straight)  # it learned, so the comparison means something
+
+
+LATE_RUN = SIGNAL_RUN.replace("import sys, train; ", """import os, sys, time, train
+out, rank = sys.argv[sys.argv.index("--out" if "--out" in sys.argv else "--resume") + 1], int(os.environ["RANK"])
+open(f"{out}.rank{rank}", "w").write(str(os.getpid()))
+if rank == int(os.environ["LATE_RANK"]):  # once two steps are logged, late to the step's collectives
+    real = train.backward
+    def late(*args):
+        if len(open(os.path.join(out, "log.jsonl")).read().splitlines()) >= 2:
+            open(out + ".late", "w").close()
+            time.sleep(600)
+        return real(*args)
+    train.backward = late
+""")
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_lost_process_ends_every_other_with_one_line_and_the_run_resumes(train_ckpt, tmp_path, killed):
+    """SIGKILL of one process of a 2-process run while the other waits for it in a collective (Gloo):
+    the survivor ends with one line, no traceback, exit code 2; process 0, if it survives, saves the
+    step it reached (the control for process 1: it only says which checkpoint is kept); torchrun
+    --resume then takes every step once."""
+    (tmp_path / "run.py").write_text(LATE_RUN)
+    here, run = os.path.dirname(train.__file__), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": here, "LATE_RANK": str(killed)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--monitor-interval", "5", "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(tmp_path / "run.py"),
+           "--model", train_ckpt, "--out", str(run), "--threads", "1", "--steps", "200", "--save-every", "1"]
+    proc = subprocess.Popen(cmd, cwd=here, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "run.late").exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1)  # the other process is in the step's first collective, waiting
+        os.kill(int((tmp_path / f"run.rank{killed}").read_text()), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    survivor = 1 - killed
+    err = next((tmp_path / "logs").glob(f"*/attempt_0/{survivor}/stderr.log")).read_text()
+    saved = rundir.load_trainer_state(str(run))["step"]
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, out + err
+    assert err.startswith("error: a process of this run is gone (RuntimeError: ") and err.strip().endswith(
+        f"continue with --resume {run} (on as many processes)"), err
+    assert (f"saved step {saved} to {run}/checkpoint" if survivor == 0 else
+            f"process 1 of 2 stopped; the checkpoint of step {saved} is kept in {run}/checkpoint") in err, err
+    assert saved >= 2  # the step process 0 reached: saved by it, or by the periodic save (every step)
+    torchrun(tmp_path, str(tmp_path / "run.py"), "--resume", str(run), "--steps", str(saved + 1),
+             env={"LATE_RANK": "-1"})
+    assert [r["step"] for r in rundir.read_log(str(run / "log.jsonl"))] == list(range(saved + 1))

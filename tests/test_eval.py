@@ -300,19 +300,20 @@ def test_a_checkpoint_trained_on_one_task_is_refused_for_the_other(math_run, cou
         monkeypatch.setattr(module, "load", reached)
     monkeypatch.setattr(reproduce.subprocess, "Popen", reached)  # nothing may train
     out = tmp_path / "out"
+    refused = lambda flag, path, trained, task: (  # settings.run_defaults: the one check of every script
+        f"error: {flag} {path} was trained on {trained} (its ngc.json), not {task}: give a {task} model, such as "
+        f"{os.path.relpath(show.BEFORE[task])}, or a copy of {path} without ngc.json to start from its weights")
     assert one_line_error(lambda: evaluation.main(["--model", math_run, "--task", "countdown", "--out", str(out)])) == \
-        f"error: {math_run} was trained on math (its ngc.json); evaluate it with --task math"
+        refused("--model", math_run, "math", "countdown")
     assert one_line_error(lambda: evaluation.main(["--model", countdown_run, "--task", "math", "--eval-data",
                                                    "x.jsonl"])) == \
-        f"error: {countdown_run} was trained on countdown (its ngc.json); evaluate it with --task countdown"
-    assert one_line_error(lambda: show.main(["--model", math_run, "--before", countdown_run, "--out", str(out)])) == (
-        f"error: --before {countdown_run} was trained on countdown (its ngc.json) but --model {math_run} on math; "
-        f"compare with a math model, such as --before {os.path.relpath(show.BEFORE['math'])}")
-    assert "was trained on math (its ngc.json) but --model" in one_line_error(
-        lambda: show.main(["--model", countdown_run, "--before", math_run, "--out", str(out)]))
-    assert one_line_error(lambda: reproduce.main(["--model", math_run, "--out", str(out)])) == (
-        f"error: --model {math_run} was trained on math (its ngc.json); reproduce.py's studies are Countdown's: "
-        f"start from a Countdown model such as tiny/")
+        refused("--model", countdown_run, "countdown", "math")
+    assert one_line_error(lambda: show.main(["--model", math_run, "--before", countdown_run, "--out", str(out)])) == \
+        refused("--before", countdown_run, "countdown", "math")
+    assert one_line_error(lambda: show.main(["--model", countdown_run, "--before", math_run, "--out", str(out)])) == \
+        refused("--before", math_run, "math", "countdown")
+    assert one_line_error(lambda: reproduce.main(["--model", math_run, "--out", str(out)])) == \
+        refused("--model", math_run, "math", "countdown")
     assert list(tmp_path.iterdir()) == []
     # the control: each checkpoint with its own task passes every check and gets to its loading
     for argv in (["--model", math_run], ["--model", math_run, "--task", "math"], ["--model", countdown_run]):

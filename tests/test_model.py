@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from lib import rundir, settings
 import train
 
-from lib.checkpoint import (META_TOKEN, CheckpointError, add_meta_token, config_from_dict, from_pretrained,
-                            load_tokenizer)
+from lib.checkpoint import META_TOKEN, add_meta_token, config_from_dict, from_pretrained, load_tokenizer
+from lib.cli import Error
 from model import KVCache, Qwen2, Qwen2Config, init_weights
 from conftest import EOS, TINY_MODEL, TRAIN_DEFAULTS, prompts_of, save_small_checkpoint, write_checkpoint
 
@@ -70,16 +70,16 @@ def test_bad_checkpoints_name_the_tensor(ckpt, tmp_path):
     wrong = dict(state)
     wrong["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 3)
     save_file(wrong, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*shape"):
+    with pytest.raises(Error, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*shape"):
         from_pretrained(str(tmp_path))
     missing = {k: v for k, v in state.items() if k != "model.layers.2.mlp.up_proj.weight"}
     save_file(missing, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
+    with pytest.raises(Error, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
         from_pretrained(str(tmp_path))
     save_file({**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"unexpected model\.layers\.0\.mlp\.extra\.weight"):
+    with pytest.raises(Error, match=r"unexpected model\.layers\.0\.mlp\.extra\.weight"):
         from_pretrained(str(tmp_path))
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(Error, match="no config.json"):
         from_pretrained(str(tmp_path / "nowhere"))
 
 
@@ -89,9 +89,9 @@ def test_config_generations_and_refusals(ckpt, tmp_path):
     new["rope_parameters"] = {"rope_type": "default", "rope_theta": 1234.0}
     assert config_from_dict(new).rope_theta == 1234.0
     assert config_from_dict({**d, "rope_theta": 99.0}).rope_theta == 99.0
-    with pytest.raises(CheckpointError, match="rope_scaling"):
+    with pytest.raises(Error, match="rope_scaling"):
         config_from_dict({**d, "rope_scaling": {"type": "yarn", "factor": 4}})
-    with pytest.raises(CheckpointError, match="sliding"):
+    with pytest.raises(Error, match="sliding"):
         config_from_dict({**d, "use_sliding_window": True, "sliding_window": 64})
     assert config_from_dict({**d, "use_sliding_window": False, "sliding_window": 64}).hidden_size == 64
 

@@ -16,23 +16,27 @@ from conftest import STEP_KEYS, files_under, one_line_error, prompts_of, reached
 from lib.files import write_jsonl
 
 
-def test_reproduce_curves_take_steps_without_gradient_norms(tmp_path):
-    """reproduce.py draws Figure 5 from logs whose steps may carry null grad norms (no learning
-    signal, or --no-term-grad-norms): the figure is written, nothing raises."""
+def test_reproduce_curves_draw_the_reward_of_each_run_over_its_seeds(tmp_path, monkeypatch):
+    """reproduce.py draws Figure 5, one panel of reward curves: per run the moving mean (5 steps) of the
+    mean over the seeds asked for; a seed without a log is a FileNotFoundError, not a mean over fewer."""
     pytest.importorskip("matplotlib")
-    logs = {name: [{**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.5, "grad_norm_token": g, "grad_norm_mem": g}
-                   for step, g in enumerate(norms)]
-            for name, norms in (("ngc", [0.5, None, 0.7]), ("token-only", [None, None, None]))}
-    # a second seed of ngc, with other norms: the figure shows means over seeds
-    logs["ngc-seed1"] = [{**dict.fromkeys(STEP_KEYS), "step": step, "reward": 0.1, "grad_norm_token": 1.0,
-                          "grad_norm_mem": None} for step in range(3)]
+    logs = {name: [{**dict.fromkeys(STEP_KEYS), "step": step, "reward": reward + step / 10} for step in range(7)]
+            for name, reward in (("ngc", 0.5), ("token-only", 0.2), ("ngc-seed1", 0.1))}
     for name, rows in logs.items():
         (tmp_path / "runs" / name).mkdir(parents=True)
         write_jsonl(str(tmp_path / "runs" / name / "log.jsonl"), rows)
+    drawn = []
+    monkeypatch.setattr(reproduce, "save_figure", lambda fig, path, dpi: drawn.append(fig))
     reproduce.curves(str(tmp_path), ["ngc", "token-only"], 1, str(tmp_path / "ablations.png"))
-    assert (tmp_path / "ablations.png").read_bytes()[:4] == b"\x89PNG"
+    reproduce.curves(str(tmp_path), ["ngc"], 2, str(tmp_path / "ablations-2.png"))
+    (one_seed,), (two_seeds,) = (fig.axes for fig in drawn)  # one panel each
+    moving = lambda r: [r + d for d in (0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4)]  # of r + step / 10: 5 steps at most
+    for line, expected in zip(one_seed.lines + two_seeds.lines, [moving(0.5), moving(0.2), moving(0.3)]):
+        assert list(line.get_ydata()) == pytest.approx(expected, abs=1e-12)
+    assert [line.get_label() for line in one_seed.lines] == ["ngc", "token-only"]
     with pytest.raises(FileNotFoundError):  # token-only has no second seed
         reproduce.curves(str(tmp_path), ["ngc", "token-only"], 2, str(tmp_path / "ablations.png"))
+    monkeypatch.undo()
     reproduce.curves(str(tmp_path), ["ngc"], 2, str(tmp_path / "ablations-2.png"))
     assert (tmp_path / "ablations-2.png").read_bytes()[:4] == b"\x89PNG"
 

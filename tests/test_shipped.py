@@ -173,9 +173,9 @@ def test_a_vocabulary_built_for_the_one_token_tag_keeps_it_and_one_for_neither_i
     assert "\n" not in str(err.value)
     run = replace(settings.run_defaults(TINY_DIR), interoception=True)
     with pytest.raises(ValueError, match="spells neither form"):
-        tasks.check_prompt(run, neither, "a build without %")
-    tasks.check_prompt(run, shipped, TINY_DIR)  # the controls: both forms pass
-    tasks.check_prompt(run, build_tokenizer(make_tiny.DIGIT_TAG_WORDS), "a digit-tag build")
+        tasks.check_prompts(run, neither, "a build without %", [tasks.SAMPLE])
+    tasks.check_prompts(run, shipped, TINY_DIR, [tasks.SAMPLE])  # the controls: both forms pass
+    tasks.check_prompts(run, build_tokenizer(make_tiny.DIGIT_TAG_WORDS), "a digit-tag build", [tasks.SAMPLE])
     assert cd.encode(neither, cd.Problem((3, 5, 2), 16), "tiny-shift")  # no tag, no check
 
 
@@ -444,7 +444,7 @@ def test_the_run_draws_its_groups_rates_and_writes_them_in_digits(digit_build, t
     for run, flags in (("rate", []), ("blind", ["--blind-tag"])):
         train.main(["--model", str(out), "--out", str(tmp_path / run), "--threads", "1", "--steps", "1",
                     "--prompts", "8", "--group", "2", "--eval-every", "0", "--save-every", "0", "--interoception",
-                    "--interoception-rates", "0.03,0.42,1", "--eviction-rate", "0.5", *flags])
+                    "--interoception-rates", "0.03,0.42,1", "--retention", "0.5", *flags])
     (tagged, rates), (blind, blind_rates) = seen["rate"], seen["blind"]
     assert torch.equal(rates, blind_rates) and {round(r, 6) for r in rates.tolist()} == {0.03, 0.42, 1.0}
     tok = load_tokenizer(str(out))

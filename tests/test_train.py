@@ -5,6 +5,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import FrozenInstanceError, fields, replace
@@ -35,41 +36,25 @@ from conftest import SIGNAL_RUN, STEP_KEYS, TRAIN_DEFAULTS, parity_reward, run_t
 @pytest.mark.parametrize("mode", list(train.MODES))
 def test_one_training_step_in_each_mode(train_ckpt, tmp_path, mode):
     before = from_pretrained(train_ckpt).state_dict()
-    flags = ["--mode", mode, "--steps", "1", "--term-grad-norms"] + (["--eval-every", "1"] if mode == "ngc" else [])
+    flags = ["--mode", mode, "--steps", "1"] + (["--eval-every", "1"] if mode == "ngc" else [])
     log = run_train(train_ckpt, tmp_path, *flags)
     step = [r for r in log if "eval" not in r][0]
     assert list(step) == STEP_KEYS  # one schema for every step record
     assert math.isfinite(step["L_token"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
-    assert (step["grad_norm_token"] > 0) == (mode != "mem-only")  # mem-only logs L_token, follows only L_mem
     assert 0 <= step["zero_adv_groups"] <= 1
-    if mode in ("ngc", "mem-only"):
-        assert math.isfinite(step["L_mem"]) and step["L_mem"] != 0 and step["grad_norm_mem"] > 0
     if mode == "ngc":
+        assert math.isfinite(step["L_mem"]) and step["L_mem"] != 0
         assert step["rounds"] > 0 and len([r for r in log if "eval" in r]) == 2
-    elif mode != "mem-only":
-        assert step["L_mem"] is None and step["grad_norm_mem"] is None
+    else:
+        assert step["L_mem"] is None
     assert (step["rounds"] > 0) == (mode != "no-evict")
     after = from_pretrained(os.path.join(tmp_path, "checkpoint")).state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
-    if mode == "mem-only":  # L_mem reaches what feeds the scores (every q/k projection), not the final norm
-        assert "model.norm.weight" not in changed and all(k in changed for k in before if "q_proj" in k or "k_proj" in k)
-    else:
-        assert len(changed) == len(before)  # every tensor moved (Adam's first step is ±lr everywhere)
-
-
-def test_token_only_and_mem_only_follow_one_term_each_of_ngc(train_ckpt, tmp_path):
-    """Step 0 rolls out the same groups in all three modes, so token-only's gradient is ngc's
-    ∇L_token and mem-only's is ngc's ∇L_mem (which --term-grad-norms measures apart)."""
-    norms = {m: [r for r in run_train(train_ckpt, tmp_path / m, "--mode", m, "--steps", "1", "--group", "4",
-                                      "--term-grad-norms") if "eval" not in r][0] for m in ("ngc", "token-only", "mem-only")}
-    assert norms["ngc"]["zero_adv_groups"] < 1  # some group has a signal: the gradients are not all zero
-    assert norms["token-only"]["grad_norm"] == pytest.approx(norms["ngc"]["grad_norm_token"], rel=1e-4)
-    assert norms["mem-only"]["grad_norm"] == pytest.approx(norms["ngc"]["grad_norm_mem"], rel=1e-4)
-    assert norms["ngc"]["grad_norm_mem"] != pytest.approx(norms["ngc"]["grad_norm_token"], rel=1e-2)  # control
+    assert len(changed) == len(before)  # every tensor moved (Adam's first step is ±lr everywhere)
 
 
 # ---------------------------------------------------------------------------------------
-# L_mem's normaliser and weight (--mem-norm, --mem-weight)
+# L_mem's normaliser (--mem-norm)
 
 
 # Two rollouts, n_total = 4 of the step, max_new_tokens = 10, advantages 0.5 and -0.5; log p(σ) per
@@ -80,56 +65,44 @@ HAND_EV_LP = torch.tensor([[[-1.0, -2.0], [-3.0, -4.0]],
 #   L_mem = -(0.5·(-5) + (-0.5)·(-2)) / 4 = 1.5/4 = 0.375
 # joint: sums over rounds and layers, rollout 0: -10; rollout 1: -2
 #   L_mem = -(0.5·(-10) + (-0.5)·(-2)) / (4·10) = 4/40 = 0.1
-# the weight W multiplies either: W = 3 gives 1.125 and 0.3
-HAND_L_MEM = [("paper", 1.0, 0.375), ("paper", 3.0, 1.125), ("joint", 1.0, 0.1), ("joint", 3.0, 0.3)]
+HAND_L_MEM = [("paper", 0.375), ("joint", 0.1)]
 
 
-@pytest.mark.parametrize("norm, weight, expected", HAND_L_MEM)
-def test_l_mem_of_a_hand_built_batch_under_each_normaliser_and_weight(monkeypatch, norm, weight, expected):
+@pytest.mark.parametrize("norm, expected", HAND_L_MEM)
+def test_l_mem_of_a_hand_built_batch_under_each_normaliser(monkeypatch, norm, expected):
     tok_lp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [-0.5, -0.5, 0.0, 0.0]])
     monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, HAND_EV_LP))
     ro = SimpleNamespace(n_rounds=torch.tensor([2, 1]))
-    terms = train.policy_losses(None, ro, torch.tensor([0.5, -0.5]), train.MODES["ngc"], 10, 4, norm, weight)
+    terms = train.policy_losses(None, ro, torch.tensor([0.5, -0.5]), train.MODES["ngc"], 10, 4, norm)
     l_token, l_mem = terms["L_token"], terms["L_mem"]
     assert l_mem.item() == pytest.approx(expected, abs=1e-7)  # float32
-    assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)  # -(0.5·(-3) + (-0.5)·(-1)) / 40: neither changes it
+    assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)  # -(0.5·(-3) + (-0.5)·(-1)) / 40: either norm
 
 
 @pytest.mark.parametrize("norm", ["paper", "joint"])
-def test_the_logged_l_mem_and_its_gradient_norm_are_of_the_weighted_term(ckpt, sampled, norm):
-    """train.backward under --mem-norm with --mem-weight 4: the logged L_mem (policy_losses' on the whole
-    batch under that normaliser and weight) and ‖∇L_mem‖ (--term-grad-norms) are 4x
-    those at weight 1, ‖∇L_token‖ and L_token unchanged; the total gradient is ∇L_token + 4 ∇L_mem."""
+def test_the_logged_losses_are_those_of_the_whole_batch(ckpt, sampled, norm):
+    """train.backward in micro-batches of 2 logs each term as policy_losses gives it on the whole batch,
+    under either normaliser; the two normalisers give different L_mem (the control)."""
     adv = torch.linspace(-1, 1, len(sampled.n_rounds))
-    out = {}
-    for weight in (1.0, 4.0):
-        model = from_pretrained(ckpt)
-        c = settings.Settings(mode="ngc", max_new_tokens=60, micro_batch=2, term_grad_norms=True, mem_norm=norm,
-                              mem_weight=weight)
-        out[weight] = train.backward(model, sampled, adv, c)
-        whole = train.policy_losses(model, sampled, adv, train.MODES["ngc"], 60, len(adv), norm, weight)["L_mem"]
-        assert out[weight]["L_mem"] == pytest.approx(whole.item(), rel=1e-5)  # the micro-batches add up to it
-        out[weight]["total"] = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
-    one, four = out[1.0], out[4.0]
-    assert four["L_mem"] == pytest.approx(4 * one["L_mem"], rel=1e-5) and one["L_mem"] != 0
-    assert four["grad_norm_mem"] == pytest.approx(4 * one["grad_norm_mem"], rel=1e-4)
-    assert four["grad_norm_token"] == pytest.approx(one["grad_norm_token"], rel=1e-6)
-    assert four["L_token"] == pytest.approx(one["L_token"], rel=1e-6)
-    assert four["total"] != pytest.approx(one["total"], rel=1e-3)  # the weight reached the update itself
+    model = from_pretrained(ckpt)
+    c = settings.Settings(mode="ngc", max_new_tokens=60, micro_batch=2, mem_norm=norm)
+    logged = train.backward(model, sampled, adv, c)
+    for name in ("paper", "joint"):
+        whole = train.policy_losses(model, sampled, adv, train.MODES["ngc"], 60, len(adv), name)
+        assert (logged["L_mem"] == pytest.approx(whole["L_mem"].item(), rel=1e-5)) == (name == norm)
+        assert logged["L_token"] == pytest.approx(whole["L_token"].item(), rel=1e-5)
 
 
-def test_mem_norm_and_weight_are_saved_with_the_run_and_default_for_older_runs(train_ckpt, tmp_path):
-    """ngc.json and trainer.pt keep --mem-norm and --mem-weight, so a resume runs on with them; a run
-    saved before they existed resumes with the defaults (eq. 4, weight 1) and reports no change."""
-    run_train(train_ckpt, tmp_path, "--steps", "1", "--mem-norm", "joint", "--mem-weight", "2")
-    saved = json.loads((tmp_path / "checkpoint" / "ngc.json").read_text())
-    assert (saved["mem_norm"], saved["mem_weight"]) == ("joint", 2.0)
+def test_mem_norm_is_saved_with_the_run_and_defaults_for_older_runs(train_ckpt, tmp_path):
+    """ngc.json and trainer.pt keep --mem-norm, so a resume runs on with it; a run saved before it
+    existed resumes with the default (eq. 4) and reports no change."""
+    run_train(train_ckpt, tmp_path, "--steps", "1", "--mem-norm", "joint")
+    assert json.loads((tmp_path / "checkpoint" / "ngc.json").read_text())["mem_norm"] == "joint"
     state = rundir.load_trainer_state(str(tmp_path))
-    c = train.resolve(train.parse_args(["--resume", str(tmp_path), "--steps", "2"]), state)
-    assert (c.mem_norm, c.mem_weight) == ("joint", 2.0)
-    older = {**state, "config": {k: v for k, v in state["config"].items() if k not in ("mem_norm", "mem_weight")}}
+    assert train.resolve(train.parse_args(["--resume", str(tmp_path), "--steps", "2"]), state).mem_norm == "joint"
+    older = {**state, "config": {k: v for k, v in state["config"].items() if k != "mem_norm"}}
     c = train.resolve(train.parse_args(["--resume", str(tmp_path)]), older)
-    assert (c.mem_norm, c.mem_weight) == ("paper", 1.0)
+    assert c.mem_norm == "paper"
     assert rundir.changed_settings({**older["session"], **older["config"]}, settings.recorded(c)) == []
 
 
@@ -235,6 +208,26 @@ def test_a_kill_at_any_point_of_the_checkpoint_swap_leaves_a_checkpoint(train_ck
         assert rundir.load_trainer_state(str(run))["step"] == 3 and sorted(p.name for p in run.iterdir()) == ["checkpoint"]
 
 
+def test_files_replaced_keep_the_permissions_others_read_them_by(train_ckpt, tmp_path):
+    """A run directory made readable to a group (chmod -R g+rX) by a user whose umask is private (077): a
+    resume rewrites log.jsonl and swaps in a new checkpoint/, each keeping the mode it had. The control:
+    a new file gets the umask's mode."""
+    run = tmp_path / "run"
+    run_train(train_ckpt, run, "--steps", "1")
+    for p in [run, *run.rglob("*")]:
+        p.chmod(0o750 if p.is_dir() else 0o640)
+    umask = os.umask(0o077)
+    try:
+        run_train(train_ckpt, run, "--resume", str(run), "--steps", "2")
+        files.write_text(str(tmp_path / "new.txt"), "x")
+    finally:
+        os.umask(umask)
+    assert rundir.load_trainer_state(str(run))["step"] == 2
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [run / "checkpoint", *run.rglob("*")] if p.name != "lock"}
+    assert modes == {name: 0o750 if (run / name).is_dir() or name == "checkpoint" else 0o640 for name in modes}
+    assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o600
+
+
 # What each writer raises on a full disk (ENOSPC; EFBIG under a file size limit alike): none is an OSError
 FULL_DISK = {"safetensors": lambda: SafetensorError("Error while serializing: I/O error: No space left on device "
                                                     "(os error 28)"),
@@ -310,8 +303,10 @@ def test_a_save_past_a_real_file_size_limit_keeps_the_previous_checkpoint(train_
 # Signals and the log
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckpt, tmp_path, sig, code):
+    """SIGTERM (a scheduler), SIGINT (Ctrl-C) and SIGHUP (a closed terminal or ssh session) alike: the
+    state of the steps taken is saved, and a resume takes exactly the steps an uninterrupted run would."""
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run),
                              "--threads", "1", "--steps", "200"], cwd=os.path.dirname(train.__file__),
@@ -330,6 +325,113 @@ def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckp
     for a, b in zip(resumed, straight):
         for key in ("reward", "L_token", "L_mem", "response_len"):
             assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGXCPU])
+def test_a_scheduler_s_warning_signal_saves_and_stops_the_run(train_ckpt, tmp_path, sig):
+    """SLURM's --signal=USR1@N before its time limit, SIGXCPU at a CPU-time limit: by default each ends the
+    process at once, the steps since the last checkpoint lost; here the run saves and stops in one line."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run),
+                             "--threads", "1", "--steps", "200", "--save-every", "0"],
+                            cwd=os.path.dirname(train.__file__), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    wait_for_log_lines(run / "log.jsonl", 2)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    saved = rundir.load_trainer_state(str(run))["step"]
+    assert proc.returncode == 128 + sig and out.strip().endswith(
+        f"{signal.Signals(sig).name}: saved step {saved} to {run}/checkpoint; continue with --resume {run}"), out
+    assert [r["step"] for r in rundir.read_log(str(run / "log.jsonl"))] == list(range(saved)) and saved >= 2
+
+
+def test_a_run_started_ignoring_sighup_goes_on_through_it(train_ckpt, tmp_path):
+    """Under nohup (SIGHUP ignored from the start) a closed terminal does not stop the run; the control,
+    SIGTERM, still saves and stops it."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run), "--threads",
+                             "1", "--steps", "200"], cwd=os.path.dirname(train.__file__), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        wait_for_log_lines(run / "log.jsonl", 2)
+        proc.send_signal(signal.SIGHUP)
+        steps = len((run / "log.jsonl").read_text().splitlines())
+        wait_for_log_lines(run / "log.jsonl", steps + 2)
+        assert proc.poll() is None  # still training
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and f"continue with --resume {run}" in out, out
+    assert rundir.load_trainer_state(str(run))["step"] >= steps + 2
+
+
+def test_a_run_killed_before_its_first_save_starts_again_by_the_same_command(train_ckpt, tmp_path):
+    """SIGKILL (the OOM killer, a lost node) before any checkpoint: the run directory holds a log and the
+    lock, nothing to resume (--resume says so); the same command starts the run again there."""
+    run = tmp_path / "run"
+    command = ["--model", train_ckpt, "--out", str(run), "--threads", "1", "--steps", "6", "--save-every", "0"]
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, *command], cwd=os.path.dirname(train.__file__),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_log_lines(run / "log.jsonl", 2)
+    proc.kill()
+    proc.wait()
+    assert sorted(p.name for p in run.iterdir()) == ["lock", "log.jsonl"]
+    with pytest.raises(SystemExit) as err:
+        train.main(["--resume", str(run)])
+    assert str(err.value) == (f"error: nothing to resume in '{run}': it has no checkpoint/trainer.pt (a run that "
+                              f"never saved starts again by its own command)")
+    train.main(command, reward_fn=parity_reward)  # the same command
+    assert [r["step"] for r in rundir.read_log(str(run / "log.jsonl"))] == list(range(6))
+    (run / "notes.txt").write_text("mine")  # the control: files not a run's are never taken
+    shutil.rmtree(run / "checkpoint")
+    with pytest.raises(SystemExit) as err:
+        train.main(command)
+    assert str(err.value) == f"error: {run} holds files that are not a run's (notes.txt); choose another --out"
+
+
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_a_console_that_goes_away_costs_only_its_lines(train_ckpt, tmp_path, script):
+    """stdout a pipe whose reader is gone (`| head`, a closed terminal): the run trains to its end and
+    saves, eval.py writes its --out; the lines are lost, nothing else, and the exit code is 0."""
+    command = {"train": [SIGNAL_RUN, "--model", train_ckpt, "--out", str(tmp_path / "run"), "--threads", "1",
+                         "--steps", "2"],
+               "eval": ["import sys; sys.path.insert(0, 'scripts'); import eval; eval.main()", "--model", train_ckpt,
+                        "--policy", "none", "ngc", "--problems", "2", "--samples", "0", "--out",
+                        str(tmp_path / "rows.jsonl")]}[script]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    proc = subprocess.run([sys.executable, "-c", *command], cwd=os.path.dirname(train.__file__), stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+    os.close(write)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    if script == "train":
+        assert rundir.load_trainer_state(str(tmp_path / "run"))["step"] == 2
+    else:
+        assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 2
+
+
+def test_out_of_memory_saves_the_steps_taken_and_stops_in_one_line(train_ckpt, tmp_path, monkeypatch):
+    """CUDA out of memory in a step (here raised by a stand-in rollout at the third step): the state
+    after the steps taken is saved, one line says what to lower, and a resume goes on from there."""
+    calls = []
+
+    def rollout_until_memory_runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+        return rollout(*args, **kwargs)
+
+    monkeypatch.setattr(train, "rollout", rollout_until_memory_runs_out)
+    with pytest.raises(SystemExit) as err:
+        run_train(train_ckpt, tmp_path, "--steps", "4")
+    assert str(err.value) == (f"error: out of memory in step 3 (OutOfMemoryError: CUDA out of memory); saved step 2 to "
+                              f"{tmp_path}/checkpoint; lower --micro-batch (or --group, --max-new-tokens), then "
+                              f"continue with --resume {tmp_path}")
+    monkeypatch.undo()
+    log = run_train(train_ckpt, tmp_path, "--resume", str(tmp_path))
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
 
 
 def test_two_runs_on_one_run_directory_one_trains_the_other_stops_in_one_line(train_ckpt, tmp_path):
@@ -413,13 +515,16 @@ def break_file(path, how):
 BAD_TRAIN_FLAGS = [
     (["--stage-steps", "0"], "--stage-steps 0 must be at least 1"), (["--train-problems", "0"], "at least 1"),
     (["--micro-batch", "0"], "--micro-batch 0 must be at least 1"), (["--max-new-tokens", "0"], "at least 1"),
-    (["--temperature", "0"], "--temperature 0.0 must be positive"), (["--eval-rate", "1.5"], "must lie in (0, 1]"),
+    (["--temperature", "0"], "--temperature 0.0 must be positive"), (["--alpha", "1.5"], "must lie in (0, 1]"),
     (["--eval-batch", "0"], "at least 1"), (["--lr", "-1"], "--lr -1.0 must be positive"),
     (["--steps", "-3"], "--steps -3 must be at least 1"), (["--eval-problems", "0"], "at least 1"),
     (["--device", "foo"], "--device 'foo' is not a device"), (["--retention", "0.9,x"], "comma-separated numbers"),
-    (["--eviction-rate", "1.5"], "must lie in"), (["--delta", "2"], "larger than the window"),
+    (["--retention", "1.5,0.5"], "--retention 1.5,0.5: stage 1, 1.5, must lie in [0, 1)"),
+    (["--retention", "0.9,1.5,0.5"], "--retention 0.9,1.5,0.5: stage 2, 1.5, must lie in [0, 1)"),  # a middle one
+    (["--interoception", "--interoception-rates", "0.25,0,0.75"], "--interoception-rates 0.25,0,0.75: rate 2, 0,"),
+    (["--delta", "2"], "larger than the window"),
     (["--group", "1"], "--group"), (["--beta2", "1"], "must lie in [0, 1)"), (["--threads", "0"], "at least 1"),
-    (["--steps", "x"], "invalid int value"), (["--mem-weight", "0"], "--mem-weight 0.0 must be positive"),
+    (["--steps", "x"], "invalid int value"), (["--adam-eps", "0"], "--adam-eps 0.0 must be positive"),
     (["--mem-norm", "mean"], "invalid choice: 'mean'"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA GPU is visible")])
 BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
@@ -481,16 +586,16 @@ def test_help_shows_the_checkpoints_defaults(train_ckpt, capsys):
 
 
 def test_each_setting_is_defined_once(train_ckpt, tmp_path, capsys):
-    """settings.py is the one definition: every setting with a flag shows in --help, the modes it
-    offers are train.MODES, and a run saves exactly the settings marked saved (--threads among
-    them, so a resume runs on as many threads), which read back to the same values."""
+    """settings.py is the one definition: every setting but eval.py's three has a flag in --help,
+    the modes it offers are train.MODES, and a run saves every setting but where and how it runs
+    (--threads among them, so a resume runs on as many threads), which read back to the same values."""
     with pytest.raises(SystemExit):
         train.parse_args(["--model", train_ckpt, "--help"])
     text = capsys.readouterr().out
-    flags = [f for f in fields(settings.Settings) if f.metadata["cli"]]
-    assert all(f"--{f.name.replace('_', '-')} " in text for f in flags) and "--eval-top-p" not in text
-    assert {f.metadata["flag"].get("choices") and tuple(f.metadata["flag"]["choices"]) for f in flags
-            if f.name == "mode"} == {tuple(train.MODES)}
+    flags = [name for group in settings.HELP.values() for name in group]
+    assert sorted(flags + ["eval_temperature", "eval_top_p", "eval_max_new_tokens"]) == sorted(settings.TYPES)
+    assert all(f"--{name.replace('_', '-')} " in text for name in flags) and "--eval-top-p" not in text
+    assert settings.CHOICES["mode"] == list(train.MODES)
     c = train.resolve(train.parse_args(["--model", train_ckpt, "--out", str(tmp_path / "run"), "--threads", "1",
                                         "--retention", "0.8,0.6"]))
     saved = settings.saved(c)
@@ -529,9 +634,10 @@ def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monke
             train.main(argv + (["--task", task] if task else ["--data", "/no/such.jsonl"]))
         message = str(err.value)
         assert "\n" not in message and not (tmp_path / "cd").exists()
-        assert message == (f"error: {tmp_path}/run/checkpoint/ngc.json is the settings of a math run; --task countdown "
-                           f"cannot use them: train it with --task math, or copy the directory without ngc.json to "
-                           f"start a countdown run from its weights" if task else "error: no such file: /no/such.jsonl")
+        assert message == (f"error: --model {tmp_path}/run/checkpoint was trained on math (its ngc.json), not "
+                           f"countdown: give a countdown model, such as {os.path.relpath(settings.HERE + '/tiny')}, "
+                           f"or a copy of {tmp_path}/run/checkpoint without ngc.json to start from its weights" if task
+                           else "error: no such file: /no/such.jsonl")
     monkeypatch.setattr(scoring, "rollout", counting_rollout(seen := []))
     evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
              "--out", str(tmp_path / "math.jsonl")])
@@ -686,8 +792,7 @@ RESUME_CHANGES = {"blind_tag": (["--blind-tag", "--interoception"], ["interocept
                   "answer_field": (["--answer-field", "a"], ["answer_field"]),
                   "retention": (["--retention", "0.8,0.4"], ["retention"]),
                   "interoception_rates": (["--interoception-rates", "0.3,0.6"], ["interoception_rates"]),
-                  "eviction_rate": (["--eviction-rate", "0.3"], ["eviction_rate"]),
-                  "eval_rate": (["--eval-rate", "0.3"], ["eval_rate"]), "data_seed": (["--data-seed", "7"], ["data_seed"]),
+                  "data_seed": (["--data-seed", "7"], ["data_seed"]),
                   "dtype": (["--dtype", "bf16"], ["dtype"]), "compile": (["--compile"], ["compile"])}
 
 
@@ -696,39 +801,47 @@ def other_value(f, value):
     flag = f"--{f.name.replace('_', '-')}"
     if isinstance(f.default, bool):
         return [flag if not value else f"--no-{flag[2:]}"]
-    if "choices" in f.metadata["flag"]:
-        return [flag, next(c for c in f.metadata["flag"]["choices"] if c != value)]
+    if f.name in settings.CHOICES:
+        return [flag, next(c for c in settings.CHOICES[f.name] if c != value)]
     return [flag, str(value + 1 if isinstance(value, int) else value / 2)]
 
 
-def test_a_resume_refuses_what_cannot_change_and_reports_every_change(train_ckpt, tmp_path):
-    """--model, --task and --overwrite cannot change a run: with --resume they are refused in one
-    line, before anything is touched. Every other flag that gives a setting another value than the
-    run's is reported (the note rundir.prepare prints), and only that setting; a machine setting
-    (device, dtype) that differs from the run's last session is reported although no flag set it."""
+def test_a_resume_refuses_what_cannot_change_and_reports_every_change(train_ckpt, tmp_path, capsys):
+    """--model, --task and --out cannot change a run, nor --overwrite start it again: with --resume,
+    one that differs from the run's own is refused in one line, before anything is touched, while
+    one equal to the run's own (README's command plus --resume) is accepted. Every other flag that
+    gives a setting another value than the run's is reported (the note rundir.prepare prints), and
+    only that setting; a machine setting (device, dtype) that differs from the run's last session is
+    reported although no flag set it."""
     run_train(train_ckpt, tmp_path, "--steps", "1")
     before = run_dir_state(tmp_path)
-    for flags, dropped in [(["--model", train_ckpt], f"--model {train_ckpt}"), (["--task", "countdown"], "--task countdown"),
-                           (["--overwrite"], "--overwrite"), (["--task", "math", "--overwrite"], "--overwrite, --task math")]:
+    other = str(tmp_path / "other")
+    for flags, dropped in [(["--model", other], f"--model {other}"), (["--task", "math"], "--task math"),
+                           (["--out", other], f"--out {other}"), (["--overwrite"], "--overwrite"),
+                           (["--task", "math", "--overwrite", "--model", train_ckpt], "--task math, --overwrite")]:
         with pytest.raises(SystemExit) as err:
             train.main(["--resume", str(tmp_path), *flags])
-        assert str(err.value) == (f"error: --resume {tmp_path} continues that run with its own model and task; drop "
-                                  f"{dropped} (to start a new run, give --out instead of --resume)")
+        assert str(err.value) == (f"error: --resume {tmp_path} continues that run with its own model, task and "
+                                  f"directory; drop {dropped} (to start a new run, give --out instead of --resume)")
         assert run_dir_state(tmp_path) == before
+    same = ["--task", "countdown", "--model", train_ckpt + "/", "--out", str(tmp_path)]  # the run's own
+    log = run_train(train_ckpt, tmp_path, "--resume", str(tmp_path), "--steps", "2", *same)
+    assert [r["step"] for r in log] == [0, 1] and "changed settings: steps 1 → 2\n" in capsys.readouterr().out
     state = rundir.load_trainer_state(str(tmp_path))
     saved = {**state["session"], **state["config"]}
     assert set(saved) == set(settings.SAVED) | set(settings.SESSION)
     cannot = {"model", "task", "overwrite", "out", "resume", "fsdp"}  # fsdp: refused outside torchrun
+    with_flag = [name for group in settings.HELP.values() for name in group]
     checked = []
     for f in fields(settings.Settings):
-        if not f.metadata["cli"] or f.name in cannot or (f.name == "device" and not torch.cuda.is_available()):
+        if f.name not in with_flag or f.name in cannot or (f.name == "device" and not torch.cuda.is_available()):
             continue
         flags, names = RESUME_CHANGES.get(f.name) or (other_value(f, saved[f.name]), [f.name])
         c = train.resolve(train.parse_args(["--resume", str(tmp_path), *flags]), state)
         changed = rundir.changed_settings(saved, settings.recorded(c))
         assert [x.split(" ")[0] for x in changed] == names, (flags, changed)
         checked.append(f.name)
-    assert len(checked) >= 45
+    assert len(checked) >= 44
     session = {**state, "session": {**state["session"], "device": "cuda:0", "dtype": "bf16"}}  # a run saved on a GPU
     c = train.resolve(train.parse_args(["--resume", str(tmp_path), "--device", "cpu"]), session)
     assert rundir.changed_settings({**session["session"], **state["config"]}, settings.recorded(c)) == [
