@@ -401,7 +401,7 @@ def run_studies(args):
         figures(args.out, studies, args.ablation_seeds)
     claims = claims_markdown(studies, rate, trained)
     write_text(os.path.join(args.out, "claims.md"), f"# The paper's Countdown claims on {os.path.relpath(args.model)}"
-               f" ({args.seeds} seeds)\n\n{claims}\n")
+               f" ({args.seeds} seed{'s' if args.seeds > 1 else ''})\n\n{claims}\n")
     say("show: what ngc forgets")
     forgets = os.path.join(args.out, "forgets")
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"), "--before", args.model,
