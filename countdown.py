@@ -91,11 +91,8 @@ def _take(stream, n, skip=frozenset(), unique=False, patience=50_000):
         out.append(p)
     return out
 
-def _in_preset(p, difficulty) -> bool:  # all of the stream's are, unless it asks for backtracking
-    return not difficulty.backtracks or backtracks(p)
-
-def _problems(rng, difficulty):
-    return (p for p in _stream(rng, difficulty) if _in_preset(p, difficulty))
+def _problems(rng, difficulty):  # all of the stream's, or those that go back if the preset asks
+    return (p for p in _stream(rng, difficulty) if not difficulty.backtracks or backtracks(p))
 
 def generate(n, seed, difficulty=PAPER):
     """n problems, reproducible from seed, every one solvable (repeats possible)."""
@@ -105,7 +102,8 @@ def held_out(difficulty=PAPER):
     """The held-out set, one for every seed: of the first difficulty.held_out distinct problems of
     the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones)."""
     stream = _stream(random.Random(HELD_OUT_SEED), difficulty)
-    return [p for p in _take(stream, difficulty.held_out, unique=True) if _in_preset(p, difficulty)]
+    return [p for p in _take(stream, difficulty.held_out, unique=True)
+            if not difficulty.backtracks or backtracks(p)]
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
     """(train, test): the first n_test held-out problems, whatever the seed, and n_train from the

@@ -25,8 +25,8 @@ def block_ids(alive, block_size: int):
 
 
 def block_means(key_scores, alive, block_size: int):
-    """Mean of key_scores (N, S) over the alive (N, S) keys of each block (s_j = Σ m_t ψ_t / Σ m_t,
-    §4.2): means (N, M), M = ceil(S / b), and exists (N, M), True for row i's ceil(alive_i / b)."""
+    """Mean of key_scores (N, S) over the alive (N, S) keys of each block, §4.2's s_j: means
+    (N, M), M = ceil(S / b), and exists (N, M), True for row i's first ceil(alive_i / b)."""
     N, S = alive.shape
     M = -(-S // block_size)
     slot = torch.where(alive, block_ids(alive, block_size), M)  # dead keys land in a spare column
@@ -60,7 +60,7 @@ def gumbel_topk(logits, k, generator=None):
 
 
 def plackett_luce_log_prob(logits, sigma):
-    """log p(σ) = Σ_{j<K} [ x_{σ_j} − log Σ_{i ∉ {σ_1..σ_{j-1}}} exp x_i ]   # paper eq. (2)
+    """log p(σ) = Σ_{j<K} [ x_{σ_j} - log Σ_{i ∉ {σ_1..σ_{j-1}}} exp x_i ]   # paper eq. (2)
 
     logits (N, M) with MISSING at absent blocks; sigma (N, Kmax), -1 padded. Laid out as [kept
     blocks in σ order | every other block], each denominator is a suffix log-sum-exp (a reverse

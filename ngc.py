@@ -7,8 +7,8 @@ with Gumbel-top-k (§4.3, training) or the top K (the paper's evaluation); the r
 that layer for good. Token kδ is sampled from the logits computed before the round and attends to
 the survivors. A baseline (baselines.py) swaps ψ for its own per-key score in the same rounds.
 
-With a meta-token g (Sampling.meta_token; App. "Compression via Meta-Tokens") completion token
-kδ-1, the last before a round, is forced to g, then a cache entry. A Rollout holds all replay needs.
+With a meta-token g (Sampling.meta_token; App. "Compression via Meta-Tokens") the completion's
+token kδ-1, the last before a round, is forced to g. A Rollout holds all that replay needs.
 """
 import math
 from collections import namedtuple
@@ -46,7 +46,7 @@ Round = namedtuple("Round", "rows layer key_pos query_pos prompts prompt_lens")
 
 
 def is_round_end(t, delta: int):
-    """Whether token index t (0-based, prompt included) is kδ-1, the last before a round (§4.1)."""
+    """Whether token t (0-based, prompt included) is kδ-1, the last before a round (§4.1)."""
     return (t + 1) % delta == 0
 
 
@@ -102,10 +102,8 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
             eviction: Eviction | None = None, rates=None, eos_ids=(), generator=None,
             progress=False, compile=False) -> Rollout:
     """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
-
-    rates: optional per-sequence eviction rates (B,) overriding eviction.rate (interoception).
-    generator: a torch.Generator for the token and Gumbel noise (on the model's device).
-    compile: run the decode step through torch.compile (CUDA graphs on CUDA); same results."""
+    rates: per-row ε (B,) in place of eviction.rate (interoception); generator: a torch.Generator
+    for the token and Gumbel noise; compile: the decode step through torch.compile, same results."""
     s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile)
     logits = prefill(s)
     new, new_logprobs, n_new, hit_eos = decode_n_tokens(s, logits, eos_ids, progress)
@@ -287,11 +285,10 @@ def fire_round(s: RolloutState, fired):
 
 def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, rates, ev: Eviction,
                    generator=None, at: Round | None = None):
-    """One eviction round at every layer for cache rows in_cache (N,) at rates ε (N,) (§4.1–4.3);
+    """One eviction round at every layer for cache rows in_cache (N,) at rates ε (N,) (§4.1-4.3);
     at: their Round for a baseline's score (each layer fills in its layer and positions). Returns
     σ of each layer [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round (N, L)."""
-    qpos = window.pos[in_cache]  # (N, w) the w newest tokens' positions (δ > w: all are scored)
-    sigmas, logps, before = [], [], []
+    qpos, sigmas, logps, before = window.pos[in_cache], [], [], []  # qpos (N, w): all scored
     for layer, c in enumerate(layers):
         alive, kpos, keys = c.alive[in_cache], c.pos[in_cache], c.k.index_select(0, in_cache)
         q = window.q[layer][in_cache]  # (N, H, w, D); keys (N, Hkv, S, D), alive (N, S)
@@ -302,7 +299,7 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
         if ev.score is not None:  # a baseline: its own key score's plain block mean (may be < 0)
             own = ev.score(psi, keys, alive, at._replace(layer=layer, key_pos=kpos, query_pos=qpos))
             ranking = torch.where(exists, block_means(own, alive, ev.block)[0], MISSING)
-        K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1 - ε)·N + ½⌋), N = ⌈alive / b⌉ (§4.1)
+        K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1-ε)N + ½⌋), N: blocks (§4.1)
         # σ (N, Kmax): the top K blocks, or a Gumbel-top-k sample (§4.3)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)
         logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
@@ -315,7 +312,7 @@ def round_logits(q, k, seen, alive, block: int):
     """What R rounds per row decide from (rollout: one; replay: all): q (N, H, R·w, D) each round's
     w queries, k (N, Hkv, S, D), seen (N, R·w, S) the keys each query sees, alive (N, R, S).
     Returns ψ (N, R, S), the attention to each key averaged over heads and the round's w queries
-    (§4.2), and per block (N, R, nb) the logit x_j = log s_j (s_j: mean ψ) and whether it exists."""
+    (§4.2), and per block (N, R, nb) the logit x_j = log s_j (s_j: mean ψ), and whether it is."""
     N, R, S = alive.shape
     psi = attention_scores(q, k, seen).view(N, R, -1, S).mean(2)  # (N, R, S)
     logits, exists = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), block)
@@ -323,8 +320,8 @@ def round_logits(q, k, seen, alive, block: int):
 
 
 def attention_scores(q, k, mask):
-    """Mean over query heads of softmax(q·kᵀ/√d) per query row, in fp32 (paper §4.2: A): q (N, H,
-    M, D) post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) which keys each query row sees.
+    """Mean over query heads of softmax(q·kᵀ/√d) per query row in fp32 (§4.2's A): q (N, H, M,
+    D) post-RoPE queries, k (N, Hkv, S, D) keys, mask (N, M, S) which keys each query row sees.
     Query head h reads KV group h // (H / Hkv). Returns (N, M, S)."""
     (N, H, M, D), Hkv = q.shape, k.shape[1]
     q = q.float().view(N, Hkv, H // Hkv, M, D)
@@ -334,7 +331,7 @@ def attention_scores(q, k, mask):
 
 
 class QueryWindow:
-    """Each row's post-RoPE queries of its w newest tokens per layer: ψ's Q^(ℓ) (§4.2), in place."""
+    """Each row's post-RoPE queries of its w newest tokens per layer: ψ's Q (§4.2), in place."""
 
     def __init__(self, n_layers, batch, w: int, n_head, head_dim, dtype, device):
         self.w = w
@@ -383,13 +380,10 @@ def decode_state(model: Qwen2, batch: int, capacity: int, w: int, dtype, device,
 
 def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
     """The most KV entries a layer holds at once for a sequence fed `tokens` tokens with a round
-    after every δ: its buffers' size. Paper App. A.2 (c_{k+1} = (1-ε)c_k + δ rises to δ/ε), for
-    whole blocks: a round leaves at most g(c) = c if K = N, else K·b (N = ⌈c/b⌉, K =
-    keep_count(N, ε)); g never decreases (K(N) does not; K(N+1) >= N where K(N) = N), so the cache
-    before round k is at most u_k: u_1 = δ (prefill: chunks of δ), u_{k+1} = g(u_k) + δ, reached by
-    keeping whole blocks. The u_k never decrease (u_2 >= u_1) and stop at u* <= max(δ + b,
-    (δ + (1-ε)(b-1) + b/2)/ε) (K <= (1-ε)N + 1/2, N < c/b + 1): δ/ε plus under 1.5 blocks over ε.
-    It grows only between rounds: with R = tokens // δ, at most max(u_R, g(u_R) + tokens - R·δ)."""
+    after every δ: its buffers' size. App. A.2's c_{k+1} = (1-ε)c_k + δ (which rises to δ/ε)
+    in whole blocks: a round leaves at most g(c) = K·b of c (c if K = N; N = ⌈c/b⌉, K =
+    keep_count(N, ε)), g never decreases, so before round k the cache holds at most u_k: u_1 = δ,
+    u_{k+1} = g(u_k) + δ; after the last round R = tokens // δ, at most g(u_R) + tokens - Rδ."""
     def survivors(c):  # g(c)
         n = -(-c // block)
         k = int(keep_count(torch.tensor([n]), rate))
@@ -459,7 +453,6 @@ def check_rollout(prompts, meta, vocab_size: int, ev: Eviction | None, rates):
     if not prompts or min(map(len, prompts)) == 0:
         raise ValueError("rollout needs one or more prompts, each of at least one token")
     if meta is not None and not 0 <= meta < vocab_size:
-        raise ValueError(f"meta_token={meta} is not a token id of this model "
-                         f"(vocabulary {vocab_size})")
+        raise ValueError(f"meta_token={meta} is not a token id of this model ({vocab_size})")
     if ev is not None and rates is not None:
         check_eviction(ev.delta, ev.block, ev.window, torch.as_tensor(rates))

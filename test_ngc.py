@@ -600,7 +600,7 @@ def test_meta_token_is_forced_before_every_round_and_replays_exactly(model):
     full = rollout(model, prompts_of([5, 17]), Sampling(max_new_tokens=30, meta_token=META), None,
                    generator=torch.Generator().manual_seed(3))
     assert not full.forced.any() and not (full.tokens[:, 11::12] == META).all()
-    with pytest.raises(ValueError, match=r"meta_token=96 is not a token id of this model \(vocabulary 96\)"):
+    with pytest.raises(ValueError, match=r"meta_token=96 is not a token id of this model \(96\)"):
         rollout(model, prompts_of([5]), Sampling(max_new_tokens=4, meta_token=96), EV)
 
 

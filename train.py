@@ -1,4 +1,4 @@
-"""Train NGC: Dr. GRPO over tokens and evictions (paper §4.4–4.6, App. A.1), on Countdown or math.
+"""Train NGC: Dr. GRPO over tokens and evictions (paper §4.4-4.6, App. A.1), Countdown or math.
 
     python train.py --task countdown                           # the shipped tiny model, on the CPU
     python train.py --task countdown --model DIR --out runs/r1 # a Hugging Face Qwen2 directory
@@ -9,12 +9,8 @@
 One step: P prompts x G rollouts through the NGC engine (a round every δ tokens at the
 curriculum's ε), binary reward, advantage A = r - mean(group), then the replay pass in
 micro-batches, L = L_token + L_mem (eqs. 3-5), one backward, grad-norm clipping, AdamW at a
-constant LR. Defaults are the paper's recipe for the task (settings.py); a checkpoint directory may
-carry an ngc.json whose values replace them (the tiny model's does), and any flag replaces both.
-
-This file is the method, top to bottom: modes, curriculum, objective, one step, the loop, then
-the command line. Run directory and its guard (signals, divergence, failed saves), processes,
-checkpoints and evaluation are called, not written, here.
+constant LR. Defaults are the paper's recipe for the task (lib/settings.py); a checkpoint
+directory may carry an ngc.json whose values replace them (tiny/'s does); a flag replaces both.
 """
 import contextlib
 import functools
@@ -53,10 +49,10 @@ MODES = {
 }
 
 
-# ---- Eviction-rate curriculum (paper §4.6) -------------------------------------------------------
+# ---- Eviction-rate curriculum (paper §4.6) ----------------------------------------------------
 def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float) -> float:
-    """Staircase over retention p0 = 1 - ε (eq. 6): hold ρ_ℓ for the first (1 - α) of stage ℓ,
-    then blend linearly to ρ_{ℓ+1}; the last stage holds ρ_K."""
+    """Staircase over retention p0 = 1 - ε (eq. 6): hold ρ_ℓ for the first (1 - α) of stage
+    ℓ, then blend linearly to ρ_{ℓ+1}; the last stage holds ρ_K."""
     last = len(stages) - 1
     stage = min(step // stage_steps, last)
     if stage == last:
@@ -77,7 +73,7 @@ def final_eviction_rate(c) -> float:
 
 # ---- The objective (paper eqs. 3-5, Dr. GRPO) ----------------------------------------------------
 def group_advantages(reward, group: int):
-    """A_i = r_i - mean of its group's rewards (Dr. GRPO: no division by the std). reward (P·G,)."""
+    """A_i = r_i - the mean of its group's rewards (Dr. GRPO: no std). reward (P·G,)."""
     r = reward.view(-1, group)
     return (r - r.mean(1, keepdim=True)).flatten()
 
@@ -125,7 +121,7 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
     return {t: sums.get(t) for t in LOSSES}
 
 
-# ---- One step: rollout → reward → advantage → replay → backward → clip ---------------------------
+# ---- One step: rollout, reward, advantage, replay, backward, clip -------------------------------
 def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     """The noise of one step on one rank (tokens, Gumbel draws, interoception rates), derived from
     (seed, rank, step) alone: a resumed run draws exactly what an uninterrupted one would have."""
@@ -176,11 +172,8 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
         tokens_per_s=n_new.sum() * world / t_rollout,  # all processes together
         zero_adv_groups=(adv.view(-1, G) == 0).all(1).float().mean(),  # groups that teach nothing
         sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the logits are not (diverged)
-    return {"step": step, "reward": m["reward"], "accuracy": m["accuracy"], "eps": eps,
-            "response_len": m["response_len"], "rounds": m["rounds"], **losses,
-            "grad_norm": grad_norm, "peak_kv": m["peak_kv"], "step_time": time.perf_counter() - t0,
-            "rollout_time": t_rollout, "replay_time": t_replay, "tokens_per_s": m["tokens_per_s"],
-            "zero_adv_groups": m["zero_adv_groups"], "sampled_logprob": m["sampled_logprob"]}
+    times = dict(rollout_time=t_rollout, replay_time=t_replay, step_time=time.perf_counter() - t0)
+    return {"step": step, "eps": eps, **m, **losses, "grad_norm": grad_norm, **times}
 
 
 def make_optimizer(model, c, state=None):
@@ -193,6 +186,21 @@ def make_optimizer(model, c, state=None):
 
 
 # ---- The loop ------------------------------------------------------------------------------------
+def evaluator(c, model, tokenizer, test, reward_fn, amp, progress):
+    """The run's final ε and its held-out evaluation: the full cache and the top K blocks at ε."""
+    ev = Eviction(c.delta, c.block, c.window, final_eviction_rate(c), greedy=True)
+    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
+    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
+    sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p)
+
+    def held_out_eval():
+        with amp, distributed.whole_model(model):
+            return evaluate(model, tokenizer, test, ev, c.max_new_tokens, encode, reward_fn,
+                            c.eval_batch, progress=progress, meta_token=meta, compile=c.compile,
+                            sampling=sampling, samples=c.eval_samples, seed=c.seed)
+    return ev.rate, held_out_eval
+
+
 @exits  # a signal, divergence or a failed save ends the process with one line (rundir.guard)
 def main(argv=None, reward_fn=None):
     c, state, model, tokenizer, (train, test) = setup(argv)
@@ -213,23 +221,15 @@ def main(argv=None, reward_fn=None):
         kept = rundir.prepare(c.out, c.overwrite, state, settings.recorded(c)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(banner(c, model, run.step))
-    eval_ev = Eviction(c.delta, c.block, c.window, final_eviction_rate(c), greedy=True)
-    tag = eval_ev.rate if c.interoception else None
-    encode = prompt_encoder(c.task, c.prompt, tag, c.blind_tag)
     reward_fn = reward_fn or TASK_REWARD[c.task]
-    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
+    rate, held_out_eval = evaluator(c, model, tokenizer, test, reward_fn, amp, interactive)
     evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
 
     def run_eval():
         t0 = time.perf_counter()
-        sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p)
-        with amp, distributed.whole_model(model):
-            r = evaluate(model, tokenizer, test, eval_ev, c.max_new_tokens, encode, reward_fn,
-                         c.eval_batch, progress=interactive, meta_token=meta, compile=c.compile,
-                         sampling=sampling, samples=c.eval_samples, seed=c.seed)
-        evals.append(r)
+        evals.append(r := held_out_eval())
         log({"step": run.step, "eval": r, "eval_time": time.perf_counter() - t0})
-        say(eval_line(run.step, r, eval_ev.rate))
+        say(eval_line(run.step, r, rate))
 
     t_start = time.time()
     with rundir.guard(run, c.lr, c.fsdp):
@@ -257,7 +257,7 @@ def main(argv=None, reward_fn=None):
     minutes = (time.time() - t_start) / 60
     say(f"\ndone in {minutes:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
     if evals:
-        say(before_after(evals, eval_ev.rate, time.time() - t_start, len(test)))
+        say(before_after(evals, rate, time.time() - t_start, len(test)))
 
 
 # ---- The command line ----------------------------------------------------------------------------

@@ -122,9 +122,9 @@ def sampled(model):
 
 # The keys of a step record in log.jsonl, in order (train.step_gradients writes them; a test there
 # checks it), for the tests that write logs by hand.
-STEP_KEYS = ["step", "reward", "accuracy", "eps", "response_len", "rounds", "L_token", "L_mem", "grad_norm",
-             "peak_kv", "step_time", "rollout_time", "replay_time", "tokens_per_s",
-             "zero_adv_groups", "sampled_logprob"]
+STEP_KEYS = ["step", "eps", "reward", "accuracy", "response_len", "rounds", "peak_kv", "tokens_per_s",
+             "zero_adv_groups", "sampled_logprob", "L_token", "L_mem", "grad_norm", "rollout_time",
+             "replay_time", "step_time"]
 TRAIN_DEFAULTS = dict(difficulty="tiny", train_problems=64, eval_problems=4, prompts=2, group=4, max_new_tokens=24,
                       temperature=1.0, top_k=0, delta=8, block=2, window=3, retention="0.75,0.5", stage_steps=1,
                       micro_batch=3, eval_every=0, save_every=0, lr=1e-3)
