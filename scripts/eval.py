@@ -102,7 +102,8 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
 def table(rows) -> str:
     n = rows[0]["samples"]
     k = f" {f'pass@{n}':>8}" if n > 1 else ""
-    lines = [f"{'policy':<13} {'ε':>5} {'pass@1':>7}{k} {'length':>7} {'rounds':>6} {'peak KV':>8} {'KV reduction':>12}"]
+    lines = [f"{'policy':<13} {'ε':>5} {'pass@1':>7}{k} {'length':>7} {'rounds':>6} {'peak KV':>8} "
+             f"{'KV reduction':>12}"]
     for r in rows:
         k = f" {r['pass_at_k'][str(n)]:>8.1%}" if n > 1 else ""
         lines.append(f"{r['policy']:<13} {r['eviction_rate']:>5.2f} {r['accuracy']:>7.1%}{k} {r['length']:>7.1f} "

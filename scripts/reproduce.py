@@ -385,12 +385,14 @@ def run_studies(args):
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"), "--before", args.model,
                "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have("matplotlib") else []))
     row, summary = studies["ngc"][0], os.path.join(args.out, "summary.md")  # how pass@1 was measured
-    seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
+    seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 \
+        else ""
     write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over {row['samples']} "
-               f"sampled completions per problem unless a section says greedy, evictions greedy top-K, {row['problems']} "
-               f"held-out problems; SE: one evaluation's standard error over problems, in points)\n\n## 0. The paper's "
-               f"claims\n\n{claims}\n\n" + "\n".join(sections) + f"\n![what ngc forgets](forgets.png)\n\nTotal wall "
-               f"time of this command {(time.time() - t0) / 60:.1f} min (runs already trained are not retrained).\n")
+               f"sampled completions per problem unless a section says greedy, evictions greedy top-K, "
+               f"{row['problems']} held-out problems; SE: one evaluation's standard error over problems, in points)"
+               f"\n\n## 0. The paper's claims\n\n{claims}\n\n" + "\n".join(sections) + "\n![what ngc forgets]"
+               f"(forgets.png)\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min (runs already "
+               f"trained are not retrained).\n")
     print(f"wrote {summary}")
 
 
@@ -403,7 +405,7 @@ def parse_args(argv):
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
     p.add_argument("--no-interoception", action="store_true", help="leave out the interoception runs (section 4)")
     p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation runs (default: --seeds)")
-    p.add_argument("--interoception-seeds", type=int, help="seeds of the interoception pair (default: --ablation-seeds)")
+    p.add_argument("--interoception-seeds", type=int, help="seeds of the interoception pair (default: ablation's)")
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2)")
     p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems)")
     args = p.parse_args(argv)
@@ -413,7 +415,8 @@ def parse_args(argv):
     with one_line_errors():
         check_values(args, dict.fromkeys(["jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems",
                                           "samples"], at_least(1)))
-        within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs with ngc's"
+        within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs " \
+            "with ngc's"
         check_values(args, dict.fromkeys(["ablation_seeds", "interoception_seeds"], within))
     return args
 
