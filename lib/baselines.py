@@ -22,8 +22,7 @@ TARGET_MARKER = "reach"  # the tiny prompt's word before the target
 
 
 def snapkv(psi, keys, alive, at=None):
-    """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order (dead slots skipped),
-    cut short at the edges (the mean over the alive keys it holds)."""
+    """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order, cut short at the edges."""
     order = torch.argsort((~alive).to(torch.uint8), dim=1, stable=True)  # alive slots first, in position order
     m = alive.gather(1, order).float()[:, None]  # (N, 1, S)
     x = psi.gather(1, order)[:, None] * m
@@ -51,9 +50,8 @@ def streamingllm(psi, keys, alive, at=None):
 
 
 def pinned_then_newest(alive, pinned):
-    """S² for the pinned keys (N, S), else the key's rank among the alive keys (newer = higher). A block holding a
-    pinned key has mean ≥ S²/b ≥ S, above any other (< S): top-K keeps those blocks (the older wins a tie), then
-    the newest."""
+    """S² for the pinned keys (N, S), else the key's rank among the alive keys (newer = higher): a block holding a
+    pinned key has mean ≥ S²/b ≥ S, above any other (< S), so top-K keeps those blocks, then the newest."""
     S = alive.shape[1]
     return torch.where(pinned, float(S * S), (alive.long().cumsum(1) - 1).float())
 
@@ -91,8 +89,7 @@ def number_rule(is_number):
 
 @torch.no_grad()
 def future_attention(model, reference: Rollout):
-    """Per layer, (B, T + 1, T): row t sums the attention (mean over heads) that the reference rollout's queries
-    at positions < t paid to each key position."""
+    """Per layer, (B, T + 1, T): row t sums the attention (mean over heads) the reference's queries < t paid."""
     B, T = reference.tokens.shape
     pos = torch.arange(T, device=reference.tokens.device).expand(B, T)
     real = pos < reference.lengths[:, None]  # (B, T): the reference's own tokens
@@ -122,14 +119,12 @@ def lookahead(cumulative, delta: int):
     return score
 
 
-class Given(NamedTuple):
-    """What eval.py hands every policy it builds."""
+class Given(NamedTuple):  # what eval.py hands every policy it builds
     layout: Eviction  # the run's δ, b and w, and the ε evaluated
     model: object
     tokenizer: object
     task: str
-    reference: Callable[[], Rollout] | None = None  # rolls out the batch's full cache from the noise the policy's
-    # rollout will draw; None while eval.py checks its flags, before any batch (a binding then only checks)
+    reference: Callable[[], Rollout] | None = None  # the batch's full-cache rollout from the same noise; None: a check
 
 
 class Policy(NamedTuple):
@@ -165,8 +160,7 @@ def number_tokens(given: Given):
 
 
 def oracle(given: Given):
-    """lookahead on the batch's full-cache rollout; without one (eval.py's check) a score that refuses to run,
-    never ψ in its place."""
+    """lookahead on the batch's full-cache rollout; without one, a score that refuses to run (never ψ)."""
     if given.reference is None:
         def unbound(*args):
             raise ValueError("the oracle reads the batch's full-cache rollout: build it with Given.reference")

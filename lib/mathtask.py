@@ -2,23 +2,10 @@
 is 1.0 when the last \\boxed{...} of the completion equals the answer after normalisation (integers
 and simple fractions compared as exact numbers); answers are read, never evaluated.
 
-Data is read from local files, JSONL always, Parquet when pyarrow is installed; nothing is downloaded
-at run time. Save each set once, on a machine with network, with `datasets` (pip install datasets):
-
-    from datasets import load_dataset
-    # DAPO-Math-17k, the training set, deduplicated (the original, BytedTsinghua-SIA/DAPO-Math-17k,
-    # repeats each of its ~17.4k problems about 100 times), with the original's reward_model.ground_truth:
-    load_dataset("open-r1/DAPO-Math-17k-Processed", "all", split="train").to_json("data/dapo17k.jsonl")
-    # AIME 2025 (30 problems, integer answers 0-999) and AMC 2023 (40 problems):
-    load_dataset("MathArena/aime_2025", split="train").to_json("data/aime25.jsonl")
-    load_dataset("math-ai/amc23", split="test").to_json("data/amc23.jsonl")
-
-`load` reads DAPO's layout, AIME/AMC's (`problem` or `question`, and `answer`: AMC 2025 has no canonical
-copy, any such file works) and others through question_field / answer_field (_question, _answer). The
-prompt is the question, then DeepSeek-R1's instruction for math (INSTRUCTION), in R1's chat template.
-
-A CPU-sized demo set of arithmetic word problems in DAPO's layout, with the worked solutions that
-tiny-math/ was pretrained on (demo_trace, make_tiny.py --task math):
+Data is read from local files (JSONL, or Parquet with pyarrow); docs/math.md says how to save the sets.
+`load` reads DAPO's layout, AIME/AMC's and others (_question, _answer). The prompt is the question, then
+DeepSeek-R1's instruction for math (INSTRUCTION), in R1's chat template. A CPU-sized demo set of word
+problems in DAPO's layout, with the worked solutions tiny-math/ was pretrained on (demo_trace):
     python -m lib.mathtask --make-demo data/math-demo      # from the repository root
 """
 import json
@@ -52,9 +39,8 @@ def _first(row, paths):
             return value
 
 def _question(row, field):
-    """The question text of a row (None if there is none): the named field, else DAPO's chat
-    `prompt`, else `problem`, else `question`. A chat (list of messages) gives its user message.
-    DAPO's "Answer: ..." wrapper and a trailing R1 instruction are stripped: prompt_text adds one."""
+    """A row's question (None if none): the named field, else DAPO's chat `prompt` (its user message), else
+    `problem`, else `question`; DAPO's "Answer: ..." wrapper and R1's instruction stripped (prompt_text adds it)."""
     value = _first(row, [field] if field else ["prompt", "problem", "question"])
     if isinstance(value, list):  # a chat: [{"role": "user", "content": ...}, ...]
         value = next((m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"), None)
@@ -64,9 +50,8 @@ def _question(row, field):
     return value.strip() or None
 
 def _answer(row, field):
-    """The answer of a row as a string (None if there is none): the named field, else
-    reward_model.ground_truth, else answer. Numbers become their str(): AMC sets store some
-    answers as floats like 27.0, which normalize reads as the integer 27."""
+    """A row's answer as a string (None if none): the named field, else reward_model.ground_truth, else answer
+    (AMC's floats like 27.0 are read as the integer 27)."""
     value = _first(row, [field] if field else ["reward_model.ground_truth", "answer"])
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         return None
@@ -111,11 +96,9 @@ def demo_hint(path: str) -> str:
 
 
 def load(path, question_field=None, answer_field=None):
-    """The problems of a local .jsonl / .parquet file, in file order (layouts: _question, _answer).
-    Raises ValueError with one line naming the file and line on bad input."""
+    """The problems of a local .jsonl / .parquet file, in order; a one-line ValueError naming file and line."""
     if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file" + (demo_hint(path) or " (datasets are read from local files; see "
-                                                                      "mathtask.py's docstring)"))
+        raise ValueError(f"{path}: no such file" + (demo_hint(path) or " (datasets are local files: docs/math.md)"))
     rows = _rows(path)
     if not rows:
         raise ValueError(f"{path}: no problems in the file")
@@ -149,9 +132,8 @@ MAX_ANSWER_CHARS = 1000  # longer boxed answers score 0 (and are not scanned pas
 _BOX = re.compile(r"\\boxed *\{")
 
 def last_boxed(text):
-    """The content of the last \\boxed{...} (or \\boxed {...}) in text, braces nested; None when
-    there is none, when it does not close, or when it is over MAX_ANSWER_CHARS long. A bare
-    "\\boxed" not followed by a brace is not a box. Linear time."""
+    """The content of the last \\boxed{...} in text, braces nested; None when there is none, it does not close,
+    or it is over MAX_ANSWER_CHARS long. Linear time."""
     i = max((m.end() - 1 for m in _BOX.finditer(text)), default=None)  # the last box's opening brace
     if i is None:
         return None
@@ -187,8 +169,7 @@ _SLASH = re.compile(r"([-+]?\d+)/(\d+)")             # 3/4, -3/4
 _FRAC = re.compile(r"([-+]?)\\frac\{([-+]?\d+)\}\{([-+]?\d+)\}")  # \frac{3}{4}, -\frac{3}{4}
 
 def _number(s):
-    """The exact value of a normalised integer, decimal or simple fraction, else None.
-    Integers and decimals go through Fraction(str): exact, no float rounding."""
+    """The exact value (no float rounding) of a normalised integer, decimal or simple fraction, else None."""
     try:
         if _DECIMAL.fullmatch(s):
             return Fraction(s)
@@ -228,8 +209,7 @@ TEMPLATES = [  # (question with a name n and numbers a, b, c in that order, c dr
 ]
 
 def demo_problem(rng):
-    """One word problem with a non-negative integer answer (a in 2..12 divides a * b, so the
-    marbles always share out)."""
+    """One word problem with a non-negative integer answer."""
     text, draw_c, answer = rng.choice(TEMPLATES)
     a, b = rng.randint(2, 12), rng.randint(2, 12)
     c = draw_c(rng, a * b)
@@ -253,8 +233,7 @@ def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
     return out[n_test:], out[:n_test]
 
 def make_demo(out_dir, seed=0, n_train=2000, n_test=200, splits=None):
-    """Write out_dir/train.jsonl and out_dir/test.jsonl as rows of DAPO-Math-17k (splits: demo_splits'
-    result for these arguments, if already drawn)."""
+    """Write out_dir/train.jsonl and test.jsonl in DAPO-Math-17k's layout (splits: demo_splits', if drawn)."""
     if n_train < 1 or n_test < 1:
         raise ValueError(f"the demo set needs at least one train and one test problem, got {n_train} and {n_test}")
     train, test = splits or demo_splits(seed, n_train, n_test)
@@ -272,8 +251,7 @@ DEMO_LAST_STEP = {  # the unit after b -> the last step as (x, op, y), from the 
     "cents": lambda total, c: (c, "-", total), "marbles": lambda total, c: (total, "/", c)}
 
 def columns(x, op, y) -> str:
-    """x + y, or x - y for x >= y, in columns: the units (borrowing 10 when they fall short),
-    the tens with the carry or the borrow, then the two put together."""
+    """x + y, or x - y for x >= y, in columns: the units, the tens with the carry or borrow, the two together."""
     (tx, ux), (ty, uy) = divmod(x, 10), divmod(y, 10)
     if op == "+":
         units = ux + uy
@@ -287,9 +265,8 @@ def columns(x, op, y) -> str:
             f"{tens} + {units} = {x - y}")
 
 def demo_trace(problem) -> str:
-    """The step-by-step solution of a demo word problem: a groups of b counted up to the total, the
-    total combined with c in columns (units, tens with the carry or borrow, the two together), and
-    the answer in `\\boxed { N }` (spaced, so that \\boxed, {, N and } are one word each)."""
+    """A demo problem's solution: a groups of b counted up to the total, the total and c in columns, and the
+    answer in `\\boxed { N }` (spaced: one word each)."""
     words = problem.question.split()
     at = [i for i, w in enumerate(words) if w.isdigit()]  # a, b, c in this order
     unit = words[at[1] + 1].rstrip(".") if len(at) == 3 else None

@@ -14,9 +14,8 @@ from lib import distributed
 def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
                        generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None):
     """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each (problems, samples),
-    and the texts. encode: a prompt's ids (default: Countdown's plain prompt). policy: in place of eviction,
-    policy(reference) -> each batch's Eviction, reference() rolling out the batch's full cache from the same
-    noise. Under torchrun each process rolls out every world-th job, and every process gets every result."""
+    and the texts. policy: in place of eviction, policy(reference) -> each batch's Eviction, reference() rolling
+    out the batch's full cache from the same noise. Under torchrun each process rolls out every world-th job."""
     encode = encode or countdown.encode
     rank, world = distributed.rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]
@@ -58,8 +57,7 @@ def standard_error(reward) -> float:
 def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
              batch_size=64, progress=False, meta_token=None, compile=False, sampling=None, samples=0, seed=0):
     """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and under `eviction`
-    (greedy top-K), and with `samples` pass@1 ± 1 SE over that many completions per problem drawn at `sampling`.
-    meta_token: g's id, forced before each round."""
+    (greedy top-K), and with `samples` pass@1 ± 1 SE at `sampling`; meta_token: g's id, forced before each round."""
     greedy = replace(eviction, greedy=True)
 
     def score(s, ev, k, what):

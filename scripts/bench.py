@@ -1,4 +1,4 @@
-"""Speed figures for the NGC engine and the replay pass. Prints numbers, asserts nothing.
+"""Speed figures for the NGC engine and the replay pass. Prints numbers, asserts nothing (docs/speed.md).
 
     python scripts/bench.py              # a random tiny Qwen2 on the CPU (and on CUDA if present)
     python scripts/bench.py --model DIR --device cuda --dtype bf16 --batch 64 --new-tokens 1024
@@ -7,23 +7,11 @@
     python scripts/bench.py --model tiny --held-out --hf --batch 64 --delta 24 --block 4 --window 4 --threads 2
                                          # the shipped model's rollouts as train.py makes them, beside
                                          # Hugging Face generate (pip install transformers)
+    python scripts/bench.py --profile RUN_DIR    # where a training run's time went, from its log.jsonl
 
-Decode: tokens/s and ms per decode step with eviction on and off at the same batch (no EOS,
-so every row decodes --new-tokens tokens), eager and, with --compile, compiled; on CUDA also
-the fraction of the memory-bandwidth bound (weights + alive KV read per step / peak
-bandwidth). Replay: forward+backward of the replay pass (per-layer masks plus the recomputed
-eviction log-probs) against a plain causal forward+backward over the same tokens.
-
---profile RUN_DIR: where a training run's time went, from its log.jsonl: rollouts, replay
-(forward and backward of every micro-batch), the rest of each step (rewards, clipping, the
-collectives) and the evaluations, in total and per step. Runs logged before the rollout and replay
-times were recorded get their rollout time from the logged tokens/s.
-
---held-out: the prompts are --model's first --batch held-out problems as its ngc.json prompts them,
-sampled at its temperature and top-k, and a row ends at EOS, as train.py and eval.py roll out (the
-default path: eager, rows that end leave the batch). --hf: also Hugging Face `generate` (a
-DynamicCache, the full cache) on the same prompts, sampling and length cap in the same process,
-and how many times its tokens/s the rollout with eviction decodes.
+Decode: tokens/s and ms per step with eviction on and off at the same batch (no EOS unless --held-out), eager
+and, with --compile, compiled; on CUDA also the fraction of the memory-bandwidth bound. Replay: forward+backward
+of the replay pass against a plain causal forward+backward over the same tokens.
 """
 import os
 import sys
@@ -52,8 +40,7 @@ HELPS = {"model": "Qwen2 checkpoint directory (default: a random Qwen2 of --shap
 
 
 def timed(fn, device, repeat):
-    """(seconds per call over `repeat` calls after a warm-up, the last call's output, on CUDA ", peak X GiB":
-    the peak GPU memory from the warm-up on, weights included)."""
+    """(seconds per call over `repeat` calls after a warm-up, the last output, on CUDA the peak memory's text)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
@@ -113,15 +100,10 @@ def profile(run_dir):
     if not steps:
         raise ValueError(f"{run_dir}/log.jsonl has no step records to profile")
     total = sum(r["step_time"] for r in steps)
-    if all("rollout_time" in r for r in steps):
-        rollouts, replays = sum(r["rollout_time"] for r in steps), sum(r["replay_time"] for r in steps)
-        rows = [("replay fwd+bwd", replays), ("rest of the steps", total - rollouts - replays)]
-    else:  # an older log: a step's tokens/s is its completion tokens over its rollout's time
-        c = settings.run_defaults(os.path.join(run_dir, "checkpoint"))
-        rollouts = sum(r["response_len"] * c.prompts * c.group / r["tokens_per_s"] for r in steps)
-        rows = [("replay fwd+bwd and the rest", total - rollouts)]
+    rollouts, replays = sum(r["rollout_time"] for r in steps), sum(r["replay_time"] for r in steps)
     print(f"{run_dir}: {len(steps)} steps ({total:.1f} s), {len(evals)} evaluations")
-    for name, sec in [("rollouts", rollouts)] + rows:
+    for name, sec in [("rollouts", rollouts), ("replay fwd+bwd", replays),
+                      ("rest of the steps", total - rollouts - replays)]:
         print(f"  {name:30s} {sec:7.1f} s  {sec / len(steps):6.2f} s/step")
     for r in evals:
         print(f"  evaluation at step {r['step']:<11d} {r['eval_time']:7.1f} s" if "eval_time" in r else
@@ -129,8 +111,7 @@ def profile(run_dir):
 
 
 def bench_prompts(model, args):
-    """(prompts, sampling, EOS ids): --model's held-out prompts at its run's sampling (--held-out), or
-    random prompts of --prompt-len tokens that never end."""
+    """(prompts, sampling, EOS ids): --model's held-out prompts (--held-out), or random ones that never end."""
     if not args.held_out:
         prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(0))
@@ -142,8 +123,7 @@ def bench_prompts(model, args):
 
 
 def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat) -> float:
-    """Hugging Face generate's tokens/s (a DynamicCache: the full cache) on the same left-padded
-    prompts, sampling and length cap; printed like the rollouts'. A row's tokens are those up to its EOS."""
+    """Hugging Face generate's tokens/s (the full cache) on the same prompts, sampling and cap, up to each EOS."""
     transformers = need("transformers", "bench.py --hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     width = max(map(len, prompts))
@@ -187,7 +167,7 @@ def bandwidth(model, ro, ev, step_s, args) -> str:
 
 
 def check(args) -> list[str]:
-    """The devices to run on, after every flag is checked: an Error or another one-line ValueError."""
+    """The devices to run on, after every flag is checked."""
     rules = {flag: at_least(1) for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")}
     check_values(args, rules | {"peak_bandwidth": lambda v: v > 0 or "must be positive (TB/s)"})
     settings.check(replace(BENCH, **{k: getattr(args, k) for k in SHARED}))  # --threads, by settings.py's rule
@@ -209,7 +189,7 @@ def check(args) -> list[str]:
 
 
 def parse_args(argv=None):
-    """bench.py's flags, the settings among them (SHARED) filled from BENCH where not given."""
+    """bench.py's flags, those of settings.py (SHARED) filled from BENCH where not given."""
     p = parser(__doc__)
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
@@ -222,14 +202,12 @@ def parse_args(argv=None):
     p.add_argument("--rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round (default 0.5)")
     p.add_argument("--replay-batch", type=int, default=8, help="rollouts per replay forward+backward (default 8)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs of each, after one warm-up (default 2)")
-    p.add_argument("--held-out", action="store_true", help="--model's held-out prompts at its run's sampling, rows "
-                   "ending at EOS, as train.py rolls out (default: random prompts, no EOS)")
+    p.add_argument("--held-out", action="store_true", help="--model's held-out prompts, ending at EOS, as train.py")
     p.add_argument("--hf", action="store_true",
                    help="also time Hugging Face generate on the same prompts (needs transformers and --model)")
     p.add_argument("--peak-bandwidth", type=float, default=3.35,
                    help="the device's peak memory bandwidth in TB/s, for the bandwidth bound (default: H100 SXM)")
-    p.add_argument("--profile", metavar="RUN_DIR",
-                   help="print where a training run's time went (its log.jsonl) and exit")
+    p.add_argument("--profile", metavar="RUN_DIR", help="print where a training run's time went and exit")
     args = p.parse_args(argv)
     vars(args).update({k: getattr(BENCH, k) for k in SHARED if getattr(args, k) is None})
     return args

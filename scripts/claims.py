@@ -143,7 +143,8 @@ def generalisation_claims(studies, e, rates):
     if margin:
         untested = f"; {untestable_note(rates)}" if not all(rates.values()) else ""
         here = ", ".join(f"ε = {s:g} {100 * m:+.1f} points" for s, m in margin.items())
-        rates_claim = (*claim, f"NGC's margin over the best baseline: {here}{untested}", all(m > 0 for m in margin.values()))
+        rates_claim = (*claim, f"NGC's margin over the best baseline: {here}{untested}",
+                       all(m > 0 for m in margin.values()))
     else:
         rates_claim = (*claim, untestable_note(rates), UNTESTABLE)
     layout = ("what NGC keeps, not where it sits", "(R1's prompts vary)", f"on layouts never trained on, NGC at ε* = "

@@ -6,24 +6,11 @@
         knorm streamingllm --eviction-rate 0.5      # pass@1..32 at T=0.6, top-p 0.95, 3850 new tokens
     torchrun --nproc_per_node 8 scripts/eval.py --model DIR ...      # the problems split across 8 GPUs
 
-The policies (--policy, listed at the end of --help) are NGC's and the baselines of baselines.py,
-each built by name there (baselines.POLICIES), and `none`, the full cache. The problems are the
-held-out split of the run's settings (`settings.run_defaults`: the paper's recipe for the task, or
-the checkpoint's ngc.json): Countdown's generated test split, or the math --eval-data file.
-The flags it shares with train.py (settings.py's) default to the run's. Given, --prompt evaluates
-another prompt layout (tiny-shift-unseen: one tiny/ never trained on), --difficulty another problem
-preset's held-out set, --eval-data another file, --delta, --block and --window another δ, b and w;
-math fields the run does not name are found (prompt, problem or question; reward_model.ground_truth
-or answer). A run trained with --meta-token is evaluated with it: g is forced before every
-round of every policy. Tokens are sampled as the paper evaluates (§5.1): with --samples k (the
-run's eval_samples: 4 for Countdown, 32 for math) k completions per problem at the recipe's
-evaluation temperature, top-k and top-p, pass@1 = mean fraction correct (± 1 SE over problems) and
-pass@j = 1 - C(n-c, j)/C(n, j) (n = k samples, c correct) for j = 1, 2, 4, ..., k. Every run
-draws its noise from the same seed. --samples 0: one greedy completion per problem. The peak-KV
-reduction (§5.1) divides, per problem, the peak KV entries of one shared no-eviction run by the
-peak under the policy (each a mean over the k samples), averaged over problems: the no-eviction
-run of --base-model (the paper's c_base: the no-evict model's full cache, one reference for every
-model), else of --model itself. One JSONL line per policy x rate.
+The problems are the held-out split of the run's settings (its ngc.json, else the task's recipe), whose
+values the flags shared with train.py replace. With --samples k: pass@1 = mean fraction correct (± 1 SE over
+problems) and the unbiased pass@j for j = 1, 2, 4, ..., k, every run drawing its noise from the same seed.
+The peak-KV reduction (§5.1) is, averaged over problems, the full cache's peak KV entries (of --base-model,
+the paper's c_base, else of --model) over the policy's. One JSONL line per policy x rate (docs/evaluation.md).
 """
 import argparse
 import contextlib
@@ -49,6 +36,8 @@ POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --pol
             "none": "the full cache: one row, reported at ε = 0 (reduction 1.0 without --base-model)"}
 RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta", "block",
        "window"]  # settings.py's flags that replace the run's settings
+TASK_FLAGS = {"eval_data": "math", "question_field": "math", "answer_field": "math", "prompt": "countdown",
+              "difficulty": "countdown", "tag": "countdown"}  # the flags of one task
 HELPS = {"model": "Qwen2 checkpoint directory (required)",
          "task": "countdown or math (default: the checkpoint's ngc.json, else countdown)",
          "question_field": "math: the question's field in --eval-data rows (a.b for nested)",
@@ -72,10 +61,7 @@ def pass_at_k(n: int, c, k: int) -> float:
 
 def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=64, progress=True,
             compile=False, tag=None, base_model=None):
-    """One result row per (policy, rate). tag: the evicting runs' budget tag: None, the run's (--interoception:
-    the rate evaluated); "rate", the rate evaluated; "blind", the tag without it; a number, that rate.
-    base_model: the no-eviction baseline whose full-cache completions of the same problems are every row's
-    peak-KV reference (§5.1's c_base; None: `model`'s own full cache)."""
+    """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None: `model`)."""
     n = samples or 1
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
                         top_p=c.eval_top_p or c.top_p, greedy=samples is None,
@@ -116,7 +102,8 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
 def table(rows) -> str:
     n = rows[0]["samples"]
     k = f" {f'pass@{n}':>8}" if n > 1 else ""
-    lines = [f"{'policy':<13} {'ε':>5} {'pass@1':>7}{k} {'length':>7} {'rounds':>6} {'peak KV':>8} {'KV reduction':>12}"]
+    lines = [f"{'policy':<13} {'ε':>5} {'pass@1':>7}{k} {'length':>7} {'rounds':>6} {'peak KV':>8} "
+             f"{'KV reduction':>12}"]
     for r in rows:
         k = f" {r['pass_at_k'][str(n)]:>8.1%}" if n > 1 else ""
         lines.append(f"{r['policy']:<13} {r['eviction_rate']:>5.2f} {r['accuracy']:>7.1%}{k} {r['length']:>7.1f} "
@@ -125,8 +112,7 @@ def table(rows) -> str:
 
 
 def error_bar(r) -> float:
-    """A row's error bar: the sd across seeds (reproduce.py's rows over several), else 1 SE over problems (rows
-    written before it was kept: the binomial sqrt(p(1 - p) / (problems x samples)))."""
+    """The sd across seeds (reproduce.py's rows), else 1 SE over problems (older rows: the binomial one)."""
     if r.get("seeds", 1) > 1:
         return r["accuracy_sd"]
     return r["se"] if "se" in r else (r["accuracy"] * (1 - r["accuracy"]) / (r["problems"] * r["samples"])) ** 0.5
@@ -138,8 +124,7 @@ def error_bar_note(rows) -> str:
 
 
 def plot(rows, path):
-    """Accuracy (pass@1, or pass@k with k samples) against peak-KV reduction, a line per policy (Figure 3, right;
-    a row's "label", where given, names its line instead)."""
+    """pass@1 (pass@k with k samples) against peak-KV reduction, a line per policy or "label" (Figure 3, right)."""
     plt = pyplot("--plot")
     n = rows[0]["samples"] if "pass_at_k" in rows[0] else 1  # reproduce.py's rows over seeds: pass@1
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
@@ -176,17 +161,10 @@ def flags(argv):
     p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(POLICIES) + " (below)")
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
-    p.add_argument("--samples", type=int, help="k sampled completions per problem: pass@1 ± 1 SE and pass@k; 0: "
-                   "greedy tokens (default: the run's eval_samples, 4 for countdown at the rollouts' sampling, 32 for "
-                   "math at T=0.6, top-p 0.95)")
-    p.add_argument("--tag", type=tag_flag, help="countdown: the budget tag in the evicting runs' prompts: rate (the "
-                   "ε evaluated), blind (the tag without the rate) or a rate in [0, 1] whatever ε is evaluated "
-                   "(default: the run's; with --interoception, rate): does the model read the tag?")
-    p.add_argument("--problems", type=int, help="held-out problems to use, the first N (default: the run's "
-                   "eval_problems)")
-    p.add_argument("--base-model", help="the no-eviction baseline (a checkpoint directory of the same tokenizer) "
-                   "whose full-cache completions of the same problems every peak-KV reduction divides, as §5.1's "
-                   "c_base (default: the evaluated model's own full cache)")
+    p.add_argument("--samples", type=int, help="k sampled completions per problem; 0: greedy (default: the run's)")
+    p.add_argument("--tag", type=tag_flag, help="the budget tag in the evicting runs' prompts: rate, blind or a rate")
+    p.add_argument("--problems", type=int, help="the first N held-out problems (default: the run's eval_problems)")
+    p.add_argument("--base-model", help="the checkpoint whose full cache is the peak-KV reference (§5.1's c_base)")
     p.add_argument("--out", help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
@@ -195,7 +173,7 @@ def flags(argv):
 
 
 def run_settings(args) -> Settings:
-    """The run's settings with the flags given, every flag checked first (a one-line ValueError)."""
+    """The run's settings with the flags given, every flag checked first."""
     bad = [x for x in args.policy if x not in POLICIES]
     if bad:
         raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
@@ -208,12 +186,9 @@ def run_settings(args) -> Settings:
             check_output_file(getattr(args, flag), f"--{flag}")
     args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
     c = run_defaults(args.model, args.task)  # another task than ngc.json's: its recipe has no prompts for it
-    given = [f for f in ("eval_data", "question_field", "answer_field") if getattr(args, f)]
-    if given and c.task != "math":
-        raise ValueError(f"--{given[0].replace('_', '-')} is for --task math; this evaluation's task is {c.task}")
-    for flag in ("prompt", "difficulty", "tag"):
-        if getattr(args, flag) is not None and c.task != "countdown":
-            raise ValueError(f"--{flag} is for --task countdown; this evaluation's task is {c.task}")
+    for flag, task in TASK_FLAGS.items():
+        if getattr(args, flag) is not None and c.task != task:
+            raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; this evaluation's task is {c.task}")
     c = replace(c, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
     args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
     for rate in args.eviction_rate:
@@ -222,8 +197,7 @@ def run_settings(args) -> Settings:
 
 
 def load_base_model(path, device, c, tokenizer):
-    """--base-model: a checkpoint of the evaluation's task that reads its prompts with the same tokenizer, or an
-    Error."""
+    """--base-model: a checkpoint of the evaluation's task with the same tokenizer."""
     run_defaults(path, c.task, "--base-model")
     model, base_tokenizer = load(path, device)
     if base_tokenizer.get_vocab() != tokenizer.get_vocab():

@@ -4,21 +4,14 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
     python scripts/make_tiny.py              # rebuild tiny/ (about 25 minutes on one core)
     python scripts/make_tiny.py --task math  # rebuild tiny-math/ (about 15 minutes on one core)
     python scripts/make_tiny.py --steps 300 --out runs/tiny-smoke
-    python scripts/make_tiny.py --eval-only --out tiny-math    # evaluate a model as a build is evaluated
     python scripts/make_tiny.py --shuffle-order 0.25 --digit-tag --max-new-tokens 64 --out runs/tiny-mixed
 
-Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs
-the prompt's target; a bare `back`, shifted prompt layouts (tiny-shift) and the target restated with
-probability RESTATE make what a cache must keep more than the one fact a hand-written rule knows
-about (docs/departures.md); --shuffle-order mixes the order a search tries its moves in, so that the
-search leaves a run something to learn. Math: mathtask.py's demo word problems, prompted as `train.py --task
-math` prompts them and solved step by step (mathtask.demo_trace): each count needs a and b from the
-question, and c is first written near the end, so a policy that evicts the question loses too.
-
-With the same flags, torch and kind of CPU, it writes the same files byte for byte: tiny/ is
-`python scripts/make_tiny.py` with every default, tiny-math/ `python scripts/make_tiny.py --task math`, both with
-torch 2.13.0 (CPU wheel) on a 2-core AMD EPYC machine. The models shipped as tiny/ before
-are rebuilt by make_tiny.py at the commit RESULTS.md names for each.
+Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs the
+prompt's target; a bare `back`, shifted prompt layouts and the target restated with probability RESTATE make
+what a cache must keep more than the one fact a hand-written rule knows about (docs/departures.md). Math:
+mathtask.py's demo word problems, solved step by step (mathtask.demo_trace). With the same flags, torch
+(2.13.0, CPU wheel) and kind of CPU it writes the same files byte for byte: tiny/ and tiny-math/ are the
+defaults of each task.
 """
 import argparse
 import json
@@ -46,21 +39,19 @@ from lib.checkpoint import load, save_pretrained
 from lib.cli import Error, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
 from lib.files import recover_swap, swap_in, write_text
 from lib.scoring import roll_out_and_score
-from lib.settings import add_flags, read_ngc_json, run_defaults
+from lib.settings import add_flags
 from lib.tasks import TASK_REWARD, prompt_encoder
 
-# The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and
-# lengths scaled to its traces (prompts of 18 tokens, full-cache completions ~110 on the problems that go back,
-# capped at 256); the problems, the normaliser and lr chosen by the screen (RESULTS.md §S.4).
+# The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and lengths scaled
+# to its traces (prompts of 18 tokens, full-cache completions ~110, capped at 256); lr and the normaliser screened.
 TINY_RUN = dict(
     task="countdown", prompt="tiny-shift", difficulty="tiny-back", train_problems=20_000, eval_problems=200, seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
     delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6, mem_norm="joint",
     lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
 )
-# The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set
-# written by `python -m lib.mathtask --make-demo data/math-demo`. Prompts are 29-33 tokens and full-cache
-# completions 22-80, so the first round comes as the question ends (δ = 32) and c must outlive it.
+# The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set: prompts of
+# 29-33 tokens, completions of 22-80, so the first round comes as the question ends (δ = 32) and c must outlive it.
 MATH_RUN = dict(
     task="math", data="data/math-demo/train.jsonl", eval_data="data/math-demo/test.jsonl", seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=128, temperature=1.0, top_k=0, top_p=1.0, min_length=0,
@@ -68,8 +59,7 @@ MATH_RUN = dict(
     lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
     eval_max_new_tokens=128, eval_samples=None,  # eval.py: greedy, as for tiny/
 )
-MATH_BUILD = dict(  # make_tiny.py --task math's defaults where they differ from Countdown's: a smaller model
-    # and more steps of smaller batches (about 15 minutes on one core)
+MATH_BUILD = dict(  # --task math's defaults where they differ: a smaller model, more steps of smaller batches
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000)
 RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]` or a `back`
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -99,16 +89,14 @@ def build_tokenizer(words=WORDS) -> Tokenizer:
 
 
 def split_problems(seed: int, n_test: int, n_train: int = 300_000):
-    """countdown.splits at the tiny difficulty: pretraining never sees a problem of the held-out set
-    (whatever n_test), on which train.py and eval.py evaluate every seed."""
+    """countdown.splits at the tiny difficulty: pretraining never sees a problem of the held-out set."""
     return cd.splits(seed, n_train, n_test, cd.SMALL, unique=False)
 
 
 def countdown_example(tok, problem, rng, shuffle=0.0):
-    """(prompt ids, completion ids) in tiny/'s prompt style. Half the prompts carry a budget tag of a
-    random whole percent (in the form tok reads: one token or digits), half of those blind, so that
-    train.py --interoception and its control start from a model that has read it; the trace restates
-    the target with probability RESTATE whatever the tag, and tries its moves in a shuffled order with
+    """(prompt ids, completion ids) in tiny/'s prompt style. Half the prompts carry a budget tag of a random
+    whole percent, half of those blind, so that train.py --interoception and its control start from a model
+    that has read it; the trace restates the target with probability RESTATE, its moves shuffled with
     probability shuffle (countdown.trace)."""
     rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
     blind = rate is not None and rng.random() < 0.5
@@ -166,40 +154,32 @@ def main(argv=None):
         check_flags(args)
         run, c = ngc_run(task, args)
         pretraining, test = draw_problems(task, args)
-        if args.eval_only:
-            model, tok = load(args.out)
-        else:
-            check_out(args.out)
-            make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
+        check_out(args.out)
+        make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    if not args.eval_only:
-        tok = build_tokenizer(DIGIT_TAG_WORDS if args.digit_tag else task.words)
-        config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=args.d, intermediate_size=args.ffn,
-                             num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
-                             tie_word_embeddings=True, max_position_embeddings=1024,
-                             bos_token_id=tok.token_to_id("<bos>"), eos_token_id=tok.token_to_id("<eos>"))
-        model = init_weights(Qwen2(config), seed=args.seed)
-        print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(pretraining)} training / "
-              f"{len(test)} held-out problems")
-        example = partial(task.example, shuffle=args.shuffle_order) if args.shuffle_order else task.example
-        pretrain(model, tok, pretraining, example, args)
-        save_build(model, tok, run, args.out)
-        model, tok = load(args.out)  # evaluated as shipped
+    tok = build_tokenizer(DIGIT_TAG_WORDS if args.digit_tag else task.words)
+    config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=args.d, intermediate_size=args.ffn,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
+                         tie_word_embeddings=True, max_position_embeddings=1024,
+                         bos_token_id=tok.token_to_id("<bos>"), eos_token_id=tok.token_to_id("<eos>"))
+    model = init_weights(Qwen2(config), seed=args.seed)
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(pretraining)} training / "
+          f"{len(test)} held-out problems")
+    example = partial(task.example, shuffle=args.shuffle_order) if args.shuffle_order else task.example
+    pretrain(model, tok, pretraining, example, args)
+    save_build(model, tok, run, args.out)
+    model, tok = load(args.out)  # evaluated as shipped
     report(model, tok, test, task, c)
 
 
 def parse_args(argv) -> argparse.Namespace:
     """The flags, their defaults the task's (MATH_BUILD for --task math)."""
     ap = parser(__doc__)
-    ap.add_argument("--out", default="tiny", help="output directory, replaced whole (written via a temporary dir, "
-                    "then renamed); one holding other files than a build's is refused")
+    ap.add_argument("--out", default="tiny", help="output directory, replaced whole (one holding other files: refused)")
     ap.add_argument("--seed", type=int, default=0, help="seed for the problems, the weights and the batches")
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps; the lr schedule spans them")
-    ap.add_argument("--minutes", type=float, default=0, help="stop early after this many minutes (0 = never); "
-                    "an early stop makes the result depend on the machine's speed")
-    add_flags(ap, None, names=["threads"], helps={"threads": "torch CPU threads (default 1; the bits of the result "
-                                                             "depend on it)"})
+    add_flags(ap, None, names=["threads"], helps={"threads": "torch CPU threads (default 1; the bits depend on it)"})
     ap.add_argument("--batch", type=int, default=64, help="examples per optimizer step")
     ap.add_argument("--micro", type=int, default=16, help="examples per forward pass (length-sorted)")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine to 10%%)")
@@ -211,48 +191,23 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--n-test", type=int, default=500, help="held-out problems to evaluate on")
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
     ap.add_argument("--shuffle-order", type=float, default=0.0, help="Countdown: the probability that a trace tries "
-                    "its pairs and their first moves in a shuffled order (default 0: tiny/'s, canonical only)")
-    ap.add_argument("--digit-tag", action="store_true", help="Countdown: the budget tag's rate written as its digits "
-                    "(`4 2 %%`, countdown.rate_tag) in pretraining and by the vocabulary (default: one token, `42%%`, "
-                    "as tiny/ ships)")
-    ap.add_argument("--max-new-tokens", type=int, help="the run's completion cap, written into ngc.json, and the "
-                    "held-out evaluation's (default: the task's run, TINY_RUN's; with --eval-only, --out's ngc.json)")
-    ap.add_argument("--delta", type=int, help="the run's δ, written into ngc.json (default: as --max-new-tokens)")
-    ap.add_argument("--retention", help="the run's curriculum ρ_0,...,ρ_K, written into ngc.json; the evaluation's ε "
-                    "is 1 - ρ_K (default: as --max-new-tokens)")
-    ap.add_argument("--eval-only", action="store_true", help="evaluate --out instead of training (Countdown: "
-                    "prompted as tiny/ is, tiny-shift)")
-    add_flags(ap, None, names=["task"], helps={"task": "countdown (tiny/) or math (tiny-math/, with the defaults of "
-                                                       "MATH_BUILD)"})
-    with one_line_errors():
-        task = chosen_task(argv)
-    ap.set_defaults(**TASKS[task].flags, task=task, threads=1)
-    return ap.parse_args(argv)
-
-
-def chosen_task(argv) -> str:
-    """--task; with --eval-only, the task of --out's ngc.json unless --task names it (another is a
-    one-line ValueError: the model would be scored on prompts it never learned)."""
+                    "its moves in a shuffled order (default 0: tiny/'s)")
+    ap.add_argument("--digit-tag", action="store_true", help="Countdown: the budget tag's rate as digits, `4 2 %%` "
+                    "(default: one token, `42%%`)")
+    ap.add_argument("--max-new-tokens", type=int, help="the run's completion cap in ngc.json (default: the task's)")
+    ap.add_argument("--delta", type=int, help="the run's δ in ngc.json (default: the task's)")
+    ap.add_argument("--retention", help="the run's curriculum in ngc.json; the evaluation's ε is 1 - its last")
+    add_flags(ap, None, names=["task"], helps={"task": "countdown (tiny/) or math (tiny-math/: MATH_BUILD)"})
     pre = parser(add_help=False)
     add_flags(pre, None, names=["task"])
-    pre.add_argument("--eval-only", action="store_true")
-    pre.add_argument("--out", default="tiny")
-    known = pre.parse_known_args(argv)[0]
-    if not known.eval_only:
-        return known.task or "countdown"
-    run = read_ngc_json(known.out)
-    task = run_defaults(known.out, known.task, "--out").task
-    if task == "countdown" and run.get("prompt", TINY_RUN["prompt"]) != TINY_RUN["prompt"]:
-        raise ValueError(f"--out {known.out} is prompted {run['prompt']} (its ngc.json); make_tiny.py evaluates "
-                         f"{TINY_RUN['prompt']}, tiny/'s: evaluate it with eval.py")
-    return task
+    task = pre.parse_known_args(argv)[0].task or "countdown"
+    ap.set_defaults(**TASKS[task].flags, task=task, threads=1)
+    return ap.parse_args(argv)
 
 
 def check_flags(args):
     """A one-line ValueError for the first flag a build cannot use."""
     check_values(args, {**{name: at_least(low) for name, low in AT_LEAST.items()}, "lr": positive})
-    if not args.minutes >= 0:
-        raise ValueError(f"--minutes {args.minutes} must be 0 (never stop early) or more")
     if not 0 <= args.shuffle_order <= 1:
         raise ValueError(f"--shuffle-order {args.shuffle_order} must lie in [0, 1]: it is a probability")
     if args.task == "math" and (args.shuffle_order or args.digit_tag):
@@ -264,9 +219,8 @@ def check_flags(args):
 
 
 def ngc_run(task, args):
-    """(ngc.json's run, its settings): the task's run (with --eval-only, --out's ngc.json over it) and
-    RUN_FLAGS over that; a one-line ValueError for a δ, b, w or ε train.py could not run."""
-    run = {**task.run, **(read_ngc_json(args.out) if args.eval_only else {})}
+    """(ngc.json's run, its settings): the task's run with RUN_FLAGS over it, checked as train.py would."""
+    run = dict(task.run)
     run.update({k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None})
     c = settings.from_dict(run, settings.RECIPES[run["task"]])
     if args.retention is not None:
@@ -310,7 +264,7 @@ def lr_at(step, steps, lr, warmup):
 
 def pretrain(model, tok, problems, example, args):
     """Next-token prediction on --steps batches of --batch examples: AdamW (weight decay on the
-    matrices), lr_at's schedule, gradients clipped at norm 1; --minutes stops it early."""
+    matrices), lr_at's schedule, gradients clipped at norm 1."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -327,9 +281,6 @@ def pretrain(model, tok, problems, example, args):
         opt.zero_grad(set_to_none=True)
         seen += sum(x.numel() for x, _ in micro)
         bar.set_postfix(loss=f"{loss:.4f}", tokens=f"{seen / 1e6:.1f}M")
-        if args.minutes and time.time() - t0 > 60 * args.minutes:
-            print(f"stopping early at step {step + 1} (--minutes {args.minutes})")
-            break
     print(f"pretraining: {(time.time() - t0) / 60:.1f} min, {seen / 1e6:.1f}M tokens, final loss {loss:.4f}")
 
 
@@ -364,13 +315,13 @@ def save_build(model, tok, run, out):
 
 
 def report(model, tok, test, task, c):
-    """Accuracy (mean reward; greedy tokens, or pass@1 of one completion sampled at temperature 1 from a
-    generator seeded 0), the fraction of correct traces and the mean length, full cache and the final ε
-    of the run c (ngc.json's: 0.5 on tiny/), at its completion cap."""
+    """Accuracy (greedy tokens, and pass@1 of one sample at temperature 1, seed 0), the fraction of correct
+    traces and the mean length, with the full cache and at the run's final ε."""
     rate = 1 - c.retention[-1]  # the curriculum's last stage
     ev, max_new_tokens = Eviction(c.delta, c.block, c.window, rate, greedy=True), c.max_new_tokens
     encode, reward = prompt_encoder(c.task, c.prompt), TASK_REWARD[c.task]  # as train.py's evaluations
-    for name, eviction in [("full cache", None), (f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}", ev)]:
+    evicting = f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}"
+    for name, eviction in [("full cache", None), (evicting, ev)]:
         for tokens, greedy in [("greedy tokens", True), ("pass@1", False)]:
             sampling = Sampling(max_new_tokens=max_new_tokens, greedy=greedy, temperature=1.0)
             out = roll_out_and_score(model, tok, test, sampling, eviction, encode=encode, reward_fn=reward,

@@ -6,31 +6,14 @@
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
     python scripts/reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
 
-It trains six runs from --model, seeds 0..N-1, into OUT/runs/<name>[-seed<k>] (OUT: --out), each unless finished:
-
-    ngc                  the method                          train.py
-    no-evict             the full-cache model                train.py --mode no-evict
-    token-only           ablation: no eviction loss          train.py --mode token-only
-    targeted-dropout     ablation: causal log-probs          train.py --mode targeted-dropout
-    interoception        ε written into the prompt           train.py --interoception
-    interoception-blind  its control: the tag without ε      train.py --interoception --blind-tag
-
-scores them with eval.py (§5.1: pass@1 over --samples sampled completions, evictions greedy top-K) into
-OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the figures and forgets.html. Every
-peak-KV reduction divides the no-evict model's full-cache completions of the same problems (§5.1's c_base, the
-same seed's run), and the studies are measured at the paper's budget: the ε* at which §5.1's peak formula gives
-a 2.4× reduction on those completions (OUT/budget.json):
-
-    0. claims         the paper's Countdown claims, a goal for each, this run's numbers; the untrained model
-    1. baselines      the baselines and the oracle at ε* on the no-evict model and on NGC's (Figure 3, left)
-    2. curve          NGC and the oracle on NGC's model, the strongest baselines and the task rules on the
-                      no-evict model, over ε = 0.3 ... 0.8 and ε* (Figure 3, right: curve.png); a rate is testable
-                      where the oracle on NGC's model solves at least 20%
-    3. ablations      ngc vs token-only vs targeted-dropout, with their reward curves (Figure 5)
-    4. interoception  budget-aware NGC against its blind-tag control, and whether it reads the tag (Figure 6)
-    6. layout shift   NGC, the untrained model and the baselines on prompt layouts never trained on
-
-(Section 5 was the limit study of an earlier model; RESULTS.md names the commit that holds it.)
+It trains the runs of RUNS from --model (seeds 0..N-1, into OUT/runs/<name>[-seed<k>], each unless finished),
+scores them with eval.py into OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the
+figures and forgets.html. Every study is measured at ε*, the rate at which §5.1's peak formula gives a 2.4×
+reduction on the no-evict model's full-cache completions (OUT/budget.json), each peak-KV reduction against
+the same seed's no-evict model's full cache (§5.1's c_base). The studies (studies_of): 0. the claims;
+1. the baselines and the oracle (Figure 3, left); 2. the curve over ε (Figure 3, right; a rate is testable
+where the oracle on NGC's model solves at least 20%); 3. the ablations (Figure 5); 4. interoception against
+its blind-tag control (Figure 6); 6. prompt layouts never trained on.
 """
 import contextlib
 import json
@@ -199,9 +182,8 @@ def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
 
 
 def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
-    """eval.py's rows of the run's final checkpoint at one seed (of --model for UNTRAINED), its peak-KV reductions
-    against the same seed's no-evict model, reused where the same argv was evaluated after the checkpoints were
-    written."""
+    """eval.py's rows of the run's checkpoint at one seed against the same seed's no-evict model (reused where
+    the same argv was evaluated after the checkpoints were written)."""
     os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
     path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
     model, base = checkpoint_of(args, run, seed), checkpoint_of(args, "no-evict", seed)
@@ -218,15 +200,13 @@ def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
 
 
 def peak_reduction(entries, rate, delta, block) -> float:
-    """§5.1's average peak-KV reduction by its peak formula: the mean over problems of peak(p, c, 0, δ) /
-    peak(p, c, ε, δ), where peak(p, c, 0, δ) = p + c are the entries a layer of the full cache held (`entries`,
-    one per problem) and peak(p, c, ε, δ) is that of a policy keeping K whole blocks a round (ngc.cache_bound)."""
+    """§5.1's peak formula: the mean over problems of peak(p, c, 0, δ) = p + c (`entries`, the full cache's per
+    layer) over peak(p, c, ε, δ), that of a policy keeping K whole blocks a round (ngc.cache_bound)."""
     return statistics.fmean(n / ngc.cache_bound(delta, block, rate, round(n)) for n in entries)
 
 
 def budget_rate(entries, delta, block, target=TARGET) -> float:
-    """ε*: the mildest rate, in steps of 0.01, at which peak_reduction reaches `target`; where none does
-    (completions too short for it), the mildest at which it is largest."""
+    """ε*: the mildest rate (steps of 0.01) at which peak_reduction reaches `target`, else the one of its maximum."""
     rates = [k / 100 for k in range(1, 100)]
     reductions = [peak_reduction(entries, rate, delta, block) for rate in rates]
     reached = [rate for rate, r in zip(rates, reductions) if r >= target]
@@ -258,8 +238,7 @@ def evaluated(path, argv, models) -> bool:
 
 
 def over_seeds(rows):
-    """One row per (run, policy, ε): the means over seeds, the accuracy's standard deviation across seeds
-    (accuracy_sd, 0 for one seed) and one evaluation's mean SE over problems (accuracy_se: eval.error_bar)."""
+    """One row per (run, policy, ε): the means over seeds, accuracy_sd across seeds and accuracy_se (eval.error_bar)."""
     groups = {}
     for r in rows:
         groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
@@ -281,8 +260,7 @@ def markdown(rows) -> str:
 
 
 def curve_markdown(rows, oracle) -> str:
-    """The curve as one table: a line per (model, policy), a column per ε, pass@1 and the peak-KV reduction in each
-    cell; the first line marks the rates where `oracle` (the oracle's rows on NGC's model) passes claims.testable."""
+    """A line per (model, policy), a column per ε; the first line marks where `oracle` (its rows) is testable."""
     rates = sorted({r["eviction_rate"] for r in rows if r["policy"] != "none"})
     mark = {r["eviction_rate"]: "testable" if testable(r) else f"untestable ({r['accuracy']:.0%})" for r in oracle}
     lines = ["| model | policy | " + " | ".join(f"ε = {e:g}" for e in rates) + " |", "|---|---|" + "---|" * len(rates),
@@ -334,8 +312,8 @@ def figures(out, studies, ablation_seeds):
 
 # The command: train, evaluate each study, write the tables and figures
 def studies_of(args, budget, stricter) -> list[tuple]:
-    """summary.md's studies: (key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title).
-    budget: ε*; stricter: the curve's rates stricter than the ngc run's final ε."""
+    """(key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title); stricter: the curve's
+    rates stricter than the ngc run's final ε."""
     full, few, pair, both = args.seeds, args.ablation_seeds, args.interoception_seeds, ["none", "ngc"]
     curve = sorted({*CURVE, budget})
     table = [("untrained", "untrained", UNTRAINED, both, [budget], [], 1,
@@ -407,31 +385,29 @@ def run_studies(args):
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"), "--before", args.model,
                "--out", forgets + ".html"] + (["--png", forgets + ".png"] if have("matplotlib") else []))
     row, summary = studies["ngc"][0], os.path.join(args.out, "summary.md")  # how pass@1 was measured
-    seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 else ""
+    seeds = f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; " if args.seeds > 1 \
+        else ""
     write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over {row['samples']} "
-               f"sampled completions per problem unless a section says greedy, evictions greedy top-K, {row['problems']} "
-               f"held-out problems; SE: one evaluation's standard error over problems, in points)\n\n## 0. The paper's "
-               f"claims\n\n{claims}\n\n" + "\n".join(sections) + f"\n![what ngc forgets](forgets.png)\n\nTotal wall "
-               f"time of this command {(time.time() - t0) / 60:.1f} min (runs already trained are not retrained).\n")
+               f"sampled completions per problem unless a section says greedy, evictions greedy top-K, "
+               f"{row['problems']} held-out problems; SE: one evaluation's standard error over problems, in points)"
+               f"\n\n## 0. The paper's claims\n\n{claims}\n\n" + "\n".join(sections) + "\n![what ngc forgets]"
+               f"(forgets.png)\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min (runs already "
+               f"trained are not retrained).\n")
     print(f"wrote {summary}")
 
 
 def parse_args(argv):
     p = parser(__doc__)
-    p.add_argument("--out", default=os.path.join("results", "back"),
-                   help="directory for runs/, *.jsonl, *.png and summary.md (default: results/back, tiny/'s)")
+    p.add_argument("--out", default=os.path.join("results", "back"), help="output directory (default results/back)")
     settings.add_flags(p, None, ["model"], {"model": "the starting checkpoint (default: tiny/)"})
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
-    p.add_argument("--no-interoception", action="store_true",
-                   help="leave out the interoception runs and section 4 (the two slowest runs)")
+    p.add_argument("--no-interoception", action="store_true", help="leave out the interoception runs (section 4)")
     p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation runs (default: --seeds)")
-    p.add_argument("--interoception-seeds", type=int, help="seeds of the interoception pair (default: --ablation-seeds)")
-    p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2, "
-                   "for the CPU's budget; eval.py's default is the run's 4)")
-    p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems, "
-                   "the first 200 of tiny/'s 278)")
+    p.add_argument("--interoception-seeds", type=int, help="seeds of the interoception pair (default: ablation's)")
+    p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2)")
+    p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems)")
     args = p.parse_args(argv)
     args.model = os.path.join(ROOT, "tiny") if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds
@@ -439,7 +415,8 @@ def parse_args(argv):
     with one_line_errors():
         check_values(args, dict.fromkeys(["jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems",
                                           "samples"], at_least(1)))
-        within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs with ngc's"
+        within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs " \
+            "with ngc's"
         check_values(args, dict.fromkeys(["ablation_seeds", "interoception_seeds"], within))
     return args
 

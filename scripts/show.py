@@ -4,34 +4,15 @@
         --out forgets.html [--png forgets.png]
     python scripts/show.py --model runs/ngc/checkpoint --problems 200 --survival survival.json
 
-The first N held-out problems of the run (`settings.run_defaults`: the problems and prompts eval.py
-uses; a run trained with --interoception gets its rate tag, one trained with --meta-token its
-forced g) are completed by the untrained model (--before, default the repository's tiny/, or tiny-math/
-for a math run; a model whose ngc.json names another task is refused) and by the trained checkpoint
-(--model), both greedily and under NGC's evaluation policy: greedy top-K blocks on ψ at ε (eval.py's
-`ngc`), with the run's δ, b and w.
+The run's first N held-out problems (as eval.py prompts them) are completed greedily by the untrained model
+(--before) and by the checkpoint, under NGC's evaluation policy (greedy top-K blocks on ψ at ε). The page (self-
+contained HTML) shows each problem's two rollouts side by side as a grid, a row per layer and a cell per token,
+coloured by the round that evicted that token's key at that layer (the paper's Figure 2, top, for every
+layer): round k fires once the sequence holds kδ tokens, k = death // δ (replay.evicted_by).
 
-The HTML page (self-contained: inline CSS, nothing fetched) shows each problem's two rollouts side
-by side, each with its verdict from the task's reward, as a grid: one row per layer, one cell per
-token in reading order (prompt, then completion), coloured by the fate of that token's key at that
-layer: not evicted (still in the cache when the rollout ended), or evicted at round k, a colour
-per round (the paper's Figure 2, top, for every layer). Round k (k = 1, 2, ...) fires once the
-sequence holds kδ tokens, so the keys it evicts are first missing for token kδ (0-based):
-k = death // δ (replay.evicted_by). --png draws the same grids with matplotlib.
-One line per problem and model is printed: the verdict, the completion's length, and the
-fractions of prompt and of completion keys still in the cache at the end, averaged over layers.
-
---survival FILE measures, over the N problems and for both models, how often the target's key
-(the one prompt token every verdict of a Countdown trace needs) is still in a layer's cache after
-round k, against the other prompt keys, and the accuracy of the rollouts that kept the target
-through round 1 in at least one layer against those that kept it in none, and how many
-completions restate the target (`reach <target>`, as tiny/'s pretraining traces do: countdown.trace). It also
-rolls out the full cache and, for each rollout that fails under eviction where the full cache
-succeeds, finds the first token where the two greedy completions differ: after how many rounds
-and how many tokens after the last of them, and what the full cache wrote there (a number computed
-after an operator or `=`, a verdict `yes`/`no`, the first number of a move after a bare `back`,
-which reads the numbers left from far back, a token of the answer, which rewrites the moves that
-reached the target, or another token).
+--survival FILE measures how often the target's key (which every verdict of a Countdown trace needs) survives
+round k against the other prompt keys, and, for each rollout that fails under eviction where the full cache
+succeeds, where the two greedy completions first differ and what the full cache wrote there (first_divergence).
 """
 import html
 import os
@@ -86,8 +67,7 @@ def summary(run) -> str:
 
 
 def trace_rollouts(model, tokenizer, c, problems, ev: Eviction | None):
-    """The greedy rollouts of `problems` under ev (None: the full cache), g forced as in eval.py: per problem its
-    verdict, token texts, prompt length and death rounds (L, T)."""
+    """Per problem, its greedy rollout under ev (None: the full cache): verdict, token texts and death rounds."""
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None, c.blind_tag)
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
@@ -111,9 +91,8 @@ def target_position(run, problem) -> int:
 
 
 def survival(runs, problems, max_round: int = 3) -> dict:
-    """Per round k ≤ max_round, over the rollouts that reached it: the mean fraction of layers whose cache still
-    holds the target's key after round k, and that of the other prompt keys; then the accuracy of the rollouts
-    whose target outlived round 1 in some layer, and of the rest."""
+    """Per round k ≤ max_round, the mean fraction of layers holding the target's key after it (and the other
+    prompt keys'); the accuracy of the rollouts whose target outlived round 1 in some layer, and of the rest."""
     mean = lambda xs: sum(xs) / len(xs) if xs else None
     after = lambda run, k: (run["rounds"] == ALIVE) | (run["rounds"] >= k)  # (L, T): alive after round k
     per_round = []
@@ -162,8 +141,7 @@ def first_divergence(full, evicted, delta: int):
 
 
 def failures(full_runs, evicted_runs, delta: int) -> dict:
-    """The rollouts that fail under eviction: how many fail with the full cache too, and the rest's
-    first_divergence, as counts."""
+    """Counts of the rollouts wrong under eviction: also wrong with the full cache, or their first_divergence."""
     wrong = [(f, e) for f, e in zip(full_runs, evicted_runs) if not e["correct"]]
     found = [first_divergence(f, e, delta) for f, e in wrong if f["correct"]]
     diverged = [x for x in found if x is not None]
@@ -276,11 +254,8 @@ def render_png(problems, runs: dict, path: str):
 
 def parse_args(argv=None):
     p = parser(__doc__)
-    settings.add_flags(p, None, ["model"], {"model": "the trained checkpoint directory (a run's checkpoint/), "
-                                            "required; its ngc.json gives the task, problems, δ, b, w and prompts"},
-                       required=["model"])
-    p.add_argument("--before", help="the untrained model to compare with, trained on the same task "
-                   "(default: tiny/ for Countdown, tiny-math/ for math)")
+    settings.add_flags(p, None, ["model"], {"model": "the trained checkpoint (required)"}, required=["model"])
+    p.add_argument("--before", help="the untrained model of the same task (default: tiny/, or tiny-math/)")
     p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
     p.add_argument("--eviction-rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round")
     p.add_argument("--out", help="the HTML page to write")
@@ -291,8 +266,7 @@ def parse_args(argv=None):
 
 
 def check(args):
-    """The run's settings, NGC's evaluation policy and the held-out problems, every flag and both checkpoints
-    checked first (a one-line ValueError); fills in args.device and args.before."""
+    """(the run's settings, NGC's evaluation policy, the problems), every flag and both checkpoints checked first."""
     check_values(args, {"problems": at_least(1)})
     if args.out is None and args.survival is None:
         raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
@@ -314,7 +288,7 @@ def check(args):
 
 
 def trace_models(args, c, problems, ev):
-    """Both models' rollouts ({name: runs}) and with --survival their survival and failures ({name: measures})."""
+    """Both models' rollouts and, with --survival, their survival and failures."""
     runs, measures = {}, {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
         model, tokenizer = load(path, args.device, c.meta_token)

@@ -39,8 +39,6 @@ SCRIPTS = {  # each script that reads a model directory, as a user runs it; what
     "train": lambda model, out: train.main(["--model", model, "--out", str(out / "run")]),
     "eval": lambda model, out: evaluation.main(["--model", model, "--out", str(out / "r.jsonl")]),
     "show": lambda model, out: show.main(["--model", model, "--before", model, "--out", str(out / "f.html")]),
-    "make_tiny": lambda model, out: make_tiny.main(["--eval-only", "--out", model, "--threads", "1",
-                                                    "--train-problems", "64", "--n-test", "4"]),
     "reproduce": lambda model, out: reproduce.main(["--model", model, "--out", str(out / "results")]),
     "bench": lambda model, out: bench.main(["--model", model, "--device", "cpu"]),
 }
@@ -75,7 +73,7 @@ def edited_copy(src, dest, file, key, value):
 def nothing_runs(monkeypatch):
     """Every script stops at the first thing it does once its checks have passed."""
     for module, name in ((rundir, "prepare"), (evaluation, "compare"), (show, "trace_rollouts"),
-                         (make_tiny, "report"), (bench, "bench"), (reproduce.subprocess, "Popen")):
+                         (bench, "bench"), (reproduce.subprocess, "Popen")):
         monkeypatch.setattr(module, name, reached)
 
 
@@ -320,29 +318,6 @@ def test_a_tokenizer_that_is_not_the_model_s_is_refused_in_one_line(tmp_path, mo
         with pytest.raises(Reached):
             SCRIPTS[script](TINY, tmp_path)
     assert list(tmp_path.iterdir()) == [model]
-
-
-def test_make_tiny_eval_only_takes_the_task_of_the_model(monkeypatch):
-    monkeypatch.setattr(make_tiny, "report", reached)
-    monkeypatch.setattr(make_tiny, "load", lambda path: (None, None))
-    with pytest.raises(Reached) as r:
-        make_tiny.main(["--eval-only", "--out", TINY_MATH, "--threads", "1"])
-    assert r.value.args[3].run["task"] == "math"
-    assert one_line_error(lambda: make_tiny.main(["--eval-only", "--out", TINY_MATH, "--task", "countdown"])) \
-        .startswith(f"error: --out {TINY_MATH} was trained on math (its ngc.json), not countdown: give a countdown")
-
-
-def test_make_tiny_eval_only_refuses_a_countdown_model_prompted_otherwise(tmp_path, monkeypatch):
-    """make_tiny.py evaluates tiny/'s prompt; a model whose ngc.json names another is refused, not
-    scored on prompts it never learned. The control: tiny/ itself reaches the evaluation."""
-    monkeypatch.setattr(make_tiny, "report", reached)
-    monkeypatch.setattr(make_tiny, "load", lambda path: (None, None))
-    with pytest.raises(Reached):
-        make_tiny.main(["--eval-only", "--out", TINY, "--threads", "1"])
-    plain = edited_copy(Path(TINY), tmp_path / "plain", "ngc.json", "prompt", "plain")
-    assert one_line_error(lambda: make_tiny.main(["--eval-only", "--out", plain, "--threads", "1"])) == (
-        f"error: --out {plain} is prompted plain (its ngc.json); make_tiny.py evaluates tiny-shift, tiny/'s: "
-        f"evaluate it with eval.py")
 
 
 def test_the_math_demo_files_that_are_not_shipped_say_how_to_make_them(tmp_path, monkeypatch):
