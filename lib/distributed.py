@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def launched() -> bool:
-    """Whether torchrun started this process."""
+def launched() -> bool:  # by torchrun
     return "RANK" in os.environ
 
 
@@ -51,8 +50,7 @@ def stop():
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether e is a collective of several processes that failed: one of them is gone (killed, out of
-    memory, its node lost), and the others' connections to it closed."""
+    """Whether e is a failed collective of several processes: one of them is gone (killed, out of memory)."""
     return rank_and_world()[1] > 1 and any("torch/distributed" in frame.filename.replace(os.sep, "/")
                                             for frame in traceback.extract_tb(e.__traceback__))
 
@@ -61,8 +59,7 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def comm_device():
-    """Where collectives run: NCCL needs the tensors on the GPU."""
+def comm_device():  # where collectives run: NCCL needs the tensors on the GPU
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -82,8 +79,7 @@ def average_gradients(params, grads=None):
         g.div_(world)
 
 
-def mean_over_processes(values: dict) -> dict:
-    """Each value averaged over the processes (each holds the same number of rollouts)."""
+def mean_over_processes(values: dict) -> dict:  # each holds the same number of rollouts
     world = rank_and_world()[1]
     t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
     if world > 1:
@@ -104,7 +100,7 @@ def gather_in_order(mine: list, n: int) -> list:
 
 def shard(model):
     """FSDP2 (--fsdp): every decoder layer, and the rest of the model, sharded across the processes (FSDP's
-    reduce-scatter averages the gradients). Only this imports FSDP: a run without --fsdp does not load it."""
+    reduce-scatter averages the gradients). Only this imports FSDP."""
     from torch.distributed.fsdp import fully_shard
     for block in model.layers:
         fully_shard(block)
@@ -143,8 +139,7 @@ def whole_model(model):
             u.set_reshard_after_forward(u is not model, recurse=False)
 
 
-def full_state(model, opt):
-    """The whole model's and optimizer's state dicts (under FSDP every process must call this)."""
+def full_state(model, opt):  # the whole model's and optimizer's state dicts; under FSDP, a collective
     if not is_sharded(model):
         return model.state_dict(), opt.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
