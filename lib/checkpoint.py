@@ -104,11 +104,9 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
         model = Qwen2(cfg)
     state = {}
     for file in _weight_files(path):
-        if not os.path.exists(file):
-            raise Error(f"missing weight shard {file}")
         try:
             f = safe_open(file, framework="pt", device=str(device))
-        except Exception as e:  # empty, truncated or not safetensors at all
+        except Exception as e:  # missing, empty, truncated or not safetensors at all
             raise Error(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from None
         with f:
             for name in f.keys():
@@ -192,8 +190,7 @@ def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = 
     write_atomic(os.path.join(path, "tokenizer.json"), tokenizer.save)
     tok_cfg = source_json("tokenizer_config.json")
     tok_cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-    specials = {"bos_token": cfg.bos_token_id, "eos_token": (cfg.eos_ids or [None])[0]}
-    for name, token_id in specials.items():
+    for name, token_id in {"bos_token": cfg.bos_token_id, "eos_token": (cfg.eos_ids or [None])[0]}.items():
         if tok_cfg.get(name) is None and token_id is not None:
             tok_cfg[name] = tokenizer.id_to_token(token_id)
     if tok_cfg.get("pad_token") is None:  # padded batches need one; <pad> if the vocab has it, else EOS

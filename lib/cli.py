@@ -160,14 +160,15 @@ def pyplot(what: str):
 def check_output_file(path: str, flag: str = "the output path"):
     """An Error unless `path` (given with `flag`) is a file name in a writable directory."""
     folder = os.path.dirname(os.path.abspath(path))
-    why = ((not str(path).strip() and f"{flag} is empty; give a file name")
-           or (os.path.isdir(path) and f"{path} is a directory; give a file path")
-           or (os.path.exists(folder) and not os.path.isdir(folder) and f"cannot write {path}: {folder} is not a "
-               f"directory") or (not os.path.isdir(folder) and f"cannot write {path}: its directory does not exist")
-           or ((not os.access(folder, os.W_OK | os.X_OK) or os.path.exists(path) and not os.access(path, os.W_OK))
-               and f"cannot write {path}: permission denied"))
-    if why:
-        raise Error(why)
+    if not str(path).strip():
+        raise Error(f"{flag} is empty; give a file name")
+    if os.path.isdir(path):
+        raise Error(f"{path} is a directory; give a file path")
+    if not os.path.isdir(folder):
+        raise Error(f"cannot write {path}: " + (f"{folder} is not a directory" if os.path.exists(folder)
+                                                else "its directory does not exist"))
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise Error(f"cannot write {path}: permission denied")
 
 
 def make_output_dir(path: str):
