@@ -63,20 +63,19 @@ def comm_device():  # where collectives run: NCCL needs the tensors on the GPU
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def average_gradients(params, grads=None):
-    """Average the gradients (p.grad, or the given tensors) over the processes, in place. When no
-    process has any (no learning signal anywhere), they stay None, as in a single process."""
+def average_gradients(params):
+    """Average p.grad over the processes, in place. When no process has one (no learning signal anywhere),
+    they stay None, as in a single process."""
     world = rank_and_world()[1]
-    grads = grads or [p.grad for p in params]
     if world == 1 or isinstance(params[0], DTensor):  # one process, or FSDP averaged them already
         return
-    if mean_over_processes({"any": any(g is not None for g in grads)})["any"] == 0:
+    if mean_over_processes({"any": any(p.grad is not None for p in params)})["any"] == 0:
         return
-    for p, g in zip(params, grads):
-        if g is None:  # this process had no learning signal: it adds zeros
-            g = p.grad = torch.zeros_like(p)
-        dist.all_reduce(g)
-        g.div_(world)
+    for p in params:
+        if p.grad is None:  # this process had no learning signal: it adds zeros
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
 
 
 def mean_over_processes(values: dict) -> dict:  # each holds the same number of rollouts
