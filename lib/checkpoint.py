@@ -16,30 +16,6 @@ from lib.cli import Error
 from lib.files import write_atomic, write_json
 
 
-def config_from_dict(d: dict) -> Qwen2Config:
-    """A config.json's contents as a Qwen2Config, refusing what this Qwen2 does not implement."""
-    if d.get("model_type", "qwen2") != "qwen2":
-        raise Error(f"model_type is {d['model_type']!r}; this code implements qwen2 only")
-    if d.get("hidden_act", "silu") != "silu":
-        raise Error(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
-    if d.get("rope_scaling"):
-        raise Error(f"rope_scaling {d['rope_scaling']} is not supported; remove it from config.json")
-    rope = d.get("rope_parameters") or {}  # newer config.json files keep rope_theta here
-    if rope.get("rope_type", "default") != "default":
-        raise Error(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
-    if d.get("use_sliding_window", False):
-        raise Error("use_sliding_window is true; sliding-window attention is not supported")
-    known = {f.name for f in fields(Qwen2Config)}
-    cfg = Qwen2Config(**{k: v for k, v in d.items() if k in known})
-    if "rope_theta" in rope:
-        cfg.rope_theta = rope["rope_theta"]
-    if d.get("head_dim", cfg.head_dim) != cfg.head_dim:
-        raise Error(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads; not supported")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise Error("num_attention_heads must be a multiple of num_key_value_heads")
-    return cfg
-
-
 def read_json(path: str, advice: str = ""):
     """The JSON in path, or an Error that ends with `advice`."""
     try:
@@ -49,6 +25,59 @@ def read_json(path: str, advice: str = ""):
         raise Error(f"cannot read {path} ({e.strerror}){advice}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise Error(f"{path} is not valid JSON ({e}){advice}") from None
+
+
+def _token_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")  # no default for these: a missing one would silently be R1-1.5B's
+CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test, in words)
+    **{k: (lambda v: _token_id(v) and v > 0, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
+    **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
+       for k in ("rope_theta", "rms_norm_eps")},
+    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+    "bos_token_id": (lambda v: v is None or _token_id(v), "a token id or null"),
+    "eos_token_id": (lambda v: v is None or _token_id(v) or (isinstance(v, list) and all(map(_token_id, v))),
+                     "a token id, a list of them, or null"),
+}
+
+
+def load_config(path: str) -> Qwen2Config:
+    """config.json of checkpoint directory `path`, or an Error naming the first key it lacks or a bad value."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise Error(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
+    d = read_json(cfg_path)
+    if missing := [k for k in REQUIRED if not isinstance(d, dict) or k not in d]:
+        raise Error(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")
+    for key, (accepts, words) in CONFIG_VALUES.items():
+        if key in d and not accepts(d[key]):
+            raise Error(f"{cfg_path}: {key} is {json.dumps(d[key])}; it must be {words}")
+    return config_from_dict(d)
+
+
+def config_from_dict(d: dict) -> Qwen2Config:
+    """A config.json's contents as a Qwen2Config, refusing what this Qwen2 does not implement."""
+    rope = d.get("rope_parameters") or {}  # newer config.json files keep rope_theta here
+    if d.get("model_type", "qwen2") != "qwen2":
+        raise Error(f"model_type is {d['model_type']!r}; this code implements qwen2 only")
+    if d.get("hidden_act", "silu") != "silu":
+        raise Error(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
+    if d.get("rope_scaling"):
+        raise Error(f"rope_scaling {d['rope_scaling']} is not supported; remove it from config.json")
+    if rope.get("rope_type", "default") != "default":
+        raise Error(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
+    if d.get("use_sliding_window", False):
+        raise Error("use_sliding_window is true; sliding-window attention is not supported")
+    cfg = Qwen2Config(**{k: v for k, v in d.items() if k in {f.name for f in fields(Qwen2Config)}})
+    cfg.rope_theta = rope.get("rope_theta", cfg.rope_theta)
+    if d.get("head_dim", cfg.head_dim) != cfg.head_dim:
+        raise Error(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads; not supported")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise Error("num_attention_heads must be a multiple of num_key_value_heads")
+    return cfg
 
 
 def _weight_files(path: str) -> list[str]:
@@ -67,43 +96,6 @@ def _weight_files(path: str) -> list[str]:
     return sorted({os.path.join(path, name) for name in weight_map.values()})
 
 
-REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads")  # no default for these: a missing one would silently be R1-1.5B's
-
-
-def load_config(path: str) -> Qwen2Config:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise Error(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
-    d = read_json(cfg_path)
-    missing = [k for k in REQUIRED if not isinstance(d, dict) or k not in d]
-    if missing:
-        raise Error(f"{cfg_path} lacks {', '.join(missing)}; a Qwen2 config.json has them all")
-    for key, accepts in CONFIG_VALUES.items():
-        if key in d and not accepts[0](d[key]):
-            raise Error(f"{cfg_path}: {key} is {json.dumps(d[key])}; it must be {accepts[1]}")
-    return config_from_dict(d)
-
-
-def _token_id(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _count(v) -> bool:
-    return _token_id(v) and v > 0
-
-
-CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test, in words)
-    **{k: (_count, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
-    **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
-       for k in ("rope_theta", "rms_norm_eps")},
-    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
-    "bos_token_id": (lambda v: v is None or _token_id(v), "a token id or null"),
-    "eos_token_id": (lambda v: v is None or _token_id(v) or (isinstance(v, list) and all(map(_token_id, v))),
-                     "a token id, a list of them, or null"),
-}
-
-
 def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     """Load config.json and (sharded) safetensors weights, strictly: a missing, unexpected or
     mis-shaped tensor, or one holding a NaN or an infinity (a diverged run's, a bad conversion), is an Error."""
@@ -112,11 +104,9 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
         model = Qwen2(cfg)
     state = {}
     for file in _weight_files(path):
-        if not os.path.exists(file):
-            raise Error(f"missing weight shard {file}")
         try:
             f = safe_open(file, framework="pt", device=str(device))
-        except Exception as e:  # empty, truncated or not safetensors at all
+        except Exception as e:  # missing, empty, truncated or not safetensors at all
             raise Error(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from None
         with f:
             for name in f.keys():
@@ -200,8 +190,7 @@ def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = 
     write_atomic(os.path.join(path, "tokenizer.json"), tokenizer.save)
     tok_cfg = source_json("tokenizer_config.json")
     tok_cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-    specials = {"bos_token": cfg.bos_token_id, "eos_token": (cfg.eos_ids or [None])[0]}
-    for name, token_id in specials.items():
+    for name, token_id in {"bos_token": cfg.bos_token_id, "eos_token": (cfg.eos_ids or [None])[0]}.items():
         if tok_cfg.get(name) is None and token_id is not None:
             tok_cfg[name] = tokenizer.id_to_token(token_id)
     if tok_cfg.get("pad_token") is None:  # padded batches need one; <pad> if the vocab has it, else EOS

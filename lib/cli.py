@@ -1,9 +1,6 @@
 """What every script's command line shares: the one error a script ends with, the signals that stop it,
-optional extras, output paths.
-
-Library code never ends the process: it raises. An `Error` is bad input or a failure a user can act on,
-its message one line saying what to do; a script's main, decorated with `exits`, prints it as `error: ...`
-and exits with code 2 (`one_line_errors` makes a ValueError raised inside, another module's check, one).
+optional extras, output paths. Library code raises, never exits: an `Error` is bad input or a failure a
+user can act on, its message one line saying what to do; `exits` prints it as `error: ...`, exit code 2.
 A stop signal raises `Interrupted` where the process is: one line and exit code 128 + the signal."""
 import argparse
 import contextlib
@@ -23,17 +20,6 @@ class FlagError(Error):
     """A flag a `parser` cannot take (reproduce.py names its --train-args in the message)."""
 
 
-class Failed(SystemExit):
-    """How `exits` ends a script on an Error: exit code 2, str() the line (already printed)."""
-
-    def __init__(self, line: str):
-        super().__init__(2)
-        self.line = line
-
-    def __str__(self):
-        return self.line
-
-
 class Interrupted(BaseException):
     """A stop signal, raised where the process is (see exits); no `except Exception` takes it."""
 
@@ -48,7 +34,6 @@ def raise_interrupted(signum, frame):
 
 # What a terminal (Ctrl-C, a closed window or ssh session) or a scheduler sends to stop a process: SIGTERM
 # (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal warning before its time limit), SIGXCPU (a CPU-time limit).
-# Each saves and stops a run alike; Windows has only the first two.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGXCPU")
                      if hasattr(signal, name))
 _stopping = []  # the handlers exits replaced, while a decorated main runs
@@ -80,7 +65,7 @@ class Console:
 
 
 def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
-    """An ArgumentParser whose errors are one line (no usage dump), with `doc` as its --help text."""
+    """An ArgumentParser whose errors are one line (a FlagError, no usage dump), with `doc` as its --help."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(message):
@@ -90,10 +75,10 @@ def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
 
 
 def exits(main):
-    """A script's main: an Error ends the process with its line and exit code 2, a stop signal with one line
-    and 128 + the signal (files.py writes files whole, so nothing is half-written); a signal the process was
-    started ignoring (nohup) stays ignored, and a console that goes away takes no more lines (Console). A main
-    called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
+    """A script's main: an Error ends the process with its line and exit code 2 (a SystemExit whose str() is
+    the line), a stop signal with one line and 128 + the signal (files.py writes files whole); a signal the
+    process was started ignoring (nohup) stays ignored, and a console that goes away takes no more lines.
+    A main called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
         if _stopping:
@@ -105,7 +90,9 @@ def exits(main):
             return main(*args, **kwargs)
         except Error as e:
             print(f"error: {e}", file=sys.stderr)
-            raise Failed(f"error: {e}") from None
+            failed = SystemExit(f"error: {e}")
+            failed.code = 2
+            raise failed from None
         except Interrupted as e:
             print(f"\n{e}: stopped; no file is half-written", file=sys.stderr)
             sys.exit(128 + e.signum)
@@ -172,11 +159,11 @@ def pyplot(what: str):
 
 def check_output_file(path: str, flag: str = "the output path"):
     """An Error unless `path` (given with `flag`) is a file name in a writable directory."""
+    folder = os.path.dirname(os.path.abspath(path))
     if not str(path).strip():
         raise Error(f"{flag} is empty; give a file name")
     if os.path.isdir(path):
         raise Error(f"{path} is a directory; give a file path")
-    folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise Error(f"cannot write {path}: " + (f"{folder} is not a directory" if os.path.exists(folder)
                                                 else "its directory does not exist"))

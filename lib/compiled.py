@@ -37,9 +37,8 @@ CAPTURED = weakref.WeakKeyDictionary()  # model -> (state_args, (cache, window))
 
 def captured_decode(model, step, new_state, state_args: tuple):
     """(cache, window, compiled step) for a rollout whose state_args = (batch, capacity, w, dtype, device):
-    new_state(*state_args, tight=False) makes the cache and window (the window None if w = 0); the
-    model's last ones are handed back instead, zeroed, when the arguments match, so that CUDA graphs
-    captured on their addresses replay instead of being captured again."""
+    new_state(*state_args, tight=False) makes them, or the model's last ones are handed back, zeroed, so that
+    CUDA graphs captured on their addresses replay instead of being captured again."""
     batch, capacity, w, dtype, device = state_args
     key = (batch, capacity, w, dtype, str(device))
     reused = model in CAPTURED and CAPTURED[model][0] == key

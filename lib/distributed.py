@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def launched() -> bool:
-    """Whether torchrun started this process."""
+def launched() -> bool:  # by torchrun
     return "RANK" in os.environ
 
 
@@ -51,8 +50,7 @@ def stop():
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether e is a collective of several processes that failed: one of them is gone (killed, out of
-    memory, its node lost), and the others' connections to it closed."""
+    """Whether e is a failed collective of several processes: one of them is gone (killed, out of memory)."""
     return rank_and_world()[1] > 1 and any("torch/distributed" in frame.filename.replace(os.sep, "/")
                                             for frame in traceback.extract_tb(e.__traceback__))
 
@@ -61,29 +59,26 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def comm_device():
-    """Where collectives run: NCCL needs the tensors on the GPU."""
+def comm_device():  # where collectives run: NCCL needs the tensors on the GPU
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def average_gradients(params, grads=None):
-    """Average the gradients (p.grad, or the given tensors) over the processes, in place. When no
-    process has any (no learning signal anywhere), they stay None, as in a single process."""
+def average_gradients(params):
+    """Average p.grad over the processes, in place. When no process has one (no learning signal anywhere),
+    they stay None, as in a single process."""
     world = rank_and_world()[1]
-    grads = grads or [p.grad for p in params]
     if world == 1 or isinstance(params[0], DTensor):  # one process, or FSDP averaged them already
         return
-    if mean_over_processes({"any": any(g is not None for g in grads)})["any"] == 0:
+    if mean_over_processes({"any": any(p.grad is not None for p in params)})["any"] == 0:
         return
-    for p, g in zip(params, grads):
-        if g is None:  # this process had no learning signal: it adds zeros
-            g = p.grad = torch.zeros_like(p)
-        dist.all_reduce(g)
-        g.div_(world)
+    for p in params:
+        if p.grad is None:  # this process had no learning signal: it adds zeros
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
 
 
-def mean_over_processes(values: dict) -> dict:
-    """Each value averaged over the processes (each holds the same number of rollouts)."""
+def mean_over_processes(values: dict) -> dict:  # each holds the same number of rollouts
     world = rank_and_world()[1]
     t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
     if world > 1:
@@ -104,7 +99,7 @@ def gather_in_order(mine: list, n: int) -> list:
 
 def shard(model):
     """FSDP2 (--fsdp): every decoder layer, and the rest of the model, sharded across the processes (FSDP's
-    reduce-scatter averages the gradients). Only this imports FSDP: a run without --fsdp does not load it."""
+    reduce-scatter averages the gradients). Only this imports FSDP."""
     from torch.distributed.fsdp import fully_shard
     for block in model.layers:
         fully_shard(block)
@@ -143,8 +138,7 @@ def whole_model(model):
             u.set_reshard_after_forward(u is not model, recurse=False)
 
 
-def full_state(model, opt):
-    """The whole model's and optimizer's state dicts (under FSDP every process must call this)."""
+def full_state(model, opt):  # the whole model's and optimizer's state dicts; under FSDP, a collective
     if not is_sharded(model):
         return model.state_dict(), opt.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict

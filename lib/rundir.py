@@ -6,6 +6,7 @@ an uninterrupted run would. One process at a time trains there, holding a flock 
 the process, so a killed run leaves nothing stuck.
 """
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -25,11 +26,6 @@ from lib.checkpoint import save_pretrained, save_tokenizer
 from lib.cli import STOP_SIGNALS, Error, Interrupted
 from lib.files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
-try:
-    import fcntl
-except ImportError:  # Windows: no run directory lock
-    fcntl = None
-
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
 LOCK = "lock"  # held by the process that trains in the directory; not a file of the run (--overwrite keeps it)
 _held = {}  # run directory (real path) -> the open file that holds its lock, for the process's life
@@ -40,7 +36,7 @@ def lock(out: str, check_only: bool = False):
     """Take out's lock until release (or the process ends), writing this process's id into it; check_only:
     take it shared and let go at once, writing nothing. An Error if another process holds it."""
     key, path = os.path.realpath(out), os.path.join(out, LOCK)
-    if fcntl is None or key in _held or (check_only and not os.path.isfile(path)):
+    if key in _held or (check_only and not os.path.isfile(path)):
         return
     try:
         fd = os.open(path, os.O_RDONLY if check_only else os.O_RDWR | os.O_CREAT, 0o644)
@@ -67,20 +63,20 @@ def release(out: str):
 def in_use(out: str) -> str:
     """The message for a lock another process holds, naming it: it writes its id just after taking the lock,
     so this waits a moment for a live id (a killed run's stays in the file until the next run's)."""
-    who = "another process"
+    path, who = os.path.join(out, LOCK), "another process"
     for _ in range(100):
-        text = Path(out, LOCK).read_text().strip() if os.path.isfile(os.path.join(out, LOCK)) else ""
+        text = Path(path).read_text().strip() if os.path.isfile(path) else ""
         try:
             os.kill(int(text), 0)
-            who = f"process {text}"
-            break
         except PermissionError:  # alive, another user's
-            who = f"process {text}"
-            break
+            pass
         except (ValueError, OSError):
             time.sleep(0.01)
-    return (f"{out} is in use: {who} is training there (it holds {os.path.join(out, LOCK)}); wait for it to end "
-            f"or stop it, or choose another --out")
+            continue
+        who = f"process {text}"
+        break
+    return (f"{out} is in use: {who} is training there (it holds {path}); wait for it to end or stop it, or choose "
+            f"another --out")
 
 
 def lock_error(path: str, why: str) -> str:
@@ -100,11 +96,10 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
         if os.path.lexists(path) and not (os.path.isfile(path) and os.access(path, os.R_OK | os.W_OK)):
             raise Error(lock_error(path, "a directory" if os.path.isdir(path) else "permission denied"))
         lock(out, check_only=True)
-    if not resume and not overwrite and os.path.isdir(out):
-        if any(os.path.exists(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old")):
+        if not resume and not overwrite and {"checkpoint", "checkpoint.old"} & set(os.listdir(out)):
             raise Error(f"{out} already holds a run; continue it with --resume {out}, choose another --out, or "
                         f"pass --overwrite to start afresh there")
-        if others := sorted(set(os.listdir(out)) - {LOCK, *RUN_FILES}):
+        if not resume and not overwrite and (others := sorted(set(os.listdir(out)) - {LOCK, *RUN_FILES})):
             raise Error(f"{out} holds files that are not a run's ({', '.join(others[:3])}); choose another --out")
     parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
@@ -116,8 +111,7 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
 def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> list[dict]:
     """The first writes of a run: create the run directory and take its lock; a resume keeps (and returns) the
     log records of the steps before its checkpoint's (state: load_trainer_state's) and prints the settings it
-    changes (recorded: settings.recorded's, of this run), a new run removes an earlier run's files (--overwrite,
-    or one that never saved)."""
+    changes (recorded: settings.recorded's), a new run removes an earlier run's files."""
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -134,8 +128,7 @@ def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> li
     except BaseException:
         release(out)
         raise
-    changed = changed_settings({**state["session"], **state["config"]} if state else {}, recorded)
-    if changed:
+    if changed := changed_settings({**state["session"], **state["config"]} if state else {}, recorded):
         tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
     return kept
 
@@ -180,10 +173,14 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
             abandon_swap(final)
             if not isinstance(e, Exception):  # Interrupted
                 raise
-            cause = (str(e).strip().splitlines() or [""])[0][:200]
-            free = shutil.disk_usage(run_dir).free / 2 ** 20 if os.path.isdir(run_dir) else None
+            free = f"; {shutil.disk_usage(run_dir).free / 2 ** 20:.0f} MiB free on that disk" \
+                if os.path.isdir(run_dir) else ""
             raise SaveFailed(f"could not save step {step}: writing {what} in {tmp} failed ({type(e).__name__}: "
-                             f"{cause})" + ("" if free is None else f"; {free:.0f} MiB free on that disk")) from e
+                             f"{first_line(e, 200)}){free}") from e
+
+
+def first_line(e: BaseException, most: int) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:most]
 
 
 def load_trainer_state(run_dir) -> dict:
@@ -199,9 +196,9 @@ def load_trainer_state(run_dir) -> dict:
     except OSError as e:  # another user's file
         raise Error(f"cannot read {path} ({e.strerror})") from None
     except Exception as e:  # a truncated or foreign file
-        raise Error(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is not a "
-                    f"trainer state this code wrote") from None
-    return {**state, "config": settings.without_retired(state["config"], path)}
+        raise Error(f"{path} is unreadable ({type(e).__name__}: {first_line(e, 200)}); it is not a trainer state "
+                    f"this code wrote") from None
+    return {**state, "config": settings.check_saved(state["config"], path)}
 
 
 def saved_step(run_dir) -> int | None:
@@ -249,8 +246,7 @@ def read_log(path) -> list[dict]:
                 print(f"note: dropping the unfinished last line of {path}")
                 break
             raise Error(f"{path} line {i + 1} is not JSON; repair or remove that line") from None
-        wrong = record_error(record)
-        if wrong:
+        if wrong := record_error(record):
             raise Error(f"{path} line {i + 1} {wrong}; repair or remove that line")
         records.append(record)
     return records
@@ -272,9 +268,6 @@ def record_error(record) -> str | None:
 @contextlib.contextmanager
 def signals_held():
     """Stop signals (cli.STOP_SIGNALS) that arrive inside the block are delivered when it ends."""
-    if not hasattr(signal, "pthread_sigmask"):  # not on Windows
-        yield
-        return
     old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         yield
@@ -353,8 +346,7 @@ def guard(run: Run, lr: float, fsdp: bool):
     except RuntimeError as e:
         if not distributed.peer_lost(e):
             raise
-        with contextlib.suppress(AttributeError):  # the launcher's SIGTERM follows: held (not on Windows)
-            signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # the launcher's SIGTERM follows: held
         raise Error(f"a process of this run is gone ({gist(e)}); {stopped(run, fsdp)}; {run.go_on()} "
                     f"(on as many processes)") from None
     except Diverged as e:
@@ -369,7 +361,7 @@ def guard(run: Run, lr: float, fsdp: bool):
 
 def gist(e: BaseException) -> str:
     """An exception in a few words: its type and its message's first sentence, less a source location."""
-    text = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip().splitlines() or [""])[0])
+    text = re.sub(r"^\[[^\]]*\] ", "", first_line(e, 10 ** 6))
     return f"{type(e).__name__}: {text.split('. ')[0][:160]}"
 
 

@@ -166,9 +166,8 @@ TYPES = {f.name: f.type for f in fields(Settings)}  # "int", "float | None", "tu
 RUN_ONLY = ["model", "out", "overwrite", "resume", "device", "dtype", "compile", "fsdp"]  # not saved
 SESSION = ["model", "device", "dtype", "compile", "fsdp"]  # not saved (a resume may run elsewhere), but recorded
 SAVED = [name for name in TYPES if name not in RUN_ONLY]
-RETIRED = {"mem_weight": 1.0, "eviction_rate": None, "eval_rate": None}  # settings of earlier versions: what this
-# code does instead (a run saved with another value cannot go on the same); their --term-grad-norms only logged
-LISTS = [name for name, kind in TYPES.items() if kind.startswith("tuple")]
+WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+         "tuple[float, ...]": 'comma-separated numbers, such as "0.9,0.7,0.5"'}
 
 
 def floats(text) -> tuple[float, ...]:
@@ -179,19 +178,17 @@ def floats(text) -> tuple[float, ...]:
 def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
     """`base` with the values of d (ngc.json, trainer.pt or flags); an Error for a bad comma list."""
     values = dict(d)
-    for k in LISTS:
-        if values.get(k) is not None:
-            try:
-                values[k] = floats(values[k])
-            except ValueError:
-                raise Error(f"--{k.replace('_', '-')} {values[k]!r} must be comma-separated numbers") from None
+    for k in [name for name, kind in TYPES.items() if kind.startswith("tuple") and values.get(name) is not None]:
+        try:
+            values[k] = floats(values[k])
+        except ValueError:
+            raise Error(f"--{k.replace('_', '-')} {values[k]!r} must be comma-separated numbers") from None
     return replace(base, **values)
 
 
 def saved(c: Settings) -> dict:
     """The settings a run saves (ngc.json, trainer.pt), comma lists written back as text."""
-    text = lambda v: ",".join(f"{x:g}" for x in v) if isinstance(v, tuple) else v
-    return {k: text(getattr(c, k)) for k in SAVED}
+    return {k: ",".join(f"{x:g}" for x in v) if isinstance(v := getattr(c, k), tuple) else v for k in SAVED}
 
 
 def session(c: Settings) -> dict:
@@ -203,61 +200,44 @@ def recorded(c: Settings) -> dict:
     return {**session(c), **saved(c)}
 
 
-WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
-         "tuple[float, ...]": 'comma-separated numbers, such as "0.9,0.7,0.5"'}
-
-
 def value_error(name: str, value) -> str | None:
     """Why `value` (as JSON gives it) cannot be setting `name`'s, in words after "it" (None: it can)."""
     kind, optional = TYPES[name].removesuffix(" | None"), TYPES[name].endswith(" | None")
     if value is None:
         return None if optional else f"must be {WORDS[kind]}, not null"
-    if kind.startswith("tuple"):
-        try:
-            fits = isinstance(value, (str, list)) and bool(floats(value))
-        except (TypeError, ValueError):
-            fits = False
-    else:
-        fits = type(value) in {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}[kind]
+    try:
+        fits = (isinstance(value, (str, list)) and bool(floats(value)) if kind.startswith("tuple") else
+                type(value) in {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}[kind])
+    except (TypeError, ValueError):
+        fits = False
     if not fits:
         return f"must be {WORDS[kind]}" + (" or null" if optional else "")
     if value not in CHOICES.get(name, [value]):
         return f"must be one of {', '.join(CHOICES[name])}"
-    rule = RULES.get(name, lambda v: True)
-    return None if rule(value) is True else rule(value)
+    return None if RULES.get(name, lambda v: True)(value) is True else RULES[name](value)
+
+
+def check_saved(values, path: str) -> dict:
+    """The settings a run saved (ngc.json, trainer.pt's), or an Error naming path and the first key or
+    value no setting takes."""
+    if not isinstance(values, dict):
+        raise Error(f"{path} holds a JSON {type(values).__name__}; it must be an object of train.py's settings, "
+                    f"such as {{\"steps\": 60}}")
+    if unknown := set(values) - set(SAVED):
+        raise Error(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
+    for key, value in values.items():
+        if wrong := value_error(key, value):
+            raise Error(f"{path}: {key} is {json.dumps(value)}; it {wrong}")
+    for key in ("prompt", "difficulty"):  # null in a math run's ngc.json; Countdown's problems need them
+        if values.get("task", "countdown") == "countdown" and key in values and values[key] is None:
+            raise Error(f"{path}: {key} is null; a Countdown run's must be one of {', '.join(CHOICES[key])}")
+    return values
 
 
 def read_ngc_json(model_dir: str) -> dict:
-    """A checkpoint's ngc.json ({} without one), or an Error for a key or value no setting takes."""
+    """A checkpoint's ngc.json ({} without one), checked (check_saved)."""
     path = os.path.join(model_dir, "ngc.json")
-    if not os.path.exists(path):
-        return {}
-    extra = read_json(path, "; fix or delete it")
-    if not isinstance(extra, dict):
-        raise Error(f"{path} holds a JSON {type(extra).__name__}; it must be an object of train.py's settings, "
-                    f"such as {{\"steps\": 60}}")
-    extra = without_retired(extra, path)
-    unknown = set(extra) - set(SAVED)
-    if unknown:
-        raise Error(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's flags")
-    for key, value in extra.items():
-        wrong = value_error(key, value)
-        if wrong:
-            raise Error(f"{path}: {key} is {json.dumps(value)}; it {wrong}")
-    for key in ("prompt", "difficulty"):  # null in a math run's ngc.json; Countdown's problems need them
-        if extra.get("task", "countdown") == "countdown" and key in extra and extra[key] is None:
-            raise Error(f"{path}: {key} is null; a Countdown run's must be one of {', '.join(CHOICES[key])}")
-    return extra
-
-
-def without_retired(saved: dict, path: str) -> dict:
-    """A run's saved settings (ngc.json or trainer.pt's, at path) without those of earlier versions; an Error if
-    one of them held another value than what this code does."""
-    for key, value in RETIRED.items():
-        if saved.get(key, value) != value:
-            raise Error(f"{path}: {key} is {json.dumps(saved[key])}; this version has no --{key.replace('_', '-')} "
-                        f"(it runs as {json.dumps(value)}): use the version that trained it")
-    return {k: v for k, v in saved.items() if k not in RETIRED and k != "term_grad_norms"}
+    return check_saved(read_json(path, "; fix or delete it"), path) if os.path.exists(path) else {}
 
 
 def run_defaults(model_dir: str, task: str | None = None, flag: str = "--model") -> Settings:

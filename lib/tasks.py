@@ -8,23 +8,21 @@ from lib import mathtask
 from lib.cli import Error
 
 TASK_REWARD = {"countdown": countdown.reward, "math": mathtask.reward}
-
-
-def data_seed(c) -> int:
-    """The seed of a run's problems and their order: --data-seed, else --seed (which also seeds the rollouts)."""
-    return c.seed if c.data_seed is None else c.data_seed
+SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each prompt style with
 
 
 def load_problems(c):
     """(training problems in the data seed's order, held-out problems) of settings c: Countdown's
-    generated, math's read from --data and --eval-data (a bad file is a one-line ValueError)."""
+    generated, math's read from --data and --eval-data (a bad file is a one-line ValueError). The data
+    seed is --data-seed, else --seed."""
+    seed = c.seed if c.data_seed is None else c.data_seed
     if c.task == "countdown":
         difficulty = countdown.DIFFICULTIES[c.difficulty]
-        train, test = countdown.splits(data_seed(c), c.train_problems, c.eval_problems, difficulty, unique=False)
+        train, test = countdown.splits(seed, c.train_problems, c.eval_problems, difficulty, unique=False)
     else:
         train = mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems] if c.data else []
         test = (mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data else [])[: c.eval_problems]
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(data_seed(c))).tolist()
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
     return [train[i] for i in order], test
 
 
@@ -39,7 +37,7 @@ def held_out(c, n: int | None = None) -> list:
         if k > len(test):
             raise ValueError(f"{flag} {k}: the held-out set has {len(test)} problems")
         return test[:k]
-    _, test = load_problems(replace(c, train_problems=0, data=None))
+    test = load_problems(replace(c, train_problems=0, data=None))[1]
     if n is not None and n > len(test):
         raise ValueError(f"--problems {n}: the run's test split has {len(test)} problems")
     return test[:n]
@@ -54,8 +52,7 @@ def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blin
 
 
 def prompt_text(c, tokenizer, problem, rate=None) -> str:
-    """The text of a problem's prompt in run c (Countdown: in its style, with the budget tag at ε = rate
-    as the tokenizer reads it, countdown.prompt)."""
+    """The text of a problem's prompt in run c (Countdown: with the budget tag at ε = rate, countdown.prompt)."""
     if c.task == "math":
         return mathtask.prompt_text(problem)
     return countdown.prompt(tokenizer, problem, c.prompt, rate, c.blind_tag)
@@ -77,8 +74,7 @@ def check_prompts(c, tokenizer, model_dir: str, problems: list, positions: int |
     unknown, spelled_any, longest = spelling(tokenizer, texts)
     if unknown and spelled_any:
         if c.task == "countdown" and (words := unknown_words(tokenizer, c)):  # the style's own words
-            spelled = [s for s in sorted(countdown.PROMPTS) if not unknown_words(tokenizer, replace(c, prompt=s))]
-            if spelled:
+            if spelled := [s for s in sorted(countdown.PROMPTS) if not unknown_words(tokenizer, replace(c, prompt=s))]:
                 raise Error(f"the prompt style {c.prompt} has {len(words)} words that {model_dir}/tokenizer.json "
                             f"cannot spell ({', '.join(words[:3])}, ...): they would all be one unknown token; this "
                             f"model's tokenizer spells the styles {', '.join(spelled)}: give one with --prompt")
@@ -106,9 +102,6 @@ def spelling(tokenizer, texts: list[str]) -> tuple[list[str], bool, int]:
                     unknown[text[a:b]] = None
                 spelled_any |= token != unk
     return list(unknown), spelled_any, longest
-
-
-SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each prompt style with
 
 
 def unknown_words(tokenizer, c) -> list[str]:

@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 ro, adv, ev, c = torch.load(rollouts, weights_only=False)
 rows = torch.arange(len(adv)).chunk(world)[rank]  # this process's prompts: whole groups
 if reduce == "sum":  # the negative control: gradients summed over the processes, not averaged
-    distributed.average_gradients = lambda params, grads=None: [dist.all_reduce(p.grad) for p in params]
+    distributed.average_gradients = lambda params: [dist.all_reduce(p.grad) for p in params]
 model = from_pretrained(ckpt)
 if reduce == "fsdp":
     distributed.shard(model)

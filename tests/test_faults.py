@@ -102,33 +102,20 @@ def test_an_edited_config_json_is_one_line_naming_the_key_in_every_script(train_
         SCRIPTS[script](edited_copy(train_ckpt, tmp_path / "model", "config.json", "hidden_size", 64), out)
 
 
-def test_the_settings_of_an_earlier_version_load_at_the_values_this_code_runs_as(train_ckpt, small_run, tmp_path,
-                                                                                nothing_runs):
-    """ngc.json and trainer.pt of runs saved before --mem-weight, --term-grad-norms, --eviction-rate and
-    --eval-rate went hold them: at what this code does (and --term-grad-norms, which only logged, at any
-    value) every script takes the checkpoint and a resume goes on; another value is refused in one line."""
-    old = {"mem_weight": 1.0, "term_grad_norms": True, "eviction_rate": None, "eval_rate": None}
-    out = tmp_path / "out"
-    out.mkdir()
-    for script in [s for s in SCRIPTS if s != "bench"]:
-        model = edited_copy(train_ckpt, tmp_path / "model", "ngc.json", "mem_weight", 1.0)
-        (Path(model) / "ngc.json").write_text(json.dumps({**json.loads((Path(model) / "ngc.json").read_text()), **old}))
-        with pytest.raises(Reached):
-            SCRIPTS[script](model, out)
-        model = edited_copy(train_ckpt, tmp_path / "model", "ngc.json", "mem_weight", 2)
-        assert one_line_error(lambda: SCRIPTS[script](model, out)) == (
-            f"error: {model}/ngc.json: mem_weight is 2; this version has no --mem-weight (it runs as 1.0): use the "
-            f"version that trained it")
+def test_a_setting_this_version_lacks_is_one_line_naming_the_file(train_ckpt, small_run, tmp_path, nothing_runs):
+    """ngc.json and trainer.pt pass the same checks: a key no setting takes (a switch of an earlier
+    version, such as --mem-weight) is refused in one line naming the file; the run as saved resumes."""
     run, trainer = tmp_path / "run", tmp_path / "run" / "checkpoint" / "trainer.pt"
     shutil.copytree(small_run, run)
-    state = torch.load(trainer, weights_only=False)
-    torch.save({**state, "config": {**state["config"], **old}}, trainer)
-    with pytest.raises(Reached):  # rundir.prepare: every check passed
+    with pytest.raises(Reached):  # the control: rundir.prepare, every check passed
         train.main(["--resume", str(run), "--steps", "3", "--threads", "1"])
-    torch.save({**state, "config": {**state["config"], **old, "eviction_rate": 0.5}}, trainer)
+    state = torch.load(trainer, weights_only=False)
+    torch.save({**state, "config": {**state["config"], "mem_weight": 1.0}}, trainer)
     assert one_line_error(lambda: train.main(["--resume", str(run), "--steps", "3"])) == (
-        f"error: {trainer}: eviction_rate is 0.5; this version has no --eviction-rate (it runs as null): use the "
-        f"version that trained it")
+        f"error: {trainer} has unknown keys ['mem_weight']; the known ones are train.py's flags")
+    torch.save({**state, "config": {**state["config"], "steps": "3"}}, trainer)
+    assert one_line_error(lambda: train.main(["--resume", str(run), "--steps", "3"])) == (
+        f'error: {trainer}: steps is "3"; it must be an integer')
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
