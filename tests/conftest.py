@@ -77,7 +77,7 @@ def reached(*args, **kwargs):
 def one_line_error(run) -> str:
     with pytest.raises(SystemExit) as err:
         run()
-    message = str(err.value)  # cli.Failed: printed to stderr, exit code 2
+    message = str(err.value)  # cli.exits: printed to stderr, exit code 2
     assert err.value.code == 2 and message.startswith("error: ") and "\n" not in message, message
     return message
 
