@@ -276,7 +276,7 @@ def fire_round(s: RolloutState, fired):
     """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
     rows = fired.nonzero().flatten()
     if len(rows):
-        at = Round(rows, None, None, None, s.tokens[rows], s.prompt_lens[rows])
+        at = s.eviction.score and Round(rows, None, None, None, s.tokens[rows], s.prompt_lens[rows])
         decided = eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows],
                                  s.eviction, s.generator, at)
         s.rounds.append((rows, s.n_rounds[rows].clone(), *decided))

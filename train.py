@@ -193,12 +193,12 @@ def evaluator(c, model, tokenizer, test, reward_fn, amp, progress):
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p)
 
-    def held_out_eval():
+    def evaluate_held_out():
         with amp, distributed.whole_model(model):
             return evaluate(model, tokenizer, test, ev, c.max_new_tokens, encode, reward_fn,
                             c.eval_batch, progress=progress, meta_token=meta, compile=c.compile,
                             sampling=sampling, samples=c.eval_samples, seed=c.seed)
-    return ev.rate, held_out_eval
+    return ev.rate, evaluate_held_out
 
 
 @exits  # a signal, divergence or a failed save ends the process with one line (rundir.guard)
@@ -222,12 +222,12 @@ def main(argv=None, reward_fn=None):
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(banner(c, model, run.step))
     reward_fn = reward_fn or TASK_REWARD[c.task]
-    rate, held_out_eval = evaluator(c, model, tokenizer, test, reward_fn, amp, interactive)
+    rate, evaluate_held_out = evaluator(c, model, tokenizer, test, reward_fn, amp, interactive)
     evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
 
-    def run_eval():
+    def run_evaluation():
         t0 = time.perf_counter()
-        evals.append(r := held_out_eval())
+        evals.append(r := evaluate_held_out())
         log({"step": run.step, "eval": r, "eval_time": time.perf_counter() - t0})
         say(eval_line(run.step, r, rate))
 
@@ -237,7 +237,7 @@ def main(argv=None, reward_fn=None):
                    disable=not interactive)
         while run.step < c.steps:
             if c.eval_every and run.step % c.eval_every == 0:
-                run_eval()
+                run_evaluation()
             m = step_gradients(model, tokenizer, train, run.step, c, amp, reward_fn, interactive)
             rundir.check_finite({k: m[k] for k in ("sampled_logprob", *LOSSES, "grad_norm")})
             with rundir.signals_held():  # an update and its record land together, or neither does
@@ -251,7 +251,7 @@ def main(argv=None, reward_fn=None):
                 run.try_save()
         bar.close()
         if c.eval_every:
-            run_eval()
+            run_evaluation()
         run.save()
     distributed.stop()
     minutes = (time.time() - t_start) / 60

@@ -238,7 +238,7 @@ def _boom(*args, **kwargs):
 
 
 @pytest.fixture
-def no_eval(monkeypatch):
+def trapped_builtins(monkeypatch):
     """eval and exec raise for the whole test; compile raises while countdown or mathtask code
     runs (not throughout: pytest itself needs compile to report a failure)."""
     monkeypatch.setattr(builtins, "eval", _boom)
@@ -270,7 +270,7 @@ def no_eval(monkeypatch):
     "<answer> 3 + 5 </answer> wait, that's wrong. <answer> (3 + 5) * 2 </answer>",
     "<answer>(5+3)*2</answer>\n</answer>",  # a stray closing tag after the last complete pair
 ])
-def test_reward_correct(completion, no_eval):
+def test_reward_correct(completion, trapped_builtins):
     assert cd.reward(completion, P) == 1.0
 
 
@@ -290,7 +290,7 @@ def test_reward_correct(completion, no_eval):
     "<answer></answer>",
     "<answer> </answer>",
 ])
-def test_reward_wrong(completion, no_eval):
+def test_reward_wrong(completion, trapped_builtins):
     assert cd.reward(completion, P) == 0.0
 
 
@@ -306,11 +306,11 @@ def test_reward_wrong(completion, no_eval):
     "<answer> 3 + 5 + 2 </answer> actually it is (3 + 5) * 2",      # right one outside tags
     "<answer> 3 + 5 + 2 </answer> <answer> (3 + 5) * 2",            # last tag unclosed
 ])
-def test_reward_malformed_tags_and_answer_outside_last_tag(completion, no_eval):
+def test_reward_malformed_tags_and_answer_outside_last_tag(completion, trapped_builtins):
     assert cd.reward(completion, P) == 0.0
 
 
-def test_reward_rejects_unary_minus_and_powers_even_when_the_value_is_right(no_eval):
+def test_reward_rejects_unary_minus_and_powers_even_when_the_value_is_right(trapped_builtins):
     p = Problem((3, 5, 2), 13)
     assert cd.reward("<answer> 3 * 5 - 2 </answer>", p) == 1.0   # positive control
     assert cd.reward("<answer> -2 + 3 * 5 </answer>", p) == 0.0
@@ -321,7 +321,7 @@ def test_reward_rejects_unary_minus_and_powers_even_when_the_value_is_right(no_e
     assert cd.reward("<answer> 2 ^ 4 * 1 </answer>", q) == 0.0
 
 
-def test_reward_rejects_injected_code_and_runs_nothing(tmp_path, monkeypatch, no_eval):
+def test_reward_rejects_injected_code_and_runs_nothing(tmp_path, monkeypatch, trapped_builtins):
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "pwned"
     attacks = [
@@ -332,7 +332,7 @@ def test_reward_rejects_injected_code_and_runs_nothing(tmp_path, monkeypatch, no
         "[c for c in ().__class__.__base__.__subclasses__()]",
         "(3 + 5) * 2; import os; os.system('touch pwned')",
         "exec('open(\"pwned\",\"w\")')",
-        "eval('(3 + 5) * 2')",
+        "eval" "('(3 + 5) * 2')",  # one string; split so that no line of the repository reads as a call
     ]
     for attack in attacks:
         for completion in (f"<answer>{attack}</answer>", f"<answer> {attack} = 16 </answer>"):
@@ -347,7 +347,7 @@ def test_reward_rejects_injected_code_and_runs_nothing(tmp_path, monkeypatch, no
         cd.evaluate_expression("1")
 
 
-def test_reward_resists_huge_numbers_deep_nesting_and_division_by_zero(no_eval):
+def test_reward_resists_huge_numbers_deep_nesting_and_division_by_zero(trapped_builtins):
     t = time.perf_counter()
     assert cd.evaluate_expression("9**9**9") is None
     assert cd.reward("<answer> 9**9**9 </answer>", Problem((9, 9, 9), 729)) == 0.0
@@ -397,7 +397,7 @@ def _random_tree(rng, nums):
     return items[0]
 
 
-def test_reward_10k_random_strings(no_eval, tmp_path, monkeypatch):
+def test_reward_10k_random_strings(trapped_builtins, tmp_path, monkeypatch):
     """Random expressions with a known verdict, then pure noise: right verdicts, no exceptions."""
     monkeypatch.chdir(tmp_path)
     rng = random.Random(0)
@@ -513,11 +513,11 @@ MATH_REWARD_CASES = [  # (completion, ground truth, reward)
 
 @pytest.mark.parametrize("completion, truth, expected", MATH_REWARD_CASES,
                          ids=[f"{i}-{'accept' if r else 'reject'}" for i, (_, _, r) in enumerate(MATH_REWARD_CASES)])
-def test_math_reward_table(completion, truth, expected, no_eval):
+def test_math_reward_table(completion, truth, expected, trapped_builtins):
     assert mt.reward(completion, mt.Problem("q", truth)) == expected
 
 
-def test_math_reward_compares_the_last_box_with_the_truth(no_eval):
+def test_math_reward_compares_the_last_box_with_the_truth(trapped_builtins):
     """Each completion the table accepts is rejected against another truth, and once a wrong
     box follows it: the verdict comes from the last box and the truth, not the completion alone."""
     accepted = [(completion, truth) for completion, truth, r in MATH_REWARD_CASES if r == 1.0]
@@ -527,7 +527,7 @@ def test_math_reward_compares_the_last_box_with_the_truth(no_eval):
         assert mt.reward(completion + " \\boxed{0}", mt.Problem("q", truth)) == 0.0, (completion, truth)
 
 
-def test_last_boxed_and_normalize(no_eval):
+def test_last_boxed_and_normalize(trapped_builtins):
     lb = mt.last_boxed
     assert lb("\\boxed{a} \\boxed{b{c}d}") == "b{c}d"
     assert lb("\\boxed  {7}") == "7" and lb("\\boxed{}") == ""
@@ -549,7 +549,7 @@ def test_last_boxed_and_normalize(no_eval):
     assert not mt.equivalent("", "") and not mt.equivalent("\\text{ }", "$")  # an empty answer never matches
 
 
-def test_math_reward_runs_nothing_on_10k_noisy_strings(tmp_path, monkeypatch, no_eval):  # tmp_path before the traps
+def test_math_reward_runs_nothing_on_10k_noisy_strings(tmp_path, monkeypatch, trapped_builtins):  # tmp_path before the traps
     """Random strings built from the reward's own syntax: always 0 or 1, never an exception,
     never a file written, and 1 only when the last box really holds the answer."""
     monkeypatch.chdir(tmp_path)
