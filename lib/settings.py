@@ -175,6 +175,11 @@ def floats(text) -> tuple[float, ...]:
     return tuple(float(x) for x in (text if isinstance(text, (list, tuple)) else str(text).split(",")))
 
 
+def written(value):
+    """A setting's value as ngc.json and flags write it: a tuple as a comma list ("0.9,0.7,0.5"), else itself."""
+    return ",".join(f"{x:g}" for x in value) if isinstance(value, tuple) else value
+
+
 def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
     """`base` with the values of d (ngc.json, trainer.pt or flags); an Error for a bad comma list."""
     values = dict(d)
@@ -188,7 +193,7 @@ def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
 
 def saved(c: Settings) -> dict:
     """The settings a run saves (ngc.json, trainer.pt), comma lists written back as text."""
-    return {k: ",".join(f"{x:g}" for x in v) if isinstance(v := getattr(c, k), tuple) else v for k in SAVED}
+    return {k: written(getattr(c, k)) for k in SAVED}
 
 
 def session(c: Settings) -> dict:
@@ -288,7 +293,7 @@ def add_flags(p, defaults: Settings | None, names=None, helps=None, required=())
             kind, default = TYPES[name].removesuffix(" | None"), defaults and getattr(defaults, name)
             kw = ({"action": argparse.BooleanOptionalAction} if kind == "bool" else
                   {"type": {"int": int, "float": float}.get(kind, str), "choices": CHOICES.get(name)})
-            shown = ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default
+            shown = written(default)
             help = (helps or {}).get(name, flags[name]) + (f" (default {shown})" if name in SAVED and shown is not None
                                                            else "")
             target.add_argument(f"--{name.replace('_', '-')}", default=None, help=help.replace("%", "%%"),

@@ -224,7 +224,7 @@ def ngc_run(task, args):
     run.update({k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None})
     c = settings.from_dict(run, settings.RECIPES[run["task"]])
     if args.retention is not None:
-        run["retention"] = ",".join(f"{r:g}" for r in c.retention)
+        run["retention"] = settings.written(c.retention)
     if not all(0 <= rho < 1 for rho in c.retention):
         raise ValueError(f"the run's retention {run['retention']} must lie in [0, 1) (ε = 1 - ρ, in (0, 1])")
     check_eviction(c.delta, c.block, c.window, 1 - c.retention[-1])

@@ -38,7 +38,6 @@ import eval as evaluation  # scripts/, beside this file
 import show
 from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown, testable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, tiny/
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
         "interoception-blind": ["--interoception", "--blind-tag"]}
@@ -148,7 +147,7 @@ def train_command(out, name, model, threads, flags, extra, resume=True) -> list[
         argv = ["--resume", run_dir, "--threads", str(threads)]
     else:
         argv = ["--model", model, "--out", run_dir, "--threads", str(threads), *flags, *extra, "--overwrite"]
-    return [sys.executable, os.path.join(ROOT, "train.py"), *argv]
+    return [sys.executable, os.path.join(settings.HERE, "train.py"), *argv]
 
 
 def stop_runs(running, signum):
@@ -365,7 +364,7 @@ def run_studies(args):
     t0 = time.time()
     train_all(args.out, args.model, args.jobs, runs, extra)
     rate = budget(args)
-    trained = 1 - settings.run_defaults(checkpoint_of(args, "ngc", 0)).retention[-1]  # the ngc run's final ε
+    trained = train.final_eviction_rate(settings.run_defaults(checkpoint_of(args, "ngc", 0)))  # the ngc run's ε
     stricter = [e for e in CURVE if e > trained + 1e-9]
     studies, sections = {}, []
     for key, name, *study, title in studies_of(args, rate, stricter):
@@ -409,7 +408,7 @@ def parse_args(argv):
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2)")
     p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems)")
     args = p.parse_args(argv)
-    args.model = os.path.join(ROOT, "tiny") if args.model is None else args.model
+    args.model = settings.COUNTDOWN.model if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
     with one_line_errors():
