@@ -33,11 +33,12 @@ class Eviction:
     block: int = 32  # block size b
     window: int = 5  # scoring window w: the w newest queries score the keys
     rate: float = 0.5  # eviction rate ε: the fraction of blocks evicted per round
+    temperature: float = 1.0  # τ: sample over the block logits log s_j / τ (1: the paper's)
     greedy: bool = False  # the top K blocks (the paper's evaluation), else Gumbel-top-k (training)
     score: Callable | None = None  # a baseline's (ψ, keys, alive, Round) -> (N, S); None: ψ
 
     def __post_init__(self):
-        check_eviction(self.delta, self.block, self.window, self.rate)
+        check_eviction(self.delta, self.block, self.window, self.rate, self.temperature)
 
 
 # What a baseline's score reads besides ψ, keys and alive: the round's rows (N,), the layer, each
@@ -106,8 +107,7 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
     for the token and Gumbel noise; compile: the decode step through torch.compile, same results."""
     s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile)
     logits = prefill(s)
-    new, new_logprobs, n_new, hit_eos = decode_n_tokens(s, logits, eos_ids, progress)
-    return finish(s, new, new_logprobs, n_new, hit_eos)
+    return finish(s, *decode_n_tokens(s, logits, eos_ids, progress))
 
 
 class RolloutState:
@@ -293,7 +293,7 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
         alive, kpos, keys = c.alive[in_cache], c.pos[in_cache], c.k.index_select(0, in_cache)
         q = window.q[layer][in_cache]  # (N, H, w, D); keys (N, Hkv, S, D), alive (N, S)
         seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal
-        psi, logits, exists = round_logits(q, keys, seen, alive[:, None], ev.block)  # one round:
+        psi, logits, exists = round_logits(q, keys, seen, alive[:, None], ev)  # one round:
         psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb), (N, nb)
         ranking = logits
         if ev.score is not None:  # a baseline: its own key score's plain block mean (may be < 0)
@@ -308,15 +308,15 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
     return sigmas, torch.stack(logps, 1), torch.stack(before, 1)
 
 
-def round_logits(q, k, seen, alive, block: int):
+def round_logits(q, k, seen, alive, ev: Eviction):
     """What R rounds per row decide from (rollout: one; replay: all): q (N, H, R·w, D) each round's
     w queries, k (N, Hkv, S, D), seen (N, R·w, S) the keys each query sees, alive (N, R, S).
     Returns ψ (N, R, S), the attention to each key averaged over heads and the round's w queries
-    (§4.2), and per block (N, R, nb) the logit x_j = log s_j (s_j: mean ψ), and whether it is."""
+    (§4.2), and per block (N, R, nb) the logit x_j = log s_j / τ (s_j: mean ψ) and if it is."""
     N, R, S = alive.shape
     psi = attention_scores(q, k, seen).view(N, R, -1, S).mean(2)  # (N, R, S)
-    logits, exists = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), block)
-    return psi, logits.view(N, R, -1), exists.view(N, R, -1)
+    logits, exists = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), ev.block)
+    return psi, (logits / ev.temperature).view(N, R, -1), exists.view(N, R, -1)
 
 
 def attention_scores(q, k, mask):
@@ -434,18 +434,18 @@ def inverse_cdf_sample(logits, generator=None):
     return tok.clamp(max=logits.shape[-1] - 1)  # NaN logits (a diverged model) still give a token
 
 
-def check_eviction(delta, block, window, rate):
-    """A one-line ValueError for δ, b, w or ε (a float, or (B,)) the method cannot use."""
+def check_eviction(delta, block, window, rate, temperature=1.0):
+    """A one-line ValueError for δ, b, w, ε (a float, or (B,)) or τ the method cannot use."""
     if not all(0 < r <= 1 for r in (rate.tolist() if torch.is_tensor(rate) else [rate])):
         raise ValueError(f"eviction rate ε={rate} must lie in (0, 1]: the fraction evicted")
-    if block < 1:
-        raise ValueError(f"block size b={block} must be at least 1")
-    if window < 1:
-        raise ValueError(f"scoring window w={window} must be at least 1")
+    if min(block, window) < 1:
+        raise ValueError(f"block size b={block} and scoring window w={window} must be at least 1")
     if delta <= window:
         raise ValueError(f"eviction cadence δ={delta} must be larger than the window w={window}")
     if delta < block:
         raise ValueError(f"eviction cadence δ={delta} must be at least the block size b={block}")
+    if not temperature > 0:
+        raise ValueError(f"eviction temperature τ={temperature} must be positive")
 
 
 def check_rollout(prompts, meta, vocab_size: int, ev: Eviction | None, rates):

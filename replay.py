@@ -50,7 +50,7 @@ def round_log_probs(q, k, mask, kept, n_rounds, ev: Eviction):
     ends = torch.arange(1, R + 1, device=q.device) * ev.delta - 1  # round r fires after ends[r]
     rows = (ends[:, None] + torch.arange(1 - ev.window, 1, device=q.device)).flatten()  # (R·w,)
     seen = mask[:, rows]  # (B, R·w, T); each round's end, its last query, sees its alive keys
-    _, logits, _ = round_logits(q[:, :, rows], k, seen, mask[:, ends], ev.block)
+    _, logits, _ = round_logits(q[:, :, rows], k, seen, mask[:, ends], ev)
     logp = plackett_luce_log_prob(logits.flatten(0, 1), kept.flatten(0, 1)).view(B, R)
     return torch.where(torch.arange(R, device=q.device) < n_rounds[:, None], logp, 0.0)
 

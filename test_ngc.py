@@ -59,6 +59,17 @@ def test_replay_reproduces_rollout_logprobs(model, sampled):
     assert causal_diff > 1e-2
 
 
+def test_replay_reproduces_a_rollout_at_another_eviction_temperature(model):
+    """With τ ≠ 1 (--eviction-temperature) replay scores σ over log s_j / τ, as the rollout drew it."""
+    ro = rollout(model, prompts_of([5, 17, 9]), Sampling(max_new_tokens=60, temperature=1.0, top_k=0),
+                 replace(EV, temperature=0.5), eos_ids=[EOS], generator=torch.Generator().manual_seed(3))
+    _, ev_lp = replay(model, ro)
+    assert int(ro.n_rounds.max()) >= 3 and (ev_lp - ro.evict_logprobs).abs().max() < 1e-4
+    # Negative control: the same σ replayed as if drawn at τ = 1
+    _, at_one = replay(model, replace(ro, eviction=replace(ro.eviction, temperature=1.0)))
+    assert (at_one - ro.evict_logprobs).abs().max() > 1e-2
+
+
 def test_replay_without_eviction_is_causal(model):
     ro = rollout(model, prompts_of([4, 9]), Sampling(max_new_tokens=20, temperature=1.0, top_k=5), None,
                  generator=torch.Generator().manual_seed(0))
@@ -470,6 +481,10 @@ def test_ngc_round_by_hand():
     assert abs(logp - log_p(x)) < 1e-5
     # Negative control: the block means themselves as logits (no log) give another log p(σ).
     assert abs(logp - log_p([math.exp(v) for v in x])) > 1e-2
+    # τ (--eviction-temperature, a departure): the same top K; eq. (2) over x_j / τ, not over x_j
+    sigma_tau, logp_tau = one_round(c, 3, 0.5, {"greedy": True, "temperature": 0.5})
+    assert sigma_tau == sigma and abs(logp_tau - log_p([v / 0.5 for v in x])) < 1e-5
+    assert abs(logp_tau - logp) > 1e-2
 
 
 EVAL_POLICIES = list(baselines.POLICIES)

@@ -138,7 +138,7 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     P, G, mode = c.prompts // world, c.group, MODES[c.mode]  # this process's prompts
     gen = step_generator(c.seed, rank, step, device)
     eps = eviction_rate_at(step, c)
-    ev = Eviction(c.delta, c.block, c.window, eps) if mode.evict else None
+    ev = Eviction(c.delta, c.block, c.window, eps, c.eviction_temperature) if mode.evict else None
     group_eps = rates = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
         choices = torch.tensor(c.interoception_rates) * eps / final_eviction_rate(c)

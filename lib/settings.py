@@ -66,6 +66,7 @@ class Settings:
     blind_tag: bool = False
     min_length: int = 0
     meta_token: bool = False
+    eviction_temperature: float = 1.0
     # Optimisation
     lr: float = 5e-6
     beta1: float = 0.9
@@ -133,7 +134,9 @@ HELP = {  # train.py's flags, by --help group (None: the first, ungrouped)
         blind_tag="with --interoception, the control: the same per-group ε, the tag without the rate (as many "
                   "tokens: same length, same blocks)",
         min_length="reward 0 when prompt+completion is shorter (Appendix A.1)",
-        meta_token="force the meta-token before each round (Appendix, meta-tokens; added as the mean of 'tl;dr')"),
+        meta_token="force the meta-token before each round (Appendix, meta-tokens; added as the mean of 'tl;dr')",
+        eviction_temperature="τ: training samples blocks by Gumbel-top-k over log s_j / τ; 1 is the paper's, below 1 "
+                             "nearer the greedy top K (a departure: docs/departures.md)"),
     "optimisation": dict(
         lr="AdamW learning rate, constant", beta1="AdamW β1", beta2="AdamW β2", adam_eps="AdamW ε",
         weight_decay="AdamW weight decay", clip="grad-norm clipping", micro_batch="rollouts per replay pass",
@@ -159,7 +162,8 @@ RULES = {  # value -> True, or why it is wrong
     **dict.fromkeys(["threads", "train_problems", "eval_problems", "steps", "prompts", "max_new_tokens",
                      "stage_steps", "micro_batch", "eval_batch", "eval_max_new_tokens"], at_least(1)),
     **dict.fromkeys(["top_k", "min_length", "weight_decay", "eval_every", "save_every", "eval_samples"], at_least(0)),
-    **dict.fromkeys(["temperature", "lr", "adam_eps", "clip", "eval_temperature"], positive),
+    **dict.fromkeys(["temperature", "lr", "adam_eps", "clip", "eval_temperature", "eviction_temperature"],
+                   positive),
     **dict.fromkeys(["top_p", "alpha", "eval_top_p"], in_unit(low_open=True)), "group": at_least(2),
     **dict.fromkeys(["beta1", "beta2"], in_unit(low_open=False))}
 TYPES = {f.name: f.type for f in fields(Settings)}  # "int", "float | None", "tuple[float, ...]", ...

@@ -526,6 +526,7 @@ BAD_TRAIN_FLAGS = [
     (["--group", "1"], "--group"), (["--beta2", "1"], "must lie in [0, 1)"), (["--threads", "0"], "at least 1"),
     (["--steps", "x"], "invalid int value"), (["--adam-eps", "0"], "--adam-eps 0.0 must be positive"),
     (["--mem-norm", "mean"], "invalid choice: 'mean'"),
+    (["--eviction-temperature", "0"], "--eviction-temperature 0.0 must be positive"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA GPU is visible")])
 BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
              ("model.safetensors", "truncated", "not a readable safetensors file"),
