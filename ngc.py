@@ -311,8 +311,8 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
 def round_logits(q, k, seen, alive, ev: Eviction):
     """What R rounds per row decide from (rollout: one; replay: all): q (N, H, R·w, D) each round's
     w queries, k (N, Hkv, S, D), seen (N, R·w, S) the keys each query sees, alive (N, R, S).
-    Returns ψ (N, R, S), the attention to each key averaged over heads and the round's w queries
-    (§4.2), and per block (N, R, nb) the logit x_j = log s_j / τ (s_j: mean ψ) and if it is."""
+    Returns ψ (N, R, S), the attention to each key averaged over heads and w queries (§4.2), and
+    per block (N, R, nb) its logit x_j = log s_j / τ (s_j: mean ψ) and whether it exists."""
     N, R, S = alive.shape
     psi = attention_scores(q, k, seen).view(N, R, -1, S).mean(2)  # (N, R, S)
     logits, exists = log_block_logits(psi.flatten(0, 1), alive.flatten(0, 1), ev.block)
