@@ -18,13 +18,14 @@ from lib.checkpoint import read_json
 from lib.cli import Error, at_least, check_values, positive
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, where tiny/ is
-EXAMPLE = {"countdown": "tiny", "math": "tiny-math"}  # a model of each task, shipped in the repository root
+# the model of each task, shipped in the repository root
+EXAMPLE = {task: os.path.join(HERE, name) for task, name in [("countdown", "tiny"), ("math", "tiny-math")]}
 
 
 @dataclass(frozen=True)
 class Settings:
     # What a run is, where it runs and writes
-    model: str = os.path.join(HERE, "tiny")
+    model: str = EXAMPLE["countdown"]
     out: str | None = None
     overwrite: bool = False
     resume: str | None = None
@@ -256,7 +257,7 @@ def run_defaults(model_dir: str, task: str | None = None, flag: str = "--model")
     extra = read_ngc_json(model_dir)
     trained = extra.get("task", task)
     if task and trained != task:
-        example = os.path.join(HERE, EXAMPLE[task])
+        example = EXAMPLE[task]
         example = example if os.path.relpath(example).startswith("..") else os.path.relpath(example)
         raise Error(f"{flag} {model_dir} was trained on {trained} (its ngc.json), not {task}: give a {task} model, "
                     f"such as {example}, or a copy of {model_dir} without ngc.json to start from its weights")

@@ -31,7 +31,7 @@ from lib.files import save_figure, write_json, write_text
 from lib.settings import run_defaults
 from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 
-BEFORE = {task: os.path.join(settings.HERE, name) for task, name in settings.EXAMPLE.items()}  # --before's default
+BEFORE = settings.EXAMPLE  # --before's default: the model shipped for the task
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
 ALIVE_COLOUR = "#d9d9d9"
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)
