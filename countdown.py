@@ -24,19 +24,23 @@ class Difficulty:
     num_range: tuple[int, int] = (1, 99)      # inclusive range of each input number
     target_range: tuple[int, int] = (10, 100) # inclusive range of the target
     held_out: int = 1024                      # the held-out stream's problems (the paper's size)
-    backtracks: bool = False                  # only problems whose search must go back (backtracks)
+    backtracks: int = 0                       # only searches that go back: 1 past the first move,
+                                              # 2 past the first pair (backtracks)
 
 PAPER = Difficulty()  # Countdown-Tasks-3to4-like: 3-4 numbers in 1..99, targets 10..100
 # SMALL: the tiny models' problems; tiny/ was pretrained on none of its 500 held out
 SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100), held_out=500)
-SMALL_BACK = replace(SMALL, backtracks=True)  # those of SMALL that go back: 278 of its 500 held out
+SMALL_BACK = replace(SMALL, backtracks=1)  # those of SMALL that go back: 278 of its 500 held out
+SMALL_DEEP = replace(SMALL, backtracks=2)  # those that leave the first pair: 142 of the 500
 HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
 
-def backtracks(p) -> bool:
+def backtracks(p, depth=1) -> bool:
     """Whether `trace`'s depth-first search over 3 numbers (first move: the two largest added) must
-    go back: no operation on that sum and the third number (+, *, -, exact /) reaches the target."""
+    go back past its first move (depth 1: no operation, + * - or exact /, on that sum and the
+    third number reaches the target) or past its first pair (2: no move on the two largest does)."""
     a, b, c = sorted(p.nums, reverse=True)
-    return all(w != p.target for w in _ops(max(a + b, c), min(a + b, c)))
+    firsts = [a + b] if depth == 1 else [v for _, v in moves(a, b)]
+    return all(w != p.target for v in firsts for w in _ops(max(v, c), min(v, c)))
 
 def _key(p):  # a problem's identity
     return (tuple(sorted(p.nums)), p.target)
@@ -91,8 +95,11 @@ def _take(stream, n, skip=frozenset(), unique=False, patience=50_000):
         out.append(p)
     return out
 
-def _problems(rng, difficulty):  # all of the stream's, or those that go back if the preset asks
-    return (p for p in _stream(rng, difficulty) if not difficulty.backtracks or backtracks(p))
+def _kept(p, difficulty) -> bool:  # every problem, or those that go back if the preset asks
+    return not difficulty.backtracks or backtracks(p, difficulty.backtracks)
+
+def _problems(rng, difficulty):
+    return (p for p in _stream(rng, difficulty) if _kept(p, difficulty))
 
 def generate(n, seed, difficulty=PAPER):
     """n problems, reproducible from seed, every one solvable (repeats possible)."""
@@ -102,8 +109,7 @@ def held_out(difficulty=PAPER):
     """The held-out set, one for every seed: of the first difficulty.held_out distinct problems of
     the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones)."""
     stream = _stream(random.Random(HELD_OUT_SEED), difficulty)
-    return [p for p in _take(stream, difficulty.held_out, unique=True)
-            if not difficulty.backtracks or backtracks(p)]
+    return [p for p in _take(stream, difficulty.held_out, unique=True) if _kept(p, difficulty)]
 
 def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
     """(train, test): the first n_test held-out problems, whatever the seed, and n_train from the
@@ -163,7 +169,8 @@ def rate_tag(eviction_rate, blind=False, one_token=False) -> str:
 PROMPTS = {"plain": prompt_text, "tiny-shift": shift_prompt,  # style: (problem, rate, blind) -> str
            "tiny-shift-unseen": partial(shift_prompt, unseen=True)}
 SHIFTED = {"tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layouts never trained on
-DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK}  # --difficulty -> preset
+# --difficulty -> preset
+DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK, "tiny-deep": SMALL_DEEP}
 
 def prompt(tokenizer, problem, style="plain", eviction_rate=None, blind=False) -> str:
     """A problem's prompt text in a style; a tiny style's budget tag as the tokenizer reads it: one

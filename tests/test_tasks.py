@@ -20,7 +20,7 @@ import countdown as cd
 from lib import mathtask as mt
 from lib import settings
 from conftest import one_line_error
-from countdown import PAPER, SMALL, SMALL_BACK, Problem
+from countdown import PAPER, SMALL, SMALL_BACK, SMALL_DEEP, Problem
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_difficulty_names_draw_their_presets_problems_to_both_ends_of_each_range
     takes (tasks.load_problems), and every end of each range is reached."""
     from lib import tasks
     expected = {"paper": ({3, 4}, (1, 99), (10, 100)), "tiny": ({3}, (1, 15), (10, 100)),
-                "tiny-back": ({3}, (1, 15), (10, 100))}
+                "tiny-back": ({3}, (1, 15), (10, 100)), "tiny-deep": ({3}, (1, 15), (10, 100))}
     assert set(cd.DIFFICULTIES) == set(expected)
     for name, (sizes, nums, targets) in expected.items():
         c = replace(settings.COUNTDOWN, difficulty=name, seed=0, train_problems=5000, eval_problems=0)
@@ -161,6 +161,21 @@ def test_backtracks_is_whether_the_search_goes_back_after_its_first_move():
     assert all(mine == trace for mine, trace in verdicts) and 0 < sum(v for v, _ in verdicts) < len(verdicts)
 
 
+def test_backtracks_at_depth_2_is_whether_the_search_leaves_the_first_pair():
+    """Depth 2: no move on the two largest numbers leads to the target, so the search goes back after
+    every one of them (a `back` for each of that pair's moves in the trace). By hand for 4 12 7: 20 =
+    (12 - 7) * 4 leaves the first move but not the pair; 55 = 12 * 4 + 7 needs 12 and 4 first. The
+    same verdict as the traces' on every tiny held-out problem; depth 1 says yes where 2 says no."""
+    p = lambda target: Problem((4, 12, 7), target)
+    assert cd.backtracks(p(20)) and not cd.backtracks(p(20), depth=2)
+    assert cd.backtracks(p(55), depth=2) and cd.backtracks(p(55))
+    small = cd.held_out(SMALL)
+    pair_moves = lambda q: len(cd.moves(*sorted(q.nums, reverse=True)[:2]))
+    verdicts = [(cd.backtracks(q, 2), cd.trace(q).split().count("back") >= pair_moves(q)) for q in small]
+    assert all(mine == trace for mine, trace in verdicts)
+    assert sum(cd.backtracks(q, 2) for q in small) < sum(cd.backtracks(q) for q in small)
+
+
 def test_tiny_back_holds_out_the_tiny_problems_that_backtrack_and_trains_on_none_of_tinys():
     """--difficulty tiny-back: its held-out set is the tiny held-out problems that backtrack (so a model
     pretrained on tiny's training split has seen none of them), its training problems all backtrack and
@@ -173,6 +188,11 @@ def test_tiny_back_holds_out_the_tiny_problems_that_backtrack_and_trains_on_none
     assert not {key(p) for p in train} & {key(p) for p in small}
     with pytest.raises(ValueError, match="held-out set has 278"):
         cd.splits(seed=0, n_train=10, n_test=279, difficulty=SMALL_BACK, unique=False)
+    deep = cd.held_out(SMALL_DEEP)  # tiny-deep: those that leave the first pair, the same way
+    assert deep == [p for p in back if cd.backtracks(p, 2)] and len(deep) == 142
+    train, test = cd.splits(seed=0, n_train=2000, n_test=142, difficulty=SMALL_DEEP, unique=False)
+    assert test == deep and all(cd.backtracks(p, 2) for p in train)
+    assert not {key(p) for p in train} & {key(p) for p in small}
 
 
 # ---------------------------------------------------------------------------------------
