@@ -1,14 +1,15 @@
 """Build the tiny reasoners shipped in tiny/ (Countdown) and tiny-math/ (word problems): traces,
 a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on the CPU.
 
-    python scripts/make_tiny.py              # rebuild tiny/ (about 25 minutes on one core)
+    python scripts/make_tiny.py              # rebuild tiny/ (about 35 minutes on one core)
     python scripts/make_tiny.py --task math  # rebuild tiny-math/ (about 15 minutes on one core)
     python scripts/make_tiny.py --steps 300 --out runs/tiny-smoke
-    python scripts/make_tiny.py --shuffle-order 0.25 --digit-tag --max-new-tokens 64 --out runs/tiny-mixed
+    python scripts/make_tiny.py --shuffle-order 0 --no-digit-tag --out runs/tiny-canonical  # tiny/ before 2026-11
 
 Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs the
-prompt's target; a bare `back`, shifted prompt layouts and the target restated with probability RESTATE make
-what a cache must keep more than the one fact a hand-written rule knows about (docs/departures.md). Math:
+prompt's target, its moves tried in a shuffled order half the time (the order is what RL improves); a bare
+`back`, shifted prompt layouts and the target restated with probability RESTATE make what a cache must keep
+more than the one fact a hand-written rule knows about (docs/departures.md). Math:
 mathtask.py's demo word problems, solved step by step (mathtask.demo_trace). With the same flags, torch
 (2.13.0, CPU wheel) and kind of CPU it writes the same files byte for byte: tiny/ and tiny-math/ are the
 defaults of each task.
@@ -42,12 +43,14 @@ from lib.scoring import roll_out_and_score
 from lib.settings import add_flags
 from lib.tasks import TASK_REWARD, prompt_encoder
 
-# The default run of `python train.py --task countdown` on this model (tiny/ngc.json): δ, b, w and lengths scaled
-# to its traces (prompts of 18 tokens, full-cache completions ~110, capped at 256); lr and the normaliser screened.
+# The default run of `python train.py --task countdown` on this model (tiny/ngc.json): the searches that must leave
+# their first pair, capped at 96 tokens (prompts of 18; δ = 20, so the first round follows the prompt); 8 x 16
+# rollouts, τ = 0.25 and ε -> 0.55 (2.4x on the no-evict model's completions), as results/toy's screen chose.
 TINY_RUN = dict(
-    task="countdown", prompt="tiny-shift", difficulty="tiny-back", train_problems=20_000, eval_problems=200, seed=0,
-    steps=60, prompts=16, group=8, max_new_tokens=256, temperature=1.0, top_k=0,
-    delta=24, block=4, window=4, retention="0.9,0.7,0.5", stage_steps=10, alpha=0.6, mem_norm="joint",
+    task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000, eval_problems=142, seed=0,
+    steps=60, prompts=8, group=16, max_new_tokens=96, temperature=1.0, top_k=0,
+    delta=20, block=4, window=4, retention="0.9,0.7,0.45", stage_steps=10, alpha=0.6, mem_norm="joint",
+    interoception_rates="0.35,0.55,0.75", eviction_temperature=0.25,
     lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
 )
 # The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set: prompts of
@@ -60,7 +63,8 @@ MATH_RUN = dict(
     eval_max_new_tokens=128, eval_samples=None,  # eval.py: greedy, as for tiny/
 )
 MATH_BUILD = dict(  # --task math's defaults where they differ: a smaller model, more steps of smaller batches
-    out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000)
+    out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
+    shuffle_order=0.0, digit_tag=False)
 RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]` or a `back`
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 ONE_TOKEN_RATES = [f"{n}%" for n in range(101)] + ["-%"]  # the budget tag's rate as one token (`-%`: blind)
@@ -190,10 +194,10 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--ffn", type=int, default=512, help="MLP intermediate size")
     ap.add_argument("--n-test", type=int, default=500, help="held-out problems to evaluate on")
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
-    ap.add_argument("--shuffle-order", type=float, default=0.0, help="Countdown: the probability that a trace tries "
-                    "its moves in a shuffled order (default 0: tiny/'s)")
-    ap.add_argument("--digit-tag", action="store_true", help="Countdown: the budget tag's rate as digits, `4 2 %%` "
-                    "(default: one token, `42%%`)")
+    ap.add_argument("--shuffle-order", type=float, default=0.5, help="Countdown: the probability that a trace tries "
+                    "its moves in a shuffled order (default 0.5: tiny/'s)")
+    ap.add_argument("--digit-tag", action=argparse.BooleanOptionalAction, default=True, help="Countdown: the budget "
+                    "tag's rate as digits, `4 2 %%` (tiny/'s), or with --no-digit-tag as one token, `42%%`")
     ap.add_argument("--max-new-tokens", type=int, help="the run's completion cap in ngc.json (default: the task's)")
     ap.add_argument("--delta", type=int, help="the run's δ in ngc.json (default: the task's)")
     ap.add_argument("--retention", help="the run's curriculum in ngc.json; the evaluation's ε is 1 - its last")

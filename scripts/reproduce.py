@@ -1,10 +1,11 @@
 """Reproduce the paper's Countdown comparisons (§5, Figures 3-6) on the shipped tiny model.
 
-    python scripts/reproduce.py                 # everything, one seed, into results/back/
+    python scripts/reproduce.py                 # everything, one seed, into results/deep/
     python scripts/reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
     python scripts/reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
-    python scripts/reproduce.py --seeds 3 --interoception-seeds 1 --jobs 2   # RESULTS §0's claims on tiny/
+    python scripts/reproduce.py --seeds 3 --ablation-seeds 1 --interoception-seeds 1 --jobs 2 \
+        --train-args '--steps 120 --eval-every 0'   # RESULTS §0's claims on tiny/ (about 2 hours)
 
 It trains the runs of RUNS from --model (seeds 0..N-1, into OUT/runs/<name>[-seed<k>], each unless finished),
 scores them with eval.py into OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the
@@ -43,7 +44,7 @@ RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", 
         "interoception-blind": ["--interoception", "--blind-tag"]}
 CURVE = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]  # the curve's rates, with ε* among them
 TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
-STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/back/baselines.jsonl)
+STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/deep/baselines.jsonl)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
 NOT_IN_TRAIN_ARGS = ("model", "out", "resume", "overwrite", "seed")  # reproduce.py sets these per run
 STOP_WAIT = 300  # seconds a stopped train.py may take to save its step
@@ -397,7 +398,7 @@ def run_studies(args):
 
 def parse_args(argv):
     p = parser(__doc__)
-    p.add_argument("--out", default=os.path.join("results", "back"), help="output directory (default results/back)")
+    p.add_argument("--out", default=os.path.join("results", "deep"), help="output directory (default results/deep)")
     settings.add_flags(p, None, ["model"], {"model": "the starting checkpoint (default: tiny/)"})
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")

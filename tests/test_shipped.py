@@ -136,11 +136,12 @@ def _tag(tok, rate, blind=False):
 
 
 def test_the_budget_tag_writes_its_rate_tens_then_units():
-    """A vocabulary built for the digit tag (make_tiny.py --digit-tag) reads ε = 0.42 as the integer
-    tokens 4 and 2, so that rates are ordered as their tokens are (tens, then units); blind: as many
-    tokens, no digit; every whole percent in [0, 1] is written, 1 as `10 0`, and nothing else."""
+    """A vocabulary built for the digit tag (make_tiny.py's default, tiny/'s) reads ε = 0.42 as the
+    integer tokens 4 and 2, so that rates are ordered as their tokens are (tens, then units); blind: as
+    many tokens, no digit; every whole percent in [0, 1] is written, 1 as `10 0`, and nothing else."""
     tok = build_tokenizer(make_tiny.DIGIT_TAG_WORDS)
     assert tok.token_to_id("50%") is None and tok.token_to_id("-%") is None
+    assert load_tokenizer(TINY_DIR).get_vocab() == tok.get_vocab()
     assert _tag(tok, 0.42) == ["<eviction_rate>", "4", "2", "%", "</eviction_rate>"]
     assert _tag(tok, 0.42, blind=True) == ["<eviction_rate>", "-", "-", "%", "</eviction_rate>"]
     half, three_quarters = _tag(tok, 0.5), _tag(tok, 0.75)
@@ -158,14 +159,14 @@ def test_the_budget_tag_writes_its_rate_tens_then_units():
 
 
 def test_a_vocabulary_built_for_the_one_token_tag_keeps_it_and_one_for_neither_is_refused():
-    """The tag follows what the tokenizer spells: tiny/'s (built for `50%`) reads one token and the
-    blind `-%`, at the same length; a vocabulary without `50%` reads digits; one with the tag that
-    spells neither form (here without `%`) is a one-line ValueError, which the runs' prompt check
-    raises too; one without the tag at all (tiny-math/'s words, a test's) is left alone."""
-    shipped = load_tokenizer(TINY_DIR)
-    assert _tag(shipped, 0.42) == ["<eviction_rate>", "42%", "</eviction_rate>"]
-    assert _tag(shipped, 0.42, blind=True) == ["<eviction_rate>", "-%", "</eviction_rate>"]
-    assert _tag(shipped, 1.0) == ["<eviction_rate>", "100%", "</eviction_rate>"]
+    """The tag follows what the tokenizer spells: one built for `50%` (make_tiny.py --no-digit-tag, the
+    earlier tiny/'s) reads one token and the blind `-%`, at the same length; a vocabulary without `50%`
+    reads digits; one with the tag that spells neither form (here without `%`) is a one-line ValueError,
+    which the runs' prompt check raises too; one without the tag at all (tiny-math/'s words) is left alone."""
+    one_token = build_tokenizer(make_tiny.WORDS)
+    assert _tag(one_token, 0.42) == ["<eviction_rate>", "42%", "</eviction_rate>"]
+    assert _tag(one_token, 0.42, blind=True) == ["<eviction_rate>", "-%", "</eviction_rate>"]
+    assert _tag(one_token, 1.0) == ["<eviction_rate>", "100%", "</eviction_rate>"]
     cd.encode(build_tokenizer(make_tiny.MATH_WORDS), cd.Problem((3, 5, 2), 16), "tiny-shift", 0.42)
     neither = build_tokenizer([w for w in make_tiny.DIGIT_TAG_WORDS if w != "%"])
     with pytest.raises(ValueError, match="the tokenizer spells neither form of the budget tag") as err:
@@ -174,8 +175,8 @@ def test_a_vocabulary_built_for_the_one_token_tag_keeps_it_and_one_for_neither_i
     run = replace(settings.run_defaults(TINY_DIR), interoception=True)
     with pytest.raises(ValueError, match="spells neither form"):
         tasks.check_prompts(run, neither, "a build without %", [tasks.SAMPLE])
-    tasks.check_prompts(run, shipped, TINY_DIR, [tasks.SAMPLE])  # the controls: both forms pass
-    tasks.check_prompts(run, build_tokenizer(make_tiny.DIGIT_TAG_WORDS), "a digit-tag build", [tasks.SAMPLE])
+    tasks.check_prompts(run, one_token, "a one-token build", [tasks.SAMPLE])  # the controls: both forms pass
+    tasks.check_prompts(run, load_tokenizer(TINY_DIR), TINY_DIR, [tasks.SAMPLE])
     assert cd.encode(neither, cd.Problem((3, 5, 2), 16), "tiny-shift")  # no tag, no check
 
 
@@ -234,8 +235,9 @@ def test_a_share_shuffle_of_traces_tries_another_first_move(shuffle):
 
 def test_an_unshuffled_trace_is_todays_and_draws_nothing_more(tmp_path):
     """shuffle = 0 writes the traces and draws the random numbers of trace(problem, restate, rng):
-    tiny/'s pretraining examples, pinned byte for byte (a digest of 2,000 of make_tiny's examples at
-    its defaults, taken before --shuffle-order existed), and its tokenizer is tiny/'s."""
+    the earlier tiny/'s pretraining examples, pinned byte for byte (a digest of 2,000 of make_tiny's
+    examples with its one-token tag, taken before --shuffle-order existed); tiny/'s tokenizer is the
+    digit tag's build, byte for byte."""
     rng, same = random.Random(4), random.Random(4)
     for q in cd.generate(300, 8, cd.SMALL):
         assert trace(q, 0.25, rng, shuffle=0.0) == trace(q, 0.25, same)
@@ -249,7 +251,7 @@ def test_an_unshuffled_trace_is_todays_and_draws_nothing_more(tmp_path):
 
     assert digest() == "bee4ae8b86940165893870e83c3b47712b34e523c1e602e287d5db1547ae1b92"
     assert digest(shuffle=0.01) != digest()  # the control: one shuffled trace in a hundred changes them
-    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    build_tokenizer(make_tiny.DIGIT_TAG_WORDS).save(str(tmp_path / "tokenizer.json"))
     assert (tmp_path / "tokenizer.json").read_bytes() == open(os.path.join(TINY_DIR, "tokenizer.json"), "rb").read()
 
 
@@ -340,15 +342,15 @@ def test_held_out_set_is_disjoint_from_pretraining_and_from_every_runs_training(
     """One held-out set for every seed: none of its problems is among the 300,000 tiny/ was
     pretrained on (make_tiny.py's split at its defaults) nor among any seed's training problems
     (train.py's, tasks.load_problems), as a set intersection over canonical problem keys. The
-    default run evaluates on the problems of it whose search goes back (--difficulty tiny-back)."""
+    default run evaluates on the problems of it whose search must leave its first pair (tiny-deep)."""
     pretrain, test = split_problems(0, 500)  # make_tiny.py's defaults: --seed 0 --n-test 500
     held, pretrained = {cd._key(p) for p in test}, {cd._key(p) for p in pretrain}
     assert len(held) == len(test) == 500 and not held & pretrained
     shipped = settings.run_defaults(TINY_DIR)
-    assert shipped.difficulty == "tiny-back"
+    assert shipped.difficulty == "tiny-deep"
     for seed in (0, 1, 2):
         train, seed_test = tasks.load_problems(replace(shipped, seed=seed))
-        assert seed_test == [p for p in test if cd.backtracks(p)][:shipped.eval_problems]
+        assert seed_test == [p for p in test if cd.backtracks(p, depth=2)][:shipped.eval_problems]
         assert not held & {cd._key(p) for p in train}
     # Negative control: the earlier held-out problems of seed 1 (the first 200 of its own stream)
     # are mostly problems tiny/ was pretrained on, and the check sees it.
@@ -463,7 +465,7 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
                 "--group", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-every", "1"])
     printed = capsys.readouterr().out
     assert "model " + TINY_DIR in printed and f"δ={TINY_RUN['delta']}" in printed
-    assert "ε = 0.5, pass@1 (greedy top-K)" in printed and "peak-KV reduction" in printed
+    assert "ε = 0.55, pass@1 (greedy top-K)" in printed and "peak-KV reduction" in printed
     steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
     assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny-shift"
@@ -488,8 +490,10 @@ def test_blind_tag_is_interoception_without_the_rate(tmp_path, monkeypatch):
     tok = load_tokenizer(TINY_DIR)
     for a, b, rate in zip(tagged, blind, rates.tolist()):
         changed = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-        assert len(a) == len(b) and changed == [len(a) - 2]  # <eviction_rate> RATE% </eviction_rate>
-        assert tok.decode([a[-2]]) == f"{round(100 * rate)}%" and tok.decode([b[-2]]) == "-%"
+        assert len(a) == len(b) and changed == [len(a) - 4, len(a) - 3]  # <eviction_rate> TENS UNITS % ...
+        pct = round(100 * rate)
+        assert tok.decode(a[-5:]) == f"<eviction_rate> {pct // 10} {pct % 10} % </eviction_rate>"
+        assert tok.decode(b[-5:]) == "<eviction_rate> - - % </eviction_rate>"
 
 
 # ---------------------------------------------------------------------------------------
