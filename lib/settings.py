@@ -111,7 +111,8 @@ HELP = {  # train.py's flags, by --help group (None: the first, ungrouped)
         fsdp="under torchrun: shard the model, gradients and optimizer state across the processes (FSDP2)"),
     "task and run": dict(
         task="countdown (generated problems) or math (DAPO-17k from --data, AIME/AMC from --eval-data)",
-        prompt="prompt style", difficulty="problem generator preset (tiny-back: searches that go back; tiny-deep: past the first pair)",
+        prompt="prompt style",
+        difficulty="problem generator preset (tiny-back: searches that go back; tiny-deep: past the first pair)",
         train_problems="training problems (drawn for countdown, the first N of --data)",
         data="math: training problems, .jsonl or .parquet (DAPO-Math-17k layout)",
         eval_data="math: held-out problems, .jsonl or .parquet (AIME/AMC layout)",

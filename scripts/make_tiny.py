@@ -45,7 +45,7 @@ from lib.tasks import TASK_REWARD, prompt_encoder
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): the searches that must leave
 # their first pair, capped at 96 tokens (prompts of 18; δ = 20, so the first round follows the prompt); 8 x 16
-# rollouts, τ = 0.25 and ε -> 0.55 (2.4x on the no-evict model's completions), as results/toy's screen chose.
+# rollouts, τ = 0.25 and ε -> 0.55, just stricter than ε* = 0.51 (results/deep/budget.json), as results/toy chose.
 TINY_RUN = dict(
     task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000, eval_problems=142, seed=0,
     steps=60, prompts=8, group=16, max_new_tokens=96, temperature=1.0, top_k=0,

@@ -27,23 +27,22 @@ def n_tokens(text):
     return len(tokenizer.encode(text).ids)
 
 
+class FixedOrder:
+    """Stands in for trace's rng with shuffle=1: every shuffle it asks for returns `pairs`' order of the pairs
+    and `ops`' order of a first move's operations, so countdown.trace writes that fixed order's search."""
+    def __init__(self, pairs, ops):
+        self.pairs, self.ops = list(pairs), ops
+
+    def random(self):
+        return 0.0  # below shuffle = 1: the order is drawn, i.e. fixed here
+
+    def sample(self, xs, k):
+        key = self.pairs.index if xs[0] in self.pairs else (lambda move: self.ops.index(move[0]))
+        return sorted(xs, key=key)
+
+
 def fixed_order_trace(p, pairs, ops):
-    """countdown.trace with the pairs tried in `pairs`' order and each first move's ops in `ops`'."""
-    nums, out = sorted(p.nums, reverse=True), [cd.numbers(sorted(p.nums, reverse=True))]
-    for i, j in pairs:
-        a, b, c = nums[i], nums[j], nums[3 - i - j]
-        for op, v in sorted(cd.moves(a, b), key=lambda m: ops.index(m[0])):
-            out.append(f"{a} {op} {b} = {v} {cd.numbers([v, c])}")
-            for op2, w in cd.moves(max(v, c), min(v, c)):
-                if w > cd.MAX_LEAF:
-                    continue
-                if w != p.target:
-                    out.append(f"{op2} {w} no")
-                    continue
-                inner = f"( {a} {op} {b} )"
-                expr = f"{inner} {op2} {c}" if v >= c else f"{c} {op2} {inner}"
-                return " ".join(out + [f"{op2} {w} yes <answer> {expr} </answer>"])
-            out.append("back")
+    return cd.trace(p, rng=FixedOrder(pairs, ops), shuffle=1.0)
 
 
 def fits(lengths):  # the share within each cap
