@@ -165,6 +165,8 @@ def flags(argv):
     p.add_argument("--tag", type=tag_flag, help="the budget tag in the evicting runs' prompts: rate, blind or a rate")
     p.add_argument("--problems", type=int, help="the first N held-out problems (default: the run's eval_problems)")
     p.add_argument("--base-model", help="the checkpoint whose full cache is the peak-KV reference (§5.1's c_base)")
+    p.add_argument("--run-settings", help="a checkpoint whose ngc.json replaces --model's (problems, cap, prompt, "
+                   "sampling): a starting model scored as a trained run is")
     p.add_argument("--out", help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
@@ -186,6 +188,10 @@ def run_settings(args) -> Settings:
             check_output_file(getattr(args, flag), f"--{flag}")
     args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
     c = run_defaults(args.model, args.task)  # another task than ngc.json's: its recipe has no prompts for it
+    if args.run_settings:
+        if not os.path.isfile(os.path.join(args.run_settings, "ngc.json")):
+            raise ValueError(f"--run-settings {args.run_settings} has no ngc.json: give a run's checkpoint directory")
+        c = replace(run_defaults(args.run_settings, c.task, "--run-settings"), model=args.model)
     for flag, task in TASK_FLAGS.items():
         if getattr(args, flag) is not None and c.task != task:
             raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; this evaluation's task is {c.task}")

@@ -183,13 +183,15 @@ def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
 
 def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
     """eval.py's rows of the run's checkpoint at one seed against the same seed's no-evict model (reused where
-    the same argv was evaluated after the checkpoints were written)."""
+    the same argv was evaluated after the checkpoints were written); --model itself under that model's settings,
+    so that --train-args' problems and cap hold for the untrained rows too."""
     os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
     path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
     model, base = checkpoint_of(args, run, seed), checkpoint_of(args, "no-evict", seed)
     argv = ["--model", model, "--policy", *policies, "--batch-size", "250", "--eviction-rate", *map(str, rates),
             "--out", path, "--samples", str(args.samples), *flags]
     argv += ["--base-model", base] if base != model else []
+    argv += ["--run-settings", base] if run == UNTRAINED else []  # the trained runs' problems, cap and prompt
     argv += ["--problems", str(args.problems)] if args.problems else []
     if not evaluated(path, argv, [model, base]):
         say(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")

@@ -88,6 +88,8 @@ def test_cli_base_model_is_the_reference_of_every_row(train_ckpt, tmp_path, caps
     assert none["base_length"] == ngc["base_length"] and len(none["full_cache_entries"]) == 2
     assert one_line_error(lambda: evaluation.main(["--model", train_ckpt, "--base-model", str(tmp_path / "nothing"),
                                                    "--problems", "2"])).startswith("error: ")
+    assert one_line_error(lambda: evaluation.main(["--model", train_ckpt, "--run-settings", base])) == (
+        f"error: --run-settings {base} has no ngc.json: give a run's checkpoint directory")
 
 
 def test_pass_at_k_matches_its_closed_form():

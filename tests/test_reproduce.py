@@ -1,6 +1,7 @@
 """reproduce.py: the runs it trains and reuses, its curves and tables, the claims."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -252,6 +253,25 @@ def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
         "token-only-seed1", "targeted-dropout", "targeted-dropout-seed1", "interoception", "interoception-blind"])
     assert runs[os.path.join("runs", "interoception-blind")] == ["--interoception", "--blind-tag", "--seed", "0"]
     assert not any("interoception" in name for name in reproduce.study_runs(1, 1, 0))  # --no-interoception
+
+
+def test_reproduce_scores_the_untrained_model_on_the_trained_runs_problems_and_cap(train_ckpt, tmp_path):
+    """--train-args that change the held-out set or the cap reach the trained runs' ngc.json, not --model's: the
+    untrained rows are scored under the seed-0 no-evict run's settings (3 problems, 10 new tokens here, against
+    --model's 4 and 24), while a trained run keeps its own."""
+    base = tmp_path / "runs" / "no-evict" / "checkpoint"
+    shutil.copytree(train_ckpt, base)
+    (base / "ngc.json").write_text(json.dumps(json.loads((base / "ngc.json").read_text()) |
+                                              {"eval_problems": 3, "max_new_tokens": 10}))
+    args = reproduce.parse_args(["--model", train_ckpt, "--out", str(tmp_path), "--samples", "1"])
+    untrained = reproduce.eval_seed(args, "untrained", reproduce.UNTRAINED, ["none"], [0.5], [], 0)[0]
+    assert untrained["problems"] == 3 and 0 < untrained["length"] <= 10
+    # Negative control: the same evaluation without --run-settings (the old argv) reads --model's ngc.json.
+    evaluation.main(["--model", train_ckpt, "--policy", "none", "--samples", "1", "--out", str(tmp_path / "own.jsonl")])
+    own = json.loads((tmp_path / "own.jsonl").read_text())
+    assert own["problems"] == 4 and own["length"] > 10
+    trained = reproduce.eval_seed(args, "reference", "no-evict", ["none"], [0.5], [], 0)[0]
+    assert trained["problems"] == 3
 
 
 def test_reproduce_reuses_an_evaluation_only_for_the_same_arguments_after_the_checkpoint(tmp_path):
