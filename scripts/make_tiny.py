@@ -44,14 +44,15 @@ from lib.settings import add_flags
 from lib.tasks import TASK_REWARD, prompt_encoder
 
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): the searches that must leave
-# their first pair, capped at 96 tokens (prompts of 18; δ = 20, so the first round follows the prompt); 8 x 16
-# rollouts, τ = 0.25 and ε -> 0.55, just stricter than ε* = 0.51 (results/deep/budget.json), as results/toy chose.
+# their first pair, capped at 96 tokens (prompts of 18; δ = 20, so the first round follows the prompt); 120 steps
+# of 8 x 8 rollouts, τ = 0.25 and ε -> 0.55, just stricter than ε* = 0.51 (results/deep/budget.json), as results/toy
+# chose (its last section: at equal rollouts 8 x 8 for 120 steps kept more than 8 x 16 for 60).
 TINY_RUN = dict(
     task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000, eval_problems=142, seed=0,
-    steps=60, prompts=8, group=16, max_new_tokens=96, temperature=1.0, top_k=0,
+    steps=120, prompts=8, group=8, max_new_tokens=96, temperature=1.0, top_k=0,
     delta=20, block=4, window=4, retention="0.9,0.7,0.45", stage_steps=10, alpha=0.6, mem_norm="joint",
     interoception_rates="0.35,0.55,0.75", eviction_temperature=0.25,
-    lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=60, eval_batch=200, save_every=10,
+    lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32, eval_every=120, eval_batch=200, save_every=10,
 )
 # The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo set: prompts of
 # 29-33 tokens, completions of 22-80, so the first round comes as the question ends (δ = 32) and c must outlive it.
