@@ -4,8 +4,8 @@
     python scripts/reproduce.py --seeds 3       # three seeds of every run: mean ± spread in every table (about 3 hours)
     python scripts/reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
-    python scripts/reproduce.py --seeds 3 --ablation-seeds 1 --interoception-seeds 1 --jobs 2 \
-        --train-args '--steps 120 --eval-every 0'   # RESULTS §0's claims on tiny/ (about 2 hours)
+    python scripts/reproduce.py --seeds 3 --jobs 2 --train-args '--group 16 --eval-every 0'
+                                                # RESULTS §0's claims on tiny/ (about 2.5 hours)
 
 It trains the runs of RUNS from --model (seeds 0..N-1, into OUT/runs/<name>[-seed<k>], each unless finished),
 scores them with eval.py into OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the
