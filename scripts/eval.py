@@ -165,8 +165,8 @@ def flags(argv):
     p.add_argument("--tag", type=tag_flag, help="the budget tag in the evicting runs' prompts: rate, blind or a rate")
     p.add_argument("--problems", type=int, help="the first N held-out problems (default: the run's eval_problems)")
     p.add_argument("--base-model", help="the checkpoint whose full cache is the peak-KV reference (§5.1's c_base)")
-    p.add_argument("--run-settings", help="a checkpoint whose ngc.json replaces --model's (problems, cap, prompt, "
-                   "sampling): a starting model scored as a trained run is")
+    p.add_argument("--run-settings", help="score --model under this checkpoint's ngc.json instead of its own (held-out "
+                   "problems, cap, prompt, sampling): a starting model on a trained run's problems")
     p.add_argument("--out", help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")

@@ -183,8 +183,8 @@ def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
 
 def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
     """eval.py's rows of the run's checkpoint at one seed against the same seed's no-evict model (reused where
-    the same argv was evaluated after the checkpoints were written); --model itself under that model's settings,
-    so that --train-args' problems and cap hold for the untrained rows too."""
+    the same argv was evaluated after the checkpoints were written). The untrained rows score --model under that
+    no-evict model's settings, so that --train-args' problems and cap hold for them too."""
     os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
     path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
     model, base = checkpoint_of(args, run, seed), checkpoint_of(args, "no-evict", seed)
