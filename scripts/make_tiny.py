@@ -46,7 +46,7 @@ from lib.tasks import TASK_REWARD, prompt_encoder
 # The default run of `python train.py --task countdown` on this model (tiny/ngc.json): the searches that must leave
 # their first pair, capped at 96 tokens (prompts of 18; δ = 20, so the first round follows the prompt); 120 steps
 # of 8 x 8 rollouts, τ = 0.25 and ε -> 0.55, just stricter than ε* = 0.51 (results/deep/budget.json), as results/toy
-# chose (its last section: at equal rollouts 8 x 8 for 120 steps kept more than 8 x 16 for 60).
+# chose (rows.md, the default run's steps and group shape: at equal rollouts 8 x 8 for 120 steps kept more).
 TINY_RUN = dict(
     task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000, eval_problems=142, seed=0,
     steps=120, prompts=8, group=8, max_new_tokens=96, temperature=1.0, top_k=0,
