@@ -347,8 +347,8 @@ def studies_of(args, budget, stricter) -> list[tuple]:
                   for tag in ("0.25", "blind")]  # does the model read the tag? The same ε, another tag
     unseen = countdown.SHIFTED.get(settings.run_defaults(args.model).prompt)  # None: a prompt of one layout
     if unseen:
-        table += [("shifted-ngc", "shifted-ngc", "ngc", both, [budget], ["--prompt", unseen], full,
-                   f"6. Prompt layouts never used in training ({unseen}): NGC"),
+        table += [("shifted-ngc", "shifted-ngc", "ngc", [*both, "oracle"], [budget], ["--prompt", unseen], full,
+                   f"6. Prompt layouts never used in training ({unseen}): NGC and the oracle"),
                   ("shifted-untrained", "shifted-untrained", UNTRAINED, both, [budget], ["--prompt", unseen], 1,
                    "6. The same layouts: the starting model"),
                   ("shifted-baselines", "shifted-baselines", "no-evict", ["none", *STRONGEST, *RULES],
