@@ -169,7 +169,8 @@ def flags(argv):
                    "problems, cap, prompt, sampling): a starting model on a trained run's problems")
     p.add_argument("--out", help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
-    p.add_argument("--batch-size", type=int, default=64, help="rollouts per batch (default 64)")
+    p.add_argument("--batch-size", type=int, help="rollouts per batch (default: the run's eval_batch, so that a "
+                   "checkpoint draws the samples train.py's evaluation drew: the noise depends on the batch)")
     add_flags(p, None, ["model", "device", "dtype", "compile"] + RUN, HELPS, required=["model"])
     return p.parse_args(argv)
 
@@ -197,6 +198,7 @@ def run_settings(args) -> Settings:
             raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; this evaluation's task is {c.task}")
     c = replace(c, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
     args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
+    args.batch_size = args.batch_size or c.eval_batch
     for rate in args.eviction_rate:
         Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
     return c

@@ -21,7 +21,8 @@ import show
 import train
 
 from ngc import Eviction, Sampling, rollout
-from conftest import TRAIN_DEFAULTS, Reached, files_under, one_line_error, prompts_of, reached, write_checkpoint
+from conftest import (TRAIN_DEFAULTS, Reached, files_under, one_line_error, parity_reward, prompts_of, reached, run_train,
+                      write_checkpoint)
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,6 +147,24 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
     assert sampled["samples"] == 3 and set(sampled["pass_at_k"]) == {"1", "2", "3"}
     p = sampled["pass_at_k"]
     assert p["1"] == pytest.approx(sampled["accuracy"]) and p["1"] <= p["2"] <= p["3"] and p["3"] in (0, 0.5, 1)
+
+
+def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tmp_path, monkeypatch):
+    """A batch's noise depends on its size, so eval.py's default batch is the run's eval_batch: on a run's checkpoint
+    it draws the samples train.py's last evaluation drew and prints its pass@1, the full cache's and at the run's ε.
+    The control: another batch size draws other samples."""
+    flags = ["--steps", "1", "--eval-every", "1", "--eval-batch", "5", "--eval-samples", "4", "--eval-problems", "6"]
+    logged = [r["eval"] for r in run_train(train_ckpt, tmp_path / "run", *flags) if "eval" in r][-1]
+    monkeypatch.setitem(tasks.TASK_REWARD, "countdown", parity_reward)  # train.py's stand-in reward
+
+    def evaluated(*batch):
+        out = tmp_path / f"eval{len(batch)}.jsonl"
+        evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "--eviction-rate",
+                         "0.5", "--out", str(out), *batch])  # TRAIN_DEFAULTS' retention ends at 0.5
+        return [json.loads(line)["accuracy"] for line in out.read_text().splitlines()]
+
+    assert evaluated() == [logged["pass1_full"], logged["pass1"]]
+    assert evaluated("--batch-size", "64") != [logged["pass1_full"], logged["pass1"]]
 
 
 @pytest.mark.parametrize("flags, message", [
