@@ -59,10 +59,11 @@ def pass_at_k(n: int, c, k: int) -> float:
     return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
 
 
-def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=64, progress=True,
+def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=None, progress=True,
             compile=False, tag=None, base_model=None):
-    """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None: `model`)."""
-    n = samples or 1
+    """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None: `model`).
+    batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's noise depends on its size)."""
+    n, batch_size = samples or 1, batch_size or c.eval_batch
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
                         top_p=c.eval_top_p or c.top_p, greedy=samples is None,
                         meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
@@ -198,7 +199,6 @@ def run_settings(args) -> Settings:
             raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; this evaluation's task is {c.task}")
     c = replace(c, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
     args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
-    args.batch_size = args.batch_size or c.eval_batch
     for rate in args.eviction_rate:
         Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
     return c
