@@ -23,7 +23,7 @@ class Difficulty:
     n_nums: tuple[int, ...] = (3, 4)          # how many input numbers (chosen uniformly)
     num_range: tuple[int, int] = (1, 99)      # inclusive range of each input number
     target_range: tuple[int, int] = (10, 100) # inclusive range of the target
-    held_out: int = 1024                      # the held-out stream's problems (the paper's size)
+    held_out: int = 1536                      # the held-out pool: a third validation, 1,024 test
     backtracks: int = 0                       # only searches that go back: 1 past the first move,
                                               # 2 past the first pair (backtracks)
 
@@ -33,6 +33,8 @@ SMALL = Difficulty(n_nums=(3,), num_range=(1, 15), target_range=(10, 100), held_
 SMALL_BACK = replace(SMALL, backtracks=1)  # those of SMALL that go back: 278 of its 500 held out
 SMALL_DEEP = replace(SMALL, backtracks=2)  # those that leave the first pair: 142 of the 500
 HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
+VALIDATION_SEED = 1  # which third of the held-out pool is the validation split
+SPLITS = ("validation", "test")  # recipes are chosen on validation problems, claims report on test ones
 
 def backtracks(p, depth=1) -> bool:
     """Whether `trace`'s depth-first search over 3 numbers (first move: the two largest added) must
@@ -105,20 +107,26 @@ def generate(n, seed, difficulty=PAPER):
     """n problems, reproducible from seed, every one solvable (repeats possible)."""
     return list(itertools.islice(_problems(random.Random(seed), difficulty), n))
 
-def held_out(difficulty=PAPER):
+def held_out(difficulty=PAPER, split=None):
     """The held-out set, one for every seed: of the first difficulty.held_out distinct problems of
-    the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones)."""
+    the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones). split
+    "validation": a third of them, drawn with VALIDATION_SEED; "test": the rest; None: all, in order."""
     stream = _stream(random.Random(HELD_OUT_SEED), difficulty)
-    return [p for p in _take(stream, difficulty.held_out, unique=True) if _kept(p, difficulty)]
+    pool = [p for p in _take(stream, difficulty.held_out, unique=True) if _kept(p, difficulty)]
+    if split is None:
+        return pool
+    validation = set(random.Random(VALIDATION_SEED).sample(range(len(pool)), len(pool) // 3))
+    return [p for i, p in enumerate(pool) if (i in validation) == (split == "validation")]
 
-def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True):
-    """(train, test): the first n_test held-out problems, whatever the seed, and n_train from the
-    seed's own stream, none held out, distinct when unique (SMALL has only a few thousand distinct
-    problems: unique=False). With seed HELD_OUT_SEED, train is the stream after the held-out set."""
-    test = held_out(difficulty)
-    if n_test > len(test):
-        raise ValueError(f"--eval-problems {n_test}: the held-out set has {len(test)} problems")
-    skip = {_key(p) for p in test}
+def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True, split=None):
+    """(train, held-out): the first n_test problems of the held-out split (countdown.held_out),
+    whatever the seed, and n_train from the seed's own stream, none of the held-out set's, distinct
+    when unique (SMALL has only a few thousand distinct problems: unique=False). With seed
+    HELD_OUT_SEED, train is the stream after the held-out set."""
+    test = held_out(difficulty, split)
+    if n_test is not None and n_test > len(test):
+        raise ValueError(f"--eval-problems {n_test}: the held-out {split or 'set'} has {len(test)} problems")
+    skip = {_key(p) for p in held_out(difficulty)}
     return _take(_problems(random.Random(seed), difficulty), n_train, skip, unique), test[:n_test]
 
 def prompt_text(problem, eviction_rate=None, blind=False):

@@ -36,6 +36,7 @@ class Eviction:
     temperature: float = 1.0  # τ: sample over the block logits log s_j / τ (1: the paper's)
     greedy: bool = False  # the top K blocks (the paper's evaluation), else Gumbel-top-k (training)
     score: Callable | None = None  # a baseline's (ψ, keys, alive, Round) -> (N, S); None: ψ
+    log_blocks: bool = False  # a baseline's blocks ranked as ψ's are, log s_j / τ; else plain means
 
     def __post_init__(self):
         check_eviction(self.delta, self.block, self.window, self.rate, self.temperature)
@@ -101,11 +102,13 @@ class Rollout:
 @torch.no_grad()
 def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
             eviction: Eviction | None = None, rates=None, eos_ids=(), generator=None,
-            progress=False, compile=False) -> Rollout:
+            progress=False, compile=False, eviction_generator=None) -> Rollout:
     """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
     rates: per-row ε (B,) in place of eviction.rate (interoception); generator: a torch.Generator
-    for the token and Gumbel noise; compile: the decode step through torch.compile, same results."""
+    for the token noise, and the Gumbel noise unless eviction_generator is given (then token noise
+    and eviction draws vary apart); compile: the decode step through torch.compile, same results."""
     s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile)
+    s.eviction_generator = eviction_generator or generator
     logits = prefill(s)
     return finish(s, *decode_n_tokens(s, logits, eos_ids, progress))
 
@@ -116,7 +119,7 @@ class RolloutState:
     def __init__(self, model: Qwen2, prompts, sampling: Sampling, eviction: Eviction | None, rates,
                  generator, compile):
         self.model, self.sampling, self.eviction = model, sampling, eviction
-        self.generator = generator  # of the token and Gumbel noise
+        self.generator = self.eviction_generator = generator  # of the token and Gumbel noise
         self.meta = sampling.meta_token if eviction else None  # g; without eviction, no round
         check_rollout(prompts, self.meta, model.config.vocab_size, eviction, rates)
         B, L, device = len(prompts), model.config.num_hidden_layers, model.lm_head.weight.device
@@ -278,7 +281,7 @@ def fire_round(s: RolloutState, fired):
     if len(rows):
         at = s.eviction.score and Round(rows, None, None, None, s.tokens[rows], s.prompt_lens[rows])
         decided = eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows],
-                                 s.eviction, s.generator, at)
+                                 s.eviction, s.eviction_generator, at)
         s.rounds.append((rows, s.n_rounds[rows].clone(), *decided))
         s.n_rounds[rows] += 1
 
@@ -296,9 +299,10 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
         psi, logits, exists = round_logits(q, keys, seen, alive[:, None], ev)  # one round:
         psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb), (N, nb)
         ranking = logits
-        if ev.score is not None:  # a baseline: its own key score's plain block mean (may be < 0)
+        if ev.score is not None:  # a baseline: its own key score's block mean (may be < 0)
             own = ev.score(psi, keys, alive, at._replace(layer=layer, key_pos=kpos, query_pos=qpos))
-            ranking = torch.where(exists, block_means(own, alive, ev.block)[0], MISSING)
+            ranking = (log_block_logits(own, alive, ev.block)[0] / ev.temperature if ev.log_blocks
+                       else torch.where(exists, block_means(own, alive, ev.block)[0], MISSING))
         K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1-ε)N + ½⌋), N: blocks (§4.1)
         # σ (N, Kmax): the top K blocks, or a Gumbel-top-k sample (§4.3)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)

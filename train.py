@@ -257,7 +257,8 @@ def main(argv=None, reward_fn=None):
     minutes = (time.time() - t_start) / 60
     say(f"\ndone in {minutes:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
     if evals:
-        say(before_after(evals, rate, time.time() - t_start, len(test)))
+        split = "validation" if c.task == "countdown" else "held-out"  # tasks.load_problems
+        say(before_after(evals, rate, time.time() - t_start, len(test), split))
 
 
 # ---- The command line ----------------------------------------------------------------------------

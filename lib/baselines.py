@@ -1,9 +1,10 @@
 """The eviction baselines: the paper's heuristics (§5.1: SnapKV, KeyDiff, KNorm, StreamingLLM), random blocks,
-random completion blocks behind the prompt, hand-written rules for Countdown and an oracle that looks ahead.
+random completion blocks behind the prompt, hand-written rules for Countdown, an oracle that looks ahead, and
+the hindsight bound with its luck control.
 
 Each is a per-key score for the engine's eviction round, Eviction(score=...), in place of NGC's ψ: the round
 pools it to blocks by the mean and keeps the top K (greedy=True) or samples K by Gumbel-top-k with the block
-means as logits (greedy=False), with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D),
+means as logits (greedy=False; log_blocks: log s_j / τ, as NGC's ψ), with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D),
 alive (N, S), at: ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
 and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every policy (Given).
 """
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from ngc import Eviction, Rollout, attention_scores
 
 SNAPKV_KERNEL = 5
+BOUND_TEMPERATURE = 0.15  # the hindsight bound's draws: Gumbel-top-k over log(lookahead) / 0.15
+DRAWS = 16  # the hindsight bound's eviction draws per problem and sample (eval.py --draws)
 SINKS = 4
 TARGET_MARKER = "reach"  # the tiny prompt's word before the target
 
@@ -132,7 +135,9 @@ class Policy(NamedTuple):
     score: Callable | None  # the per-key score; None: NGC's ψ, or the one bind makes
     help: str  # its line in eval.py --help
     bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
-    kind: str = "agnostic"  # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle
+    kind: str = "agnostic"  # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle,
+    # bound (not a policy: a problem counts as solved if any of eval.py's --draws eviction draws solves it)
+    temperature: float | None = None  # Gumbel-top-k over log s_j / temperature (None: over the block means)
 
 
 def build(name: str, given: Given) -> Eviction:
@@ -140,7 +145,8 @@ def build(name: str, given: Given) -> Eviction:
     if p.kind == "rule" and given.task != "countdown":
         raise ValueError(f"--policy {name} keeps the block of a Countdown prompt's target; this evaluation's task is "
                          f"{given.task}: leave {name} out")
-    return replace(given.layout, greedy=p.greedy, score=p.bind(given) if p.bind else p.score)
+    logs = {} if p.temperature is None else dict(log_blocks=True, temperature=p.temperature)
+    return replace(given.layout, greedy=p.greedy, score=p.bind(given) if p.bind else p.score, **logs)
 
 
 def target_marker(given: Given) -> int:
@@ -184,6 +190,12 @@ POLICIES = {  # --policy name -> Policy, in eval.py --help's order
     "number-rule": Policy(True, None, "the same with the numbers: the blocks holding the prompt's target and "
                           "numbers, then the newest", bind=lambda given: number_rule(number_tokens(given)),
                           kind="rule"),
-    "oracle": Policy(True, None, "the blocks the full-cache rollout's next δ tokens attend to most (an upper "
-                     "bar)", bind=oracle, kind="oracle"),
+    "oracle": Policy(True, None, "the blocks the full-cache rollout's next δ tokens attend to most (a heuristic "
+                     "that sees the future, not an optimum)", bind=oracle, kind="oracle"),
+    "bound": Policy(False, None, f"the hindsight bound: solved if any of --draws eviction draws around the oracle's "
+                    f"scores (Gumbel-top-k over log attention / {BOUND_TEMPERATURE:g}, the token noise fixed) solves: "
+                    "an estimate from above of what schedules exist, not a policy", bind=oracle, kind="bound",
+                    temperature=BOUND_TEMPERATURE),
+    "luck": Policy(False, uniform, "the bound's luck control: the same --draws, each K blocks uniformly at random",
+                   kind="bound"),
 }

@@ -9,18 +9,23 @@ import countdown
 from ngc import Eviction, Sampling, rollout
 from lib import distributed
 
+DRAW_SEED = 1_000_003  # the hindsight bound's eviction draws: a generator per (batch, draw) seeded from here
+
 
 @torch.no_grad()
 def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
-                       generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None):
+                       generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None, draws=None):
     """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each (problems, samples),
     and the texts. policy: in place of eviction, policy(reference) -> each batch's Eviction, reference() rolling
-    out the batch's full cache from the same noise. Under torchrun each process rolls out every world-th job."""
+    out the batch's full cache from the same noise. draws (the hindsight bound): each batch rolls out `draws`
+    times from the same token noise, the evictions drawn from a generator of each draw's own; a rollout's reward
+    is 1 if any draw solved it (`draw_reward`: the mean over draws), the rest their means, the texts draw 0's.
+    Under torchrun each process rolls out every world-th job."""
     encode = encode or countdown.encode
     rank, world = distributed.rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]
     mine = jobs[rank::world]
-    results = []  # (reward, length, rounds, peak KV, text) per job of this process
+    results = []  # (reward, draw reward, length, rounds, peak KV, text) per job of this process
     for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
         chunk = mine[start:start + batch_size]
         prompts = [encode(tokenizer, p) for p in chunk]
@@ -30,17 +35,42 @@ def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, enco
             return rollout(model, prompts, sampling, None, eos_ids=model.config.eos_ids, generator=noise)
 
         ev = eviction if policy is None else policy(reference)
-        ro = rollout(model, prompts, sampling, ev, eos_ids=model.config.eos_ids, generator=generator,
-                     progress=desc is not None, compile=compile)
-        texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
-        results += zip([reward_fn(t, p) for t, p in zip(texts, chunk)], (ro.lengths - ro.prompt_lens).tolist(),
-                       ro.n_rounds.tolist(), ro.peak_kv.tolist(), texts)
+        outs = draw_rollouts(model, prompts, sampling, ev, generator, draws, rank * len(mine) + start, desc, compile)
+        texts = tokenizer.decode_batch(outs[0].completions(), skip_special_tokens=True)
+        rewards = torch.tensor([[reward_fn(t, p) for t, p in zip(tokenizer.decode_batch(
+            ro.completions(), skip_special_tokens=True), chunk)] for ro in outs])  # (draws, batch)
+        mean = lambda f: torch.stack([f(ro).double() for ro in outs]).mean(0).tolist()
+        results += zip(rewards.amax(0).tolist(), rewards.mean(0).tolist(),
+                       mean(lambda ro: ro.lengths - ro.prompt_lens), mean(lambda ro: ro.n_rounds),
+                       mean(lambda ro: ro.peak_kv), texts)
     results = distributed.gather_in_order(results, len(jobs))
-    columns = list(zip(*results)) or [()] * 5
+    columns = list(zip(*results)) or [()] * 6
     out = {k: torch.tensor(v, dtype=torch.float64).view(len(problems), samples)
-           for k, v in zip(("reward", "length", "rounds", "peak_kv"), columns)}
-    out["texts"] = [list(columns[4][i * samples:(i + 1) * samples]) for i in range(len(problems))]
+           for k, v in zip(("reward", "draw_reward", "length", "rounds", "peak_kv"), columns)}
+    out["texts"] = [list(columns[5][i * samples:(i + 1) * samples]) for i in range(len(problems))]
     return out
+
+
+def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_job: int, desc, compile):
+    """`draws` rollouts of one batch from the token noise `generator` holds now, each draw's evictions from a
+    generator seeded by (the batch's first job, the draw), left where draw 0 left it, so that the next batch's
+    token noise does not depend on the draws. draws None: one rollout, its evictions from `generator` too."""
+    if draws is None:
+        return [rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids, generator=generator,
+                        progress=desc is not None, compile=compile)]
+    device = model.lm_head.weight.device
+    start = None if generator is None else generator.get_state()
+    outs, after_first = [], None
+    for d in range(draws):
+        if start is not None:
+            generator.set_state(start)
+        evictions = torch.Generator(device).manual_seed(DRAW_SEED + first_job * draws + d)
+        outs.append(rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids, generator=generator,
+                            progress=desc is not None, compile=compile, eviction_generator=evictions))
+        after_first = after_first if d else (None if generator is None else generator.get_state())
+    if generator is not None:
+        generator.set_state(after_first)
+    return outs
 
 
 def kv_reduction(ref_peak, peak) -> float:
@@ -84,11 +114,11 @@ def eval_line(step, r, rate) -> str:
             f"tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
 
-def before_after(evals, rate, seconds, problems=None) -> str:
-    """The table train.py ends with: its first and last evaluation."""
+def before_after(evals, rate, seconds, problems=None, split="held-out") -> str:
+    """The table train.py ends with: its first and last evaluation, on `problems` of the `split`."""
     first, last = evals[0], evals[-1]
     pm = lambda r, k: f"{r[k]:6.1%} ± {100 * r[k + '_se']:.1f}" if k in r else f"{'':>12s}"
-    lines = [f"{f'held-out ({problems} problems)' if problems else 'held-out':32s} {'before':>12s} {'after':>12s}"]
+    lines = [f"{f'{split} ({problems} problems)' if problems else split:32s} {'before':>12s} {'after':>12s}"]
     if "pass1" in last:
         sampled = f"full cache, pass@1 ({last['samples']} samples)"
         lines += [f"{sampled:32s} {pm(first, 'pass1_full')} {pm(last, 'pass1_full')}",

@@ -39,7 +39,7 @@ class Settings:
     prompt: str | None = "plain"
     difficulty: str | None = "paper"
     train_problems: int | None = 327_680
-    eval_problems: int | None = 1024
+    eval_problems: int | None = None
     data: str | None = None
     eval_data: str | None = None
     question_field: str | None = None
@@ -145,7 +145,9 @@ HELP = {  # train.py's flags, by --help group (None: the first, ungrouped)
         mem_norm="L_mem's normaliser: paper (eq. 4: per rollout and layer the mean over its rounds) | joint (summed "
                  "over rounds and layers, / L_token's constant: the joint policy's gradient)"),
     "evaluation and checkpoints": dict(
-        eval_every="held-out evaluation every N steps (0: never)", eval_problems="held-out problems",
+        eval_every="held-out evaluation every N steps (0: never)",
+        eval_problems="held-out problems per evaluation: the first N of the split (train.py: validation; eval.py: "
+                      "test; default: all)",
         eval_batch="rollouts per evaluation batch",
         save_every="checkpoint every N steps (0: only at the end)",
         eval_samples="pass@1 over this many sampled completions per problem, evictions greedy top-K (§5.1); 0: greedy "

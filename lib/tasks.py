@@ -13,12 +13,13 @@ SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each
 
 def load_problems(c):
     """(training problems in the data seed's order, held-out problems) of settings c: Countdown's
-    generated, math's read from --data and --eval-data (a bad file is a one-line ValueError). The data
-    seed is --data-seed, else --seed."""
+    generated (held out: the validation split, which train.py evaluates on), math's read from --data
+    and --eval-data (a bad file is a one-line ValueError). The data seed is --data-seed, else --seed."""
     seed = c.seed if c.data_seed is None else c.data_seed
     if c.task == "countdown":
         difficulty = countdown.DIFFICULTIES[c.difficulty]
-        train, test = countdown.splits(seed, c.train_problems, c.eval_problems, difficulty, unique=False)
+        train, test = countdown.splits(seed, c.train_problems, c.eval_problems, difficulty, unique=False,
+                                       split="validation")
     else:
         train = mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems] if c.data else []
         test = (mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data else [])[: c.eval_problems]
@@ -26,16 +27,17 @@ def load_problems(c):
     return [train[i] for i in order], test
 
 
-def held_out(c, n: int | None = None) -> list:
-    """The first n held-out problems of a run with settings c (default: the run's eval_problems;
-    Countdown's held-out set has more), or a one-line ValueError."""
+def held_out(c, n: int | None = None, split: str = "validation") -> list:
+    """The first n problems (default: the run's eval_problems; None: all) of a run's held-out split,
+    or a one-line ValueError. Countdown: validation (what train.py evaluates on) or test, one set each
+    for every seed; math: --eval-data's problems for either split."""
     if c.task == "math" and not c.eval_data:  # a missing file: mathtask.load's message names it
         raise ValueError("--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet)")
-    if c.task == "countdown":  # one set for every seed, of which a run evaluates the first eval_problems
-        test = countdown.held_out(countdown.DIFFICULTIES[c.difficulty])
-        flag, k = ("--eval-problems", c.eval_problems) if n is None else ("--problems", n)
-        if k > len(test):
-            raise ValueError(f"{flag} {k}: the held-out set has {len(test)} problems")
+    flag, k = ("--problems", n) if n is not None else ("--eval-problems", c.eval_problems)
+    if c.task == "countdown":
+        test = countdown.held_out(countdown.DIFFICULTIES[c.difficulty], split)
+        if k is not None and k > len(test):
+            raise ValueError(f"{flag} {k}: the held-out {split} split has {len(test)} problems")
         return test[:k]
     test = load_problems(replace(c, train_problems=0, data=None))[1]
     if n is not None and n > len(test):

@@ -6,8 +6,9 @@
         knorm streamingllm --eviction-rate 0.5      # pass@1..32 at T=0.6, top-p 0.95, 3850 new tokens
     torchrun --nproc_per_node 8 scripts/eval.py --model DIR ...      # the problems split across 8 GPUs
 
-The problems are the held-out split of the run's settings (its ngc.json, else the task's recipe), whose
-values the flags shared with train.py replace. With --samples k: pass@1 = mean fraction correct (± 1 SE over
+The problems are the held-out test split of the run's settings (its ngc.json, else the task's recipe; --split
+validation: the problems recipes are chosen on, which train.py evaluates on), whose values the flags shared with
+train.py replace. With --samples k: pass@1 = mean fraction correct (± 1 SE over
 problems) and the unbiased pass@j for j = 1, 2, 4, ..., k, every run drawing its noise from the same seed.
 The peak-KV reduction (§5.1) is, averaged over problems, the full cache's peak KV entries (of --base-model,
 the paper's c_base, else of --model) over the policy's. One JSONL line per policy x rate (docs/evaluation.md).
@@ -22,6 +23,7 @@ from math import comb
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
+import countdown
 from ngc import Eviction, Sampling
 from lib import baselines, distributed
 from lib.checkpoint import META_TOKEN, load
@@ -60,9 +62,10 @@ def pass_at_k(n: int, c, k: int) -> float:
 
 
 def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=None, progress=True,
-            compile=False, tag=None, base_model=None):
+            compile=False, tag=None, base_model=None, draws=baselines.DRAWS):
     """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None: `model`).
-    batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's noise depends on its size)."""
+    batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's noise depends on its size).
+    draws: the eviction draws of the hindsight bound and its luck control per problem and sample."""
     n, batch_size = samples or 1, batch_size or c.eval_batch
     sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
                         top_p=c.eval_top_p or c.top_p, greedy=samples is None,
@@ -74,12 +77,13 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
         written = tag if isinstance(tag, float) else rate
         encode = prompt_encoder(c.task, c.prompt, written if tagged and evicts else None, blind)
         gen = torch.Generator(device=on.lm_head.weight.device).manual_seed(c.seed)
-        per_batch = evicts and baselines.POLICIES[name].kind == "oracle"  # it reads each batch's reference rollout
+        kind = baselines.POLICIES[name].kind if evicts else None
+        per_batch = kind in ("oracle", "bound")  # it reads each batch's reference rollout
         policy = lambda reference: make_eviction(name, c, rate, on, tokenizer, reference)
         return roll_out_and_score(on, tokenizer, problems, sampling, None if per_batch else policy(None), encode,
                                   TASK_REWARD[c.task], gen, n, batch_size,
                                   (f"{name} ε={rate:g}" if evicts else "no eviction") if progress else None, compile,
-                                  policy if per_batch else None)
+                                  policy if per_batch else None, draws if kind == "bound" else None)
 
     def row(name, rate):
         out = own if name == "none" else run(name, rate)
@@ -87,7 +91,9 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
              "accuracy": out["reward"].mean().item(), "se": standard_error(out["reward"]),
              "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
              "peak_kv": out["peak_kv"].mean().item(), "kv_reduction": kv_reduction(base["peak_kv"], out["peak_kv"]),
-             "base_length": base["length"].mean().item()}
+             "base_length": base["length"].mean().item(), "rewards": out["reward"].tolist()}
+        if name != "none" and baselines.POLICIES[name].kind == "bound":  # any of `draws` solved; one draw
+            r |= {"draws": draws, "draw_accuracy": out["draw_reward"].mean().item()}
         if name == "none":  # per problem, the entries one layer of the full cache held: peak(p, c, 0, δ) of §5.1
             r["full_cache_entries"] = (out["peak_kv"].mean(1) / model.config.num_hidden_layers).tolist()
         if samples:
@@ -164,7 +170,12 @@ def flags(argv):
                    help="ε values: the fraction of blocks evicted per round")
     p.add_argument("--samples", type=int, help="k sampled completions per problem; 0: greedy (default: the run's)")
     p.add_argument("--tag", type=tag_flag, help="the budget tag in the evicting runs' prompts: rate, blind or a rate")
-    p.add_argument("--problems", type=int, help="the first N held-out problems (default: the run's eval_problems)")
+    p.add_argument("--split", choices=countdown.SPLITS, default="test", help="Countdown's held-out split: test "
+                   "(default; claims report on it) or validation (train.py evaluates on it; recipes are chosen on it)")
+    p.add_argument("--problems", type=int, help="the first N problems of the split (default: the run's "
+                   "eval_problems, all if none)")
+    p.add_argument("--draws", type=int, default=baselines.DRAWS, help="eviction draws per problem and sample of "
+                   f"the policies bound and luck (default {baselines.DRAWS}); a draw costs one rollout")
     p.add_argument("--base-model", help="the checkpoint whose full cache is the peak-KV reference (§5.1's c_base)")
     p.add_argument("--run-settings", help="score --model under this checkpoint's ngc.json instead of its own (held-out "
                    "problems, cap, prompt, sampling): a starting model on a trained run's problems")
@@ -182,7 +193,7 @@ def run_settings(args) -> Settings:
     if bad:
         raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
     check_values(args, {"samples": lambda v: v >= 0 or "must be at least 0 (0: greedy tokens)",
-                        "problems": at_least(1), "batch_size": at_least(1)})
+                        "problems": at_least(1), "batch_size": at_least(1), "draws": at_least(1)})
     if args.plot:
         need("matplotlib", "--plot")
     for flag in ("out", "plot"):
@@ -223,7 +234,7 @@ def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
                        progress=rank == 0 and sys.stderr.isatty(), compile=bool(args.compile), tag=args.tag,
-                       base_model=base_model)
+                       base_model=base_model, draws=args.draws)
     distributed.stop()
     return None if rank else rows
 
@@ -233,7 +244,7 @@ def main(argv=None):
     args = flags(argv)
     with one_line_errors(ValueError, RuntimeError):  # every check (problems, device, load) before any rollout
         c = run_settings(args)
-        problems = held_out(c, args.problems)
+        problems = held_out(c, args.problems, args.split)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
         check_prompts(c, tokenizer, args.model, problems, model.config.max_position_embeddings,
                       c.eval_max_new_tokens or c.max_new_tokens)
@@ -245,7 +256,8 @@ def main(argv=None):
         return
     each = f"{args.samples} samples each" if args.samples else "greedy"
     base = f"{args.base_model}'s" if args.base_model else "its own"
-    print(f"{args.model}: {len(problems)} held-out problems, {each}; peak-KV reduction against {base} full cache "
+    split = args.split if c.task == "countdown" else "held-out"
+    print(f"{args.model}: {len(problems)} {split} problems, {each}; peak-KV reduction against {base} full cache "
           f"(completions of {rows[0]['base_length']:.1f} tokens on average)")
     print(table(rows))
     with writing():

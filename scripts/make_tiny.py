@@ -48,7 +48,7 @@ from lib.tasks import TASK_REWARD, prompt_encoder
 # of 8 x 8 rollouts, τ = 0.25 and ε -> 0.55, just stricter than ε* = 0.51 (results/deep/budget.json), as results/toy
 # chose (rows.md, the default run's steps and group shape: at equal rollouts 8 x 8 for 120 steps kept more).
 TINY_RUN = dict(
-    task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000, eval_problems=142, seed=0,
+    task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000, eval_problems=None, seed=0,
     steps=120, prompts=8, group=8, max_new_tokens=96, temperature=1.0, top_k=0,
     delta=20, block=4, window=4, retention="0.9,0.7,0.45", stage_steps=10, alpha=0.6, mem_norm="joint",
     interoception_rates="0.35,0.55,0.75", eviction_temperature=0.25,

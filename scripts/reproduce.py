@@ -8,13 +8,14 @@
                                                 # RESULTS §0's claims on tiny/ (about 2.5 hours)
 
 It trains the runs of RUNS from --model (seeds 0..N-1, into OUT/runs/<name>[-seed<k>], each unless finished),
-scores them with eval.py into OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md, summary.md, the
-figures and forgets.html. Every study is measured at ε*, the rate at which §5.1's peak formula gives a 2.4×
-reduction on the no-evict model's full-cache completions (OUT/budget.json), each peak-KV reduction against
-the same seed's no-evict model's full cache (§5.1's c_base). The studies (studies_of): 0. the claims;
-1. the baselines and the oracle (Figure 3, left); 2. the curve over ε (Figure 3, right; a rate is testable
-where the oracle on NGC's model solves at least 20%); 3. the ablations (Figure 5); 4. interoception against
-its blind-tag control (Figure 6); 6. prompt layouts never trained on.
+scores them with eval.py on the test split into OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md,
+summary.md, the figures and forgets.html. Every study is measured at ε*, the rate at which §5.1's peak formula
+gives a 2.4× reduction on the no-evict model's full-cache completions (OUT/budget.json), each peak-KV reduction
+against the same seed's no-evict model's full cache (§5.1's c_base). The studies (studies_of): 0. the claims;
+1. the baselines, the oracle and the hindsight bound on both models (Figure 3, left); 2. the curve over ε
+(Figure 3, right; a rate is testable where the hindsight bound on NGC's model solves at least 20%); 3. the
+ablations (Figure 5); 4. interoception against its blind-tag control and plain NGC (Figure 6); 6. prompt layouts
+never trained on.
 """
 import contextlib
 import json
@@ -42,7 +43,8 @@ from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown,
 RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
         "interoception-blind": ["--interoception", "--blind-tag"]}
-CURVE = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]  # the curve's rates, with ε* among them
+CURVE = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # the curve's rates, with ε* among them
+CURVE_DRAWS = 8  # the bound's draws over the curve (at ε*: baselines.DRAWS)
 TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
 STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/deep/baselines.jsonl)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
@@ -101,7 +103,8 @@ def check_runs(out, model, runs, jobs, extra):
             cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)
             argv = cmd[2:]  # after python and train.py
             now = settings.saved(train.resolve(train.parse_args(argv)))  # bad values: train.py's one-line errors
-            del now["threads"]  # threads change the bits, not the run
+            for name_ in ("threads", "eval_problems"):  # neither changes what the run trains on
+                del now[name_]
             recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back in place, as a resume would
             changed = os.path.isdir(checkpoint) and rundir.changed_settings(settings.read_ngc_json(checkpoint), now)
             if changed:
@@ -240,15 +243,17 @@ def evaluated(path, argv, models) -> bool:
 
 
 def over_seeds(rows):
-    """One row per (run, policy, ε): the means over seeds, accuracy_sd across seeds and accuracy_se (eval.error_bar)."""
+    """One row per (run, policy, ε): the means over seeds, accuracy_sd across seeds, accuracy_se (eval.error_bar)
+    and the rewards of each seed (seeds, problems, samples), which claims.py's intervals resample."""
     groups = {}
     for r in rows:
         groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
-    means = ("accuracy", "length", "rounds", "kv_reduction", "base_length")
+    means = ("accuracy", "length", "rounds", "kv_reduction", "base_length", "draw_accuracy")
     return [dict(run=run, policy=policy, eviction_rate=rate, problems=rs[0]["problems"], samples=rs[0]["samples"],
                  seeds=len(rs), **{k: statistics.fmean(r[k] for r in rs) for k in means if all(k in r for r in rs)},
                  accuracy_sd=statistics.stdev(r["accuracy"] for r in rs) if len(rs) > 1 else 0.0,
-                 accuracy_se=statistics.fmean(evaluation.error_bar(r) for r in rs))
+                 accuracy_se=statistics.fmean(evaluation.error_bar(r) for r in rs),
+                 **({"rewards": [r["rewards"] for r in rs]} if all("rewards" in r for r in rs) else {}))
             for (run, policy, rate), rs in groups.items()]
 
 
@@ -261,12 +266,12 @@ def markdown(rows) -> str:
                              f"{r['kv_reduction']:.2f}x |" for r in rows])
 
 
-def curve_markdown(rows, oracle) -> str:
-    """A line per (model, policy), a column per ε; the first line marks where `oracle` (its rows) is testable."""
+def curve_markdown(rows, bound) -> str:
+    """A line per (model, policy), a column per ε; the first line marks where `bound` (its rows) is testable."""
     rates = sorted({r["eviction_rate"] for r in rows if r["policy"] != "none"})
-    mark = {r["eviction_rate"]: "testable" if testable(r) else f"untestable ({r['accuracy']:.0%})" for r in oracle}
+    mark = {r["eviction_rate"]: "testable" if testable(r) else f"untestable ({r['accuracy']:.0%})" for r in bound}
     lines = ["| model | policy | " + " | ".join(f"ε = {e:g}" for e in rates) + " |", "|---|---|" + "---|" * len(rates),
-             f"| | oracle on NGC's model ≥ {TESTABLE:.0%}? | " + " | ".join(mark[e] for e in rates) + " |"]
+             f"| | hindsight bound on NGC's model ≥ {TESTABLE:.0%}? | " + " | ".join(mark[e] for e in rates) + " |"]
     for run, policy in dict.fromkeys((r["run"], r["policy"]) for r in rows if r["policy"] != "none"):
         at = {r["eviction_rate"]: r for r in rows if (r["run"], r["policy"]) == (run, policy)}
         lines.append(f"| {run} | {policy} | " + " | ".join(f"{cell(at[e])} ({at[e]['kv_reduction']:.2f}×)"
@@ -295,7 +300,8 @@ def curves(out, names, seeds, path):
 def figures(out, studies, ablation_seeds):
     """Figures 3 (right), 5 and 6: curve.png, ablations.png, interoception-vs-ngc.png."""
     curve = [dict(r, label=f"{r['policy']} ({'NGC' if r['run'] == 'ngc' else r['run']})")
-             for r in studies["baselines"][:1] + studies["curve"] + studies["curve-baselines"]]
+             for r in studies["baselines"][:1] + studies["curve"] + studies["curve-bound"]
+             + studies["curve-baselines"]]
     evaluation.plot(curve, os.path.join(out, "curve.png"))
     curves(out, ["ngc", "token-only", "targeted-dropout"], ablation_seeds, os.path.join(out, "ablations.png"))
     if "interoception" not in studies:
@@ -313,29 +319,37 @@ def figures(out, studies, ablation_seeds):
 
 
 # The command: train, evaluate each study, write the tables and figures
-def studies_of(args, budget, stricter) -> list[tuple]:
-    """(key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title); stricter: the curve's
-    rates stricter than the ngc run's final ε."""
+def studies_of(args, budget, below, beyond) -> list[tuple]:
+    """(key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title); below: the rate just
+    under ε*; beyond: the curve's rates stricter than the interoception run's. Every study reads the test split."""
     full, few, pair, both = args.seeds, args.ablation_seeds, args.interoception_seeds, ["none", "ngc"]
-    curve = sorted({*CURVE, budget})
+    curve, bounds = sorted({*CURVE, budget}), ["oracle", "bound", "luck"]
+    curve_draws = ["--draws", str(CURVE_DRAWS)]
     table = [("untrained", "untrained", UNTRAINED, both, [budget], [], 1,
               "0. Before training: the starting model's full cache, and NGC's scores untrained"),
-             ("baselines", "baselines", "no-evict", ["none", *BASELINES, "oracle"], [budget], [], full,
+             ("baselines", "baselines", "no-evict", ["none", *BASELINES, *bounds], [budget], [], full,
               f"1. The baselines at ε* = {budget:g} on the no-evict model (the paper's heuristics, random, "
-              "random-prompt, the task rules) and the oracle"),
-             ("ngc", "baselines-ngc", "ngc", ["none", "ngc", "oracle", *RULES, "random"], [budget], [], full,
-              "1. NGC on its own model, with the oracle and the strongest simple baselines there"),
+              "random-prompt, the task rules), the oracle, the hindsight bound and its luck control"),
+             ("ngc", "baselines-ngc", "ngc", ["none", "ngc", *BASELINES, *bounds], [budget], [], full,
+              "1. NGC on its own model, with every baseline, the oracle and the bound there"),
+             ("below", "below", "ngc", ["ngc"], [below], [], full,
+              f"1. NGC at ε = {below:g}, just under ε* (whole blocks: the reduction jumps between the two)"),
              ("greedy", "greedy", "ngc", both, [budget], ["--samples", "0"], full,
-              "1. Greedy tokens (the second column): NGC on its model"),
+              "1. Greedy tokens: NGC on its model"),
+             ("greedy-no-evict", "greedy-no-evict", "no-evict", ["none", "bound"], [budget], ["--samples", "0"], 1,
+              "1. Greedy tokens: the no-evict model's full cache and the bound on it (seed 0)"),
              ("curve", "curve", "ngc", ["ngc", "oracle"], curve, [], 1, "2. The curve over ε: NGC and the oracle on "
               "NGC's model (seed 0)"),
+             ("curve-bound", "curve-bound", "ngc", ["bound"], curve, curve_draws, 1,
+              f"2. The curve over ε: the hindsight bound on NGC's model ({CURVE_DRAWS} draws, seed 0; a rate is "
+              "testable where it solves 20%)"),
              ("curve-baselines", "curve-baselines", "no-evict", [*STRONGEST, *RULES], curve, [], 1,
               "2. The curve over ε: the strongest task-agnostic baselines and the task rules on the no-evict "
               "model (seed 0)")]
     table += [(run, f"ablation-{run}", run, both, [budget], [], few, f"3. Ablation: {run}")
               for run in ("token-only", "targeted-dropout")]
     if not args.no_interoception:
-        intero = sorted({budget, *stricter, TAG_CHECK})  # TAG_CHECK: the tag check compares with its row
+        intero = sorted({budget, *beyond, TAG_CHECK})  # TAG_CHECK: the tag check compares with its row
         table += [("interoception-ngc", "interoception-ngc", "ngc", ["ngc"], intero, [], pair,
                    "4. Plain NGC at the interoception rates"),
                   ("interoception", "interoception", "interoception", ["ngc"], intero, [], pair,
@@ -349,6 +363,8 @@ def studies_of(args, budget, stricter) -> list[tuple]:
     if unseen:
         table += [("shifted-ngc", "shifted-ngc", "ngc", [*both, "oracle"], [budget], ["--prompt", unseen], full,
                    f"6. Prompt layouts never used in training ({unseen}): NGC and the oracle"),
+                  ("shifted-no-evict", "shifted-no-evict", "no-evict", ["none"], [budget], ["--prompt", unseen], full,
+                   "6. The same layouts: the no-evict model's full cache, every share's denominator there"),
                   ("shifted-untrained", "shifted-untrained", UNTRAINED, both, [budget], ["--prompt", unseen], 1,
                    "6. The same layouts: the starting model"),
                   ("shifted-baselines", "shifted-baselines", "no-evict", ["none", *STRONGEST, *RULES],
@@ -368,18 +384,21 @@ def run_studies(args):
     train_all(args.out, args.model, args.jobs, runs, extra)
     rate = budget(args)
     trained = train.final_eviction_rate(settings.run_defaults(checkpoint_of(args, "ngc", 0)))  # the ngc run's ε
-    stricter = [e for e in CURVE if e > trained + 1e-9]
+    below = round(rate - 0.01, 2)  # budget_rate's step
+    tagged = None if args.no_interoception else settings.run_defaults(checkpoint_of(args, "interoception", 0))
+    training_rates = tagged and list(tagged.interoception_rates)  # the rates it trained on, at the end
+    beyond = [e for e in CURVE if e > max(training_rates or [1.0]) + 1e-9]
     studies, sections = {}, []
-    for key, name, *study, title in studies_of(args, rate, stricter):
+    for key, name, *study, title in studies_of(args, rate, below, beyond):
         studies[key] = evaluate(args, name, *study)
         sections.append(f"## {title}\n\n{markdown(studies[key])}\n")
-    curve = curve_markdown(studies["curve"] + studies["curve-baselines"], [r for r in studies["curve"]
-                                                                            if r["policy"] == "oracle"])
+    curve = curve_markdown(studies["curve"] + studies["curve-bound"] + studies["curve-baselines"],
+                           studies["curve-bound"])
     write_text(os.path.join(args.out, "curve.md"), f"# pass@1 (peak-KV reduction) over ε\n\n{curve}\n")
     sections.insert(0, f"## 2. The curve over ε (curve.md)\n\n{curve}\n")
     if have("matplotlib"):
         figures(args.out, studies, args.ablation_seeds)
-    claims = claims_markdown(studies, rate, trained)
+    claims = claims_markdown(studies, rate, trained, below, training_rates)
     write_text(os.path.join(args.out, "claims.md"), f"# The paper's Countdown claims on {os.path.relpath(args.model)}"
                f" ({args.seeds} seed{'s' if args.seeds > 1 else ''})\n\n{claims}\n")
     say("show: what ngc forgets")
@@ -391,7 +410,7 @@ def run_studies(args):
         else ""
     write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over {row['samples']} "
                f"sampled completions per problem unless a section says greedy, evictions greedy top-K, "
-               f"{row['problems']} held-out problems; SE: one evaluation's standard error over problems, in points)"
+               f"{row['problems']} test problems; SE: one evaluation's standard error over problems, in points)"
                f"\n\n## 0. The paper's claims\n\n{claims}\n\n" + "\n".join(sections) + "\n![what ngc forgets]"
                f"(forgets.png)\n\nTotal wall time of this command {(time.time() - t0) / 60:.1f} min (runs already "
                f"trained are not retrained).\n")
@@ -409,7 +428,7 @@ def parse_args(argv):
     p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation runs (default: --seeds)")
     p.add_argument("--interoception-seeds", type=int, help="seeds of the interoception pair (default: ablation's)")
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2)")
-    p.add_argument("--problems", type=int, help="held-out problems per evaluation (default: the run's eval_problems)")
+    p.add_argument("--problems", type=int, help="test problems per evaluation (default: the run's eval_problems, all if none)")
     args = p.parse_args(argv)
     args.model = settings.COUNTDOWN.model if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds

@@ -311,13 +311,15 @@ def kept_frequencies(policy, c, block, rate, n, prompt=None):
     return {j: counts[j] / n for j in sorted(counts)}
 
 
-def test_random_keeps_k_blocks_uniformly():
-    """random: K of the N blocks, each kept with probability K/N (within 4 SE over 1000 rounds)."""
+@pytest.mark.parametrize("name", ["random", "luck"])
+def test_random_keeps_k_blocks_uniformly(name):
+    """random, and the hindsight bound's luck control: K of the N blocks, each kept with probability K/N
+    (within 4 SE over 1000 rounds)."""
     c = hand_built_cache(S=12, holes=())  # 6 blocks of 2, K = 3
     n = 1000
-    freq = kept_frequencies("random", c, 2, 0.5, n)
+    freq = kept_frequencies(name, c, 2, 0.5, n)
     assert set(freq) == set(range(6)) and all(abs(f - 0.5) < 4 * (0.25 / n) ** 0.5 for f in freq.values()), freq
-    assert all(len(keep("random", c, 2, 0.5)) == 3 for _ in range(5))
+    assert all(len(keep(name, c, 2, 0.5)) == 3 for _ in range(5))
     # Negative control: NGC's own sampled policy on ψ is far from uniform here.
     ngc_freq = kept_frequencies("ngc-sample", c, 2, 0.5, n)
     assert max(abs(ngc_freq.get(j, 0.0) - 0.5) for j in range(6)) > 0.1, ngc_freq

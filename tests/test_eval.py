@@ -151,8 +151,8 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
 
 def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tmp_path, monkeypatch):
     """A batch's noise depends on its size, so eval.py's default batch is the run's eval_batch: on a run's checkpoint
-    it draws the samples train.py's last evaluation drew and prints its pass@1, the full cache's and at the run's ε.
-    The control: another batch size draws other samples."""
+    and train.py's split (validation) it draws the samples train.py's last evaluation drew and prints its pass@1,
+    the full cache's and at the run's ε. The control: another batch size draws other samples."""
     flags = ["--steps", "1", "--eval-every", "1", "--eval-batch", "5", "--eval-samples", "4", "--eval-problems", "6"]
     logged = [r["eval"] for r in run_train(train_ckpt, tmp_path / "run", *flags) if "eval" in r][-1]
     monkeypatch.setitem(tasks.TASK_REWARD, "countdown", parity_reward)  # train.py's stand-in reward
@@ -163,13 +163,13 @@ def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tm
                          "0.5", "--out", str(out), *batch])  # TRAIN_DEFAULTS' retention ends at 0.5
         return [json.loads(line)["accuracy"] for line in out.read_text().splitlines()]
 
-    assert evaluated() == [logged["pass1_full"], logged["pass1"]]
-    assert evaluated("--batch-size", "64") != [logged["pass1_full"], logged["pass1"]]
+    assert evaluated("--split", "validation") == [logged["pass1_full"], logged["pass1"]]
+    assert evaluated("--split", "validation", "--batch-size", "64") != [logged["pass1_full"], logged["pass1"]]
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
-    (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "501"], "held-out set has 500 problems"),
+    (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "334"], "held-out test split has 333 problems"),
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory")])
 def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):

@@ -341,16 +341,23 @@ def test_tokenizer_round_trips_a_trace():
 def test_held_out_set_is_disjoint_from_pretraining_and_from_every_runs_training():
     """One held-out set for every seed: none of its problems is among the 300,000 tiny/ was
     pretrained on (make_tiny.py's split at its defaults) nor among any seed's training problems
-    (train.py's, tasks.load_problems), as a set intersection over canonical problem keys. The
-    default run evaluates on the problems of it whose search must leave its first pair (tiny-deep)."""
+    (train.py's, tasks.load_problems), as a set intersection over canonical problem keys. Of the
+    problems of it whose search must leave its first pair (tiny-deep), a third are the validation
+    split that train.py evaluates on (recipes are chosen there), the rest the test split that
+    eval.py reads by default (claims report there): disjoint, and together the whole set."""
     pretrain, test = split_problems(0, 500)  # make_tiny.py's defaults: --seed 0 --n-test 500
     held, pretrained = {cd._key(p) for p in test}, {cd._key(p) for p in pretrain}
     assert len(held) == len(test) == 500 and not held & pretrained
     shipped = settings.run_defaults(TINY_DIR)
     assert shipped.difficulty == "tiny-deep"
+    deep = [p for p in test if cd.backtracks(p, depth=2)]
+    validation, final = (tasks.held_out(shipped, split=split) for split in cd.SPLITS)
+    assert (len(validation), len(final)) == (len(deep) // 3, len(deep) - len(deep) // 3) == (47, 95)
+    assert sorted(validation + final, key=deep.index) == deep and not set(validation) & set(final)
+    assert final == [p for p in deep if p not in validation]  # in the held-out stream's order
     for seed in (0, 1, 2):
         train, seed_test = tasks.load_problems(replace(shipped, seed=seed))
-        assert seed_test == [p for p in test if cd.backtracks(p, depth=2)][:shipped.eval_problems]
+        assert seed_test == validation[:shipped.eval_problems] == validation
         assert not held & {cd._key(p) for p in train}
     # Negative control: the earlier held-out problems of seed 1 (the first 200 of its own stream)
     # are mostly problems tiny/ was pretrained on, and the check sees it.

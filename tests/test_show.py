@@ -221,7 +221,7 @@ def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("flags, message", [
     (["--eviction-rate", "1.5"], "must lie in (0, 1]"), (["--problems", "0"], "--problems 0 must be at least 1"),
-    (["--problems", "501"], "held-out set has 500 problems"), (["--out", "/no/such/dir/f.html"], "does not exist"),
+    (["--problems", "167"], "held-out validation split has 166 problems"), (["--out", "/no/such/dir/f.html"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory"), (["--model", "/no/such/run"], "no config.json in '/no/such/run'"),
     (["--before", "/no/such/model"], "no config.json in '/no/such/model'"),
     (["--png", "/no/such/dir/f.png"], "does not exist")])
