@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import countdown
 import ngc
 import train
-from lib import rundir, settings
+from lib import baselines, rundir, settings
 from lib.checkpoint import from_pretrained
 from lib.cli import (Error, FlagError, Interrupted, at_least, check_values, exits, have, make_output_dir,
                      one_line_errors, parser, pyplot)
@@ -44,7 +44,6 @@ RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", 
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
         "interoception-blind": ["--interoception", "--blind-tag"]}
 CURVE = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # the curve's rates, with ε* among them
-CURVE_DRAWS = 8  # the bound's draws over the curve (at ε*: baselines.DRAWS)
 TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
 STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/deep/baselines.jsonl)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
@@ -324,25 +323,26 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
     under ε*; beyond: the curve's rates stricter than the interoception run's. Every study reads the test split."""
     full, few, pair, both = args.seeds, args.ablation_seeds, args.interoception_seeds, ["none", "ngc"]
     curve, bounds = sorted({*CURVE, budget}), ["oracle", "bound", "luck"]
-    curve_draws = ["--draws", str(CURVE_DRAWS)]
+    draws, curve_draws = (["--draws", str(n)] for n in (args.draws, max(1, args.draws // 2)))
     table = [("untrained", "untrained", UNTRAINED, both, [budget], [], 1,
               "0. Before training: the starting model's full cache, and NGC's scores untrained"),
-             ("baselines", "baselines", "no-evict", ["none", *BASELINES, *bounds], [budget], [], full,
+             ("baselines", "baselines", "no-evict", ["none", *BASELINES, *bounds], [budget], draws, full,
               f"1. The baselines at ε* = {budget:g} on the no-evict model (the paper's heuristics, random, "
               "random-prompt, the task rules), the oracle, the hindsight bound and its luck control"),
-             ("ngc", "baselines-ngc", "ngc", ["none", "ngc", *BASELINES, *bounds], [budget], [], full,
+             ("ngc", "baselines-ngc", "ngc", ["none", "ngc", *BASELINES, *bounds], [budget], draws, full,
               "1. NGC on its own model, with every baseline, the oracle and the bound there"),
              ("below", "below", "ngc", ["ngc"], [below], [], full,
               f"1. NGC at ε = {below:g}, just under ε* (whole blocks: the reduction jumps between the two)"),
              ("greedy", "greedy", "ngc", both, [budget], ["--samples", "0"], full,
               "1. Greedy tokens: NGC on its model"),
-             ("greedy-no-evict", "greedy-no-evict", "no-evict", ["none", "bound"], [budget], ["--samples", "0"], 1,
+             ("greedy-no-evict", "greedy-no-evict", "no-evict", ["none", "bound"], [budget],
+              ["--samples", "0", *draws], 1,
               "1. Greedy tokens: the no-evict model's full cache and the bound on it (seed 0)"),
              ("curve", "curve", "ngc", ["ngc", "oracle"], curve, [], 1, "2. The curve over ε: NGC and the oracle on "
               "NGC's model (seed 0)"),
              ("curve-bound", "curve-bound", "ngc", ["bound"], curve, curve_draws, 1,
-              f"2. The curve over ε: the hindsight bound on NGC's model ({CURVE_DRAWS} draws, seed 0; a rate is "
-              "testable where it solves 20%)"),
+              f"2. The curve over ε: the hindsight bound on NGC's model ({curve_draws[1]} draws, seed 0; a rate "
+              "is testable where it solves 20%)"),
              ("curve-baselines", "curve-baselines", "no-evict", [*STRONGEST, *RULES], curve, [], 1,
               "2. The curve over ε: the strongest task-agnostic baselines and the task rules on the no-evict "
               "model (seed 0)")]
@@ -428,6 +428,8 @@ def parse_args(argv):
     p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation runs (default: --seeds)")
     p.add_argument("--interoception-seeds", type=int, help="seeds of the interoception pair (default: ablation's)")
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2)")
+    p.add_argument("--draws", type=int, default=baselines.DRAWS, help=f"the hindsight bound's eviction draws at ε* "
+                   f"(default {baselines.DRAWS}; over the curve half as many)")
     p.add_argument("--problems", type=int, help="test problems per evaluation (default: the run's eval_problems, all if none)")
     args = p.parse_args(argv)
     args.model = settings.COUNTDOWN.model if args.model is None else args.model
@@ -435,7 +437,7 @@ def parse_args(argv):
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
     with one_line_errors():
         check_values(args, dict.fromkeys(["jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems",
-                                          "samples"], at_least(1)))
+                                          "samples", "draws"], at_least(1)))
         within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs " \
             "with ngc's"
         check_values(args, dict.fromkeys(["ablation_seeds", "interoception_seeds"], within))

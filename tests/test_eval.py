@@ -169,7 +169,7 @@ def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tm
 
 @pytest.mark.parametrize("flags, message", [
     (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
-    (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "334"], "held-out test split has 333 problems"),
+    (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "335"], "held-out test split has 334 problems"),
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "does not exist"),
     (["--out", "/tmp"], "/tmp is a directory")])
 def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
@@ -254,7 +254,7 @@ def test_cli_evaluates_another_problem_preset_than_the_runs(train_ckpt, monkeypa
         with pytest.raises(Reached):
             evaluation.main(["--model", train_ckpt, "--problems", "5"] + flags)
     run, back = seen
-    assert back == cd.held_out(cd.SMALL_BACK)[:5] != run
+    assert back == cd.held_out(cd.SMALL_BACK, "test")[:5] != run
     assert all(cd.backtracks(p) for p in back) and not all(cd.backtracks(p) for p in run)
 
 
