@@ -34,7 +34,7 @@ SMALL_BACK = replace(SMALL, backtracks=1)  # those of SMALL that go back: 278 of
 SMALL_DEEP = replace(SMALL, backtracks=2)  # those that leave the first pair: 142 of the 500
 HELD_OUT_SEED = 0  # the stream the held-out set is drawn from, whatever a run's seed
 VALIDATION_SEED = 1  # which third of the held-out pool is the validation split
-SPLITS = ("validation", "test")  # recipes are chosen on validation problems, claims report on test ones
+SPLITS = ("validation", "test")  # recipes are chosen on validation problems, claims read test ones
 
 def backtracks(p, depth=1) -> bool:
     """Whether `trace`'s depth-first search over 3 numbers (first move: the two largest added) must
@@ -109,8 +109,9 @@ def generate(n, seed, difficulty=PAPER):
 
 def held_out(difficulty=PAPER, split=None):
     """The held-out set, one for every seed: of the first difficulty.held_out distinct problems of
-    the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones). split
-    "validation": a third of them, drawn with VALIDATION_SEED; "test": the rest; None: all, in order."""
+    the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones).
+    split "validation": a third of them, drawn with VALIDATION_SEED; "test": the rest; None: all,
+    in order."""
     stream = _stream(random.Random(HELD_OUT_SEED), difficulty)
     pool = [p for p in _take(stream, difficulty.held_out, unique=True) if _kept(p, difficulty)]
     if split is None:
@@ -125,7 +126,8 @@ def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True,
     HELD_OUT_SEED, train is the stream after the held-out set."""
     test = held_out(difficulty, split)
     if n_test is not None and n_test > len(test):
-        raise ValueError(f"--eval-problems {n_test}: the held-out {split or 'set'} has {len(test)} problems")
+        raise ValueError(f"--eval-problems {n_test}: the held-out {split or 'set'} has {len(test)} "
+                         "problems")
     skip = {_key(p) for p in held_out(difficulty)}
     return _take(_problems(random.Random(seed), difficulty), n_train, skip, unique), test[:n_test]
 

@@ -36,7 +36,7 @@ class Eviction:
     temperature: float = 1.0  # τ: sample over the block logits log s_j / τ (1: the paper's)
     greedy: bool = False  # the top K blocks (the paper's evaluation), else Gumbel-top-k (training)
     score: Callable | None = None  # a baseline's (ψ, keys, alive, Round) -> (N, S); None: ψ
-    log_blocks: bool = False  # a baseline's blocks ranked as ψ's are, log s_j / τ; else plain means
+    log_blocks: bool = False  # a baseline's blocks ranked as ψ's, log s_j / τ; else plain means
 
     def __post_init__(self):
         check_eviction(self.delta, self.block, self.window, self.rate, self.temperature)

@@ -252,9 +252,9 @@ def test_cli_evaluates_another_problem_preset_than_the_runs(train_ckpt, monkeypa
     monkeypatch.setattr(evaluation, "roll_out_and_score", spy)
     for flags in ([], ["--difficulty", "tiny-back"]):
         with pytest.raises(Reached):
-            evaluation.main(["--model", train_ckpt, "--problems", "5"] + flags)
+            evaluation.main(["--model", train_ckpt, "--problems", "12"] + flags)
     run, back = seen
-    assert back == cd.held_out(cd.SMALL_BACK, "test")[:5] != run
+    assert back == cd.held_out(cd.SMALL_BACK, "test")[:12] != run
     assert all(cd.backtracks(p) for p in back) and not all(cd.backtracks(p) for p in run)
 
 
