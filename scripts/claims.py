@@ -121,7 +121,9 @@ def reasoning_claims(studies, e, below):
     before, trained = at(studies, "untrained", "none", 0.0), at(studies, "baselines", "none", 0.0)
     ngc, full = at(studies, "ngc", "ngc", e), at(studies, "ngc", "none", 0.0)
     of = lambda r: f"{cell(r)} ({share(r, trained)})"
-    on_both = "; ".join(f"{name} on {model} {of(at(studies, study, name, e))}" for name in ("bound", "luck", "oracle")
+    reduced = lambda r: f"{of(r)} at {r['kv_reduction']:.2f}×"
+    on_both = "; ".join(f"{name} on {model} {reduced(at(studies, study, name, e))}"
+                        for name in ("bound", "luck", "oracle")
                         for study, model in (("ngc", "NGC's model"), ("baselines", "the no-evict model")))
     lower = f"; at ε = {below:g}: {of(at(studies, 'below', 'ngc', below))} at " \
             f"{at(studies, 'below', 'ngc', below)['kv_reduction']:.2f}×" if below is not None else ""

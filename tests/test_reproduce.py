@@ -139,9 +139,9 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     assert "NGC at ε* = 0.42 ≥ 70% of the no-evict model's full cache" in keeps and keeps.endswith("| **no** |")
     assert "| 60.0% ± 1.0 (62%) at 2.20× of 96.0% ± 1.0; at ε = 0.41: 70.0% ± 1.0 (73%) " \
            "at 2.10×; NGC's own full cache 75.0% ± 1.0 (78%)" in keeps
-    assert ("bound on NGC's model 72.0% ± 1.0 (75%); bound on the no-evict model 80.0% ± 1.0 (83%); "
-            "luck on NGC's model 2.0% ± 1.0 (2%)") in keeps
-    assert "oracle on the no-evict model 30.0% ± 1.0 (31%)" in keeps
+    assert ("bound on NGC's model 72.0% ± 1.0 (75%) at 2.20×; bound on the no-evict model 80.0% ± 1.0 (83%) at "
+            "2.20×; luck on NGC's model 2.0% ± 1.0 (2%) at 2.20×") in keeps
+    assert "oracle on the no-evict model 30.0% ± 1.0 (31%) at 2.20×" in keeps
     assert "greedy tokens: NGC 55.0% ± 1.0 (61% of the no-evict model's 90.0% ± 1.0), the bound there 80.0% ± 1.0 " \
            "(89%)" in keeps
     assert "75.0% ± 1.0 against 60.0% ± 1.0 before training (+15.0 points" in lines[
