@@ -207,6 +207,8 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     assert claimed(kept)[1]["what NGC keeps, not where it sits"].endswith("| yes |")  # 75% of 40%, above 10%
     unlearned = dict(kept, **{"shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.3)]})
     assert claimed(unlearned)[1]["what NGC keeps, not where it sits"].endswith("| **no** |")
+    no_ablations = {k: v for k, v in studies.items() if k not in ("token-only", "targeted-dropout")}
+    assert claimed(no_ablations)[1]["off-policy training fails"].endswith("not measured (--no-ablations) | - |")
     without = {k: v for k, v in studies.items() if not k.startswith(("interoception", "tag-"))}  # --no-interoception
     assert "not measured (--no-interoception) | - |" in claims.claims_markdown(without, budget, trained, below)
     one_layout = {k: v for k, v in studies.items() if not k.startswith("shifted-")}  # a prompt of one layout
