@@ -4,8 +4,9 @@ the hindsight bound with its luck control.
 
 Each is a per-key score for the engine's eviction round, Eviction(score=...), in place of NGC's ψ: the round
 pools it to blocks by the mean and keeps the top K (greedy=True) or samples K by Gumbel-top-k with the block
-means as logits (greedy=False; log_blocks: log s_j / τ, as NGC's ψ), with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D),
-alive (N, S), at: ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
+means as logits (greedy=False; with log_blocks, log s_j / τ as for ψ), with NGC's rounds, blocks and K. A
+score maps (ψ (N, S), keys (N, Hkv, S, D), alive (N, S), at: ngc.Round) to (N, S), higher = keep; dead slots
+are ignored. A new baseline is one function
 and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every policy (Given).
 """
 from dataclasses import replace

@@ -67,8 +67,9 @@ def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_jo
         evictions = torch.Generator(device).manual_seed(DRAW_SEED + first_job * draws + d)
         outs.append(rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids, generator=generator,
                             progress=desc is not None, compile=compile, eviction_generator=evictions))
-        after_first = after_first if d else (None if generator is None else generator.get_state())
-    if generator is not None:
+        if d == 0 and start is not None:
+            after_first = generator.get_state()
+    if after_first is not None:
         generator.set_state(after_first)
     return outs
 
