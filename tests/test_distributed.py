@@ -31,28 +31,29 @@ DDP_STEP = """
 import os, sys, torch, torch.distributed as dist, train
 from lib import distributed
 from lib.checkpoint import from_pretrained
-ckpt, rollouts, out, reduce = sys.argv[1:]
+ckpt, rollouts, out = sys.argv[1:]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)
 ro, adv, ev, c = torch.load(rollouts, weights_only=False)
 rows = torch.arange(len(adv)).chunk(world)[rank]  # this process's prompts: whole groups
-if reduce == "sum":  # the negative control: gradients summed over the processes, not averaged
-    distributed.average_gradients = lambda params: [dist.all_reduce(p.grad) for p in params]
-model = from_pretrained(ckpt)
-if reduce == "fsdp":
-    distributed.shard(model)
-opt = train.make_optimizer(model, c)
-train.backward(model, ro.select(rows), adv[rows], c)
-grads = [p.grad.full_tensor() if reduce == "fsdp" else p.grad.clone() for p in model.parameters()]
-torch.nn.utils.clip_grad_norm_(list(model.parameters()), c.clip)
-opt.step()
-params, _ = distributed.full_state(model, opt)
-if rank == 0:
-    torch.save({"grads": grads, "params": list(params.values())}, out)
+for reduce in ("mean", "fsdp", "sum"):  # each from a fresh model; one process group for the three steps
+    if reduce == "sum":  # the negative control: gradients summed over the processes, not averaged
+        distributed.average_gradients = lambda params: [dist.all_reduce(p.grad) for p in params]
+    model = from_pretrained(ckpt)
+    if reduce == "fsdp":
+        distributed.shard(model)
+    opt = train.make_optimizer(model, c)
+    train.backward(model, ro.select(rows), adv[rows], c)
+    grads = [p.grad.full_tensor() if reduce == "fsdp" else p.grad.clone() for p in model.parameters()]
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), c.clip)
+    opt.step()
+    params, _ = distributed.full_state(model, opt)
+    if rank == 0:
+        torch.save({"grads": grads, "params": list(params.values())}, f"{out}/{reduce}.pt")
 # Leave without Python's teardown: a Gloo group (and FSDP's references to it) torn down during
 # interpreter finalization can abort the process (SIGABRT, "terminate called without an active
-# exception"); torchrun then kills the other rank and the run fails. rank 0's file is written.
+# exception"); torchrun then kills the other rank and the run fails. rank 0's files are written.
 dist.destroy_process_group()
 sys.stdout.flush(), sys.stderr.flush()
 os._exit(0)
@@ -75,9 +76,8 @@ def test_two_processes_take_the_single_process_step(train_ckpt, sampled, tmp_pat
     grads = [p.grad.clone() for p in model.parameters()]
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), c.clip)
     opt.step()
-    for reduce in ("mean", "fsdp", "sum"):
-        torchrun(tmp_path, str(tmp_path / "step.py"), train_ckpt, str(tmp_path / "rollouts.pt"),
-                 str(tmp_path / f"{reduce}.pt"), reduce)
+    torchrun(tmp_path, str(tmp_path / "step.py"), train_ckpt, str(tmp_path / "rollouts.pt"), str(tmp_path))
+    for reduce in ("mean", "fsdp", "sum"):  # one torchrun takes the three steps (each start costs seconds)
         two = torch.load(tmp_path / f"{reduce}.pt")
         grad_err = max((a - b).abs().max().item() for a, b in zip(two["grads"], grads))
         param_err = max((a - b).abs().max().item() for a, b in zip(two["params"], model.parameters()))

@@ -20,17 +20,21 @@ from conftest import EOS, EV, hand_built_cache, keep, prompts_of, psi_by_hand
 # The compiled decode step
 
 
+COMPILED_PROMPTS = prompts_of([3, 14, 7, 22, 5], seed=1)  # one batch for the compiled tests
+COMPILED_SAMPLING = Sampling(max_new_tokens=40, greedy=True)
+COMPILED_EV = Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True)
+
+
 def test_compiled_decode_step_gives_the_eager_rollout(model):
     """rollout(compile=True) captures the decode step with torch.compile whole (fullgraph: a host
     sync or a changing shape in it fails to compile) on the same static buffers: the same greedy
     tokens and decisions as eager, token log-probs to 1e-5, and replay reproduces it. The second
-    call reuses the buffers and the compiled step."""
-    ev = Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True)
-    s = Sampling(max_new_tokens=40, greedy=True)
-    prompts = prompts_of([3, 14, 7, 22, 5], seed=1)
-    eager = rollout(model, prompts, s, ev, eos_ids=[EOS])
+    call reuses the buffers and the compiled step. These caches are small, so the step takes SDPA's
+    math form (SDPA_MATH_MAX_SLOTS); the full cache gives the eager rollout under it too."""
+    args = (model, COMPILED_PROMPTS, COMPILED_SAMPLING, COMPILED_EV)
+    eager = rollout(*args, eos_ids=[EOS])
     for _ in range(2):
-        captured = rollout(model, prompts, s, ev, eos_ids=[EOS], compile=True)
+        captured = rollout(*args, eos_ids=[EOS], compile=True)
         assert torch.equal(captured.tokens, eager.tokens) and torch.equal(captured.kept, eager.kept)
         assert torch.equal(captured.peak_kv, eager.peak_kv) and captured.kv_slots == eager.kv_slots
         assert (captured.logprobs - eager.logprobs).abs().max() < 1e-5
@@ -41,20 +45,27 @@ def test_compiled_decode_step_gives_the_eager_rollout(model):
     # Negative control: the plain causal mask does not reproduce it (the compiled step did evict).
     causal, _ = replay(model, captured, causal=True)
     assert (causal - captured.logprobs)[completion].abs().max() > 1e-2
+    full = compiled_and_eager(model, None)
+    layers = model.config.num_hidden_layers
+    assert full.kv_slots <= compiled.SDPA_MATH_MAX_SLOTS * layers  # the math form, as above
 
 
-@pytest.mark.parametrize("slots", [0, 10_000])
-def test_compiled_step_with_either_attention_form_gives_the_eager_rollout(model, monkeypatch, slots):
+def compiled_and_eager(model, ev):
+    """The compiled rollout of the shared batch, checked against the eager one."""
+    eager = rollout(model, COMPILED_PROMPTS, COMPILED_SAMPLING, ev, eos_ids=[EOS])
+    captured = rollout(model, COMPILED_PROMPTS, COMPILED_SAMPLING, ev, eos_ids=[EOS], compile=True)
+    assert torch.equal(captured.tokens, eager.tokens) and torch.equal(captured.kept, eager.kept)
+    assert (captured.logprobs - eager.logprobs).abs().max() < 1e-5
+    return captured
+
+
+def test_compiled_step_with_the_fused_attention_kernel_gives_the_eager_rollout(model, monkeypatch):
     """On the CPU the compiled step takes SDPA's math form for caches up to SDPA_MATH_MAX_SLOTS
-    and the fused kernel above: both give the eager rollout, with eviction and with the full cache."""
-    monkeypatch.setattr(compiled, "SDPA_MATH_MAX_SLOTS", slots)
-    s = Sampling(max_new_tokens=30, greedy=True)
-    prompts = prompts_of([3, 14, 7], seed=2)
-    for ev in (Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True), None):
-        eager = rollout(model, prompts, s, ev, eos_ids=[EOS])
-        captured = rollout(model, prompts, s, ev, eos_ids=[EOS], compile=True)
-        assert torch.equal(captured.tokens, eager.tokens) and torch.equal(captured.kept, eager.kept)
-        assert (captured.logprobs - eager.logprobs).abs().max() < 1e-5
+    (test_compiled_decode_step_...) and the fused kernel above (here: from 0 slots on): the fused
+    form gives the eager rollout too, with eviction and with the full cache."""
+    monkeypatch.setattr(compiled, "SDPA_MATH_MAX_SLOTS", 0)
+    for ev in (COMPILED_EV, None):
+        compiled_and_eager(model, ev)
 
 
 # ---------------------------------------------------------------------------------------
