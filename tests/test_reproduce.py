@@ -155,6 +155,8 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     assert "on NGC's own model task-rule 45.0% ± 1.0: NGC +15.0 points | yes |" in rule
     assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
     assert "targeted dropout 2.0% ± 1.0 (7% of token-only) | yes" in text
+    none = dict(studies, **{"targeted-dropout": [row("d", "ngc", 0.0)]})
+    assert "15.0× targeted dropout" in text and "more than 0× (it solves none) targeted dropout" in claimed(none)[0]
     intero = lines["interoception helps beyond the training budgets"]
     assert "at a testable ε beyond training's (its rates reach 0.75)" in intero
     assert ("ε = 0.8: 30.0% ± 1.0, over blind 5.0% ± 1.0 +25.0 points, over NGC 20.0% ± 1.0 +10.0 "
@@ -182,7 +184,9 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     assert "ε = 0.6 +30.0 points, ε = 0.7 +25.0 points; ε = 0.8 untestable (the hindsight bound solves < 20%) | yes" \
         in text
     assert lines["interoception helps beyond the training budgets"].endswith(
-        "ε = 0.8 untestable (the hindsight bound solves < 20%) | untestable (the hindsight bound solves < 20%) |")
+        "ε = 0.8 untestable (the hindsight bound solves < 20%); inside the training range, ε = 0.42: 30.0% ± 1.0, "
+        "over blind 5.0% ± 1.0 +25.0 points, over NGC 20.0% ± 1.0 +10.0 points | untestable (the hindsight bound "
+        "solves < 20%) |")
     assert claims.testable(dict(accuracy=0.2)) and not claims.testable(dict(accuracy=0.1999))
     # A stricter ε that keeps the same blocks as the trained one (the bound's reduction no larger than at 0.5,
     # here 2.1 at both 0.5 and 0.6) is no test of an unseen rate; the control: without that row, 0.6 counts.
