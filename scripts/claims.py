@@ -47,7 +47,7 @@ def ratio(a, b) -> float:
 
 def times(a, b) -> str:
     """a's pass@1 as a multiple of b's, which may be 0."""
-    return f"{ratio(a, b):.1f}×" if b["accuracy"] > 0 else "more than 0× (it solves none)"
+    return f"{ratio(a, b):.1f}×" if b["accuracy"] > 0 else "∞× (it solves none)"
 
 
 def per_problem(row, seeds: int):

@@ -156,7 +156,7 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
     assert "targeted dropout 2.0% ± 1.0 (7% of token-only) | yes" in text
     none = dict(studies, **{"targeted-dropout": [row("d", "ngc", 0.0)]})
-    assert "15.0× targeted dropout" in text and "more than 0× (it solves none) targeted dropout" in claimed(none)[0]
+    assert "15.0× targeted dropout" in text and "∞× (it solves none) targeted dropout" in claimed(none)[0]
     intero = lines["interoception helps beyond the training budgets"]
     assert "at a testable ε beyond training's (its rates reach 0.75)" in intero
     assert ("ε = 0.8: 30.0% ± 1.0, over blind 5.0% ± 1.0 +25.0 points, over NGC 20.0% ± 1.0 +10.0 "
