@@ -344,6 +344,11 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
              ("curve-bound", "curve-bound", "ngc", ["bound"], curve, curve_draws, 1,
               f"2. The curve over ε: the hindsight bound on NGC's model ({curve_draws[1]} draws, seed 0; a rate "
               "is testable where it solves 20%)"),
+             ("curve-luck", "curve-luck", "ngc", ["luck"], curve, curve_draws, 1,
+              f"2. The curve over ε: the bound's luck control on NGC's model ({curve_draws[1]} draws, seed 0)"),
+             ("curve-greedy", "curve-greedy", "ngc", ["none", "ngc", "bound", "luck"], curve,
+              ["--samples", "0", *curve_draws], 1, "2. The curve over ε with greedy tokens: NGC, the bound and "
+              f"its luck control on NGC's model ({curve_draws[1]} draws, seed 0)"),
              ("curve-baselines", "curve-baselines", "no-evict", [*STRONGEST, *RULES], curve, [], 1,
               "2. The curve over ε: the strongest task-agnostic baselines and the task rules on the no-evict "
               "model (seed 0)")]
@@ -394,8 +399,10 @@ def run_studies(args):
     for key, name, *study, title in studies_of(args, rate, below, beyond):
         studies[key] = evaluate(args, name, *study)
         sections.append(f"## {title}\n\n{markdown(studies[key])}\n")
-    curve = curve_markdown(studies["curve"] + studies["curve-bound"] + studies["curve-baselines"],
-                           studies["curve-bound"])
+    curve = curve_markdown(studies["curve"] + studies["curve-bound"] + studies["curve-luck"]
+                           + studies["curve-baselines"], studies["curve-bound"])
+    greedy = curve_markdown(studies["curve-greedy"], studies["curve-bound"])
+    curve += f"\n\nWith greedy tokens (one completion per problem):\n\n{greedy}"
     write_text(os.path.join(args.out, "curve.md"), f"# pass@1 (peak-KV reduction) over ε\n\n{curve}\n")
     sections.insert(0, f"## 2. The curve over ε (curve.md)\n\n{curve}\n")
     if have("matplotlib"):
