@@ -102,8 +102,7 @@ def check_runs(out, model, runs, jobs, extra):
             cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)
             argv = cmd[2:]  # after python and train.py
             now = settings.saved(train.resolve(train.parse_args(argv)))  # bad values: train.py's one-line errors
-            for name_ in ("threads", "eval_problems"):  # neither changes what the run trains on
-                del now[name_]
+            now = {k: v for k, v in now.items() if k not in ("threads", "eval_problems")}  # not what it trains on
             recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back in place, as a resume would
             changed = os.path.isdir(checkpoint) and rundir.changed_settings(settings.read_ngc_json(checkpoint), now)
             if changed:
