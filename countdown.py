@@ -114,6 +114,9 @@ def held_out(difficulty=PAPER, split=None):
     in order."""
     stream = _stream(random.Random(HELD_OUT_SEED), difficulty)
     pool = [p for p in _take(stream, difficulty.held_out, unique=True) if _kept(p, difficulty)]
+    return _split(pool, split)
+
+def _split(pool, split):
     if split is None:
         return pool
     validation = set(random.Random(VALIDATION_SEED).sample(range(len(pool)), len(pool) // 3))
@@ -124,11 +127,12 @@ def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True,
     whatever the seed, and n_train from the seed's own stream, none of the held-out set's, distinct
     when unique (SMALL has only a few thousand distinct problems: unique=False). With seed
     HELD_OUT_SEED, train is the stream after the held-out set."""
-    test = held_out(difficulty, split)
+    pool = held_out(difficulty)
+    test = _split(pool, split)
     if n_test is not None and n_test > len(test):
         raise ValueError(f"--eval-problems {n_test}: the held-out {split or 'set'} has {len(test)} "
                          "problems")
-    skip = {_key(p) for p in held_out(difficulty)}
+    skip = {_key(p) for p in pool}
     return _take(_problems(random.Random(seed), difficulty), n_train, skip, unique), test[:n_test]
 
 def prompt_text(problem, eviction_rate=None, blind=False):

@@ -107,8 +107,8 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
     rates: per-row ε (B,) in place of eviction.rate (interoception); generator: a torch.Generator
     for the token noise, and the Gumbel noise unless eviction_generator is given (then token noise
     and eviction draws vary apart); compile: the decode step through torch.compile, same results."""
-    s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile)
-    s.eviction_generator = eviction_generator or generator
+    s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile,
+                     eviction_generator)
     logits = prefill(s)
     return finish(s, *decode_n_tokens(s, logits, eos_ids, progress))
 
@@ -117,9 +117,10 @@ class RolloutState:
     """A rollout under way: what prefill, decode_n_tokens and finish share."""
 
     def __init__(self, model: Qwen2, prompts, sampling: Sampling, eviction: Eviction | None, rates,
-                 generator, compile):
+                 generator, compile, eviction_generator=None):
         self.model, self.sampling, self.eviction = model, sampling, eviction
-        self.generator = self.eviction_generator = generator  # of the token and Gumbel noise
+        self.generator = generator  # of the token noise, and the Gumbel noise unless:
+        self.eviction_generator = eviction_generator or generator
         self.meta = sampling.meta_token if eviction else None  # g; without eviction, no round
         check_rollout(prompts, self.meta, model.config.vocab_size, eviction, rates)
         B, L, device = len(prompts), model.config.num_hidden_layers, model.lm_head.weight.device

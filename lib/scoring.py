@@ -55,16 +55,13 @@ def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_jo
     """`draws` rollouts of one batch from the token noise `generator` holds now, each draw's evictions from a
     generator seeded by (the batch's first job, the draw), left where draw 0 left it, so that the next batch's
     token noise does not depend on the draws. draws None: one rollout, its evictions from `generator` too."""
-    if draws is None:
-        return [rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids, generator=generator,
-                        progress=desc is not None, compile=compile)]
     device = model.lm_head.weight.device
-    start = None if generator is None else generator.get_state()
+    start = None if generator is None or draws is None else generator.get_state()
     outs, after_first = [], None
-    for d in range(draws):
+    for d in [None] if draws is None else range(draws):
         if start is not None:
             generator.set_state(start)
-        evictions = torch.Generator(device).manual_seed(DRAW_SEED + first_job * draws + d)
+        evictions = None if d is None else torch.Generator(device).manual_seed(DRAW_SEED + first_job * draws + d)
         outs.append(rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids, generator=generator,
                             progress=desc is not None, compile=compile, eviction_generator=evictions))
         if d == 0 and start is not None:

@@ -188,12 +188,15 @@ def untestable_note(rates) -> str:
     return ", ".join(f"ε = {e:g}" for e, ok in rates.items() if not ok) + f" {UNTESTABLE_NOTE}"
 
 
-def paired(studies, e) -> str:
-    """The tagged model at ε = e over its blind control and over plain NGC, problem by problem."""
+def paired(studies, e) -> tuple[str, bool]:
+    """The tagged model at ε = e over its blind control and over plain NGC, problem by problem, and whether
+    it is ≥ 5 points above both, each interval above 0."""
     tagged = at(studies, "interoception", "ngc", e)
     blind, plain = at(studies, "interoception-blind", "ngc", e), at(studies, "interoception-ngc", "ngc", e)
-    return (f"ε = {e:g}: {cell(tagged)}, over blind {cell(blind)} {points(tagged, blind)}, over NGC {cell(plain)} "
-            f"{points(tagged, plain)}")
+    over = [(who, cell(r), *difference(tagged, r)) for who, r in (("blind", blind), ("NGC", plain))]
+    text = f"ε = {e:g}: {cell(tagged)}, " + ", ".join(
+        f"over {who} {c} {d:+.1f} points [{lo:+.1f}, {hi:+.1f}]" for who, c, d, lo, hi in over)
+    return text, all(d >= 5 and lo > 0 for _, _, d, lo, _ in over)
 
 
 def interoception_claim(studies, rates, top, e):
@@ -208,13 +211,9 @@ def interoception_claim(studies, rates, top, e):
     outside = {s: ok for s, ok in rates.items() if s > top + 1e-9}
     if not any(outside.values()):
         why = untestable_note(outside) if outside else f"no curve rate beyond {top:g}"
-        return *claim, f"{why}; inside the training range, {paired(studies, e)}", UNTESTABLE
-    tests, met = [], False
-    for s in (s for s, ok in outside.items() if ok):
-        tagged = at(studies, "interoception", "ngc", s)
-        blind, plain = at(studies, "interoception-blind", "ngc", s), at(studies, "interoception-ngc", "ngc", s)
-        tests.append(paired(studies, s))
-        met |= beyond(tagged, blind, 0.05) and beyond(tagged, plain, 0.05)
+        return *claim, f"{why}; inside the training range, {paired(studies, e)[0]}", UNTESTABLE
+    tests, lifts = zip(*(paired(studies, s) for s, ok in outside.items() if ok))
+    met = any(lifts)
     same = [at(studies, study, "ngc", TAG_CHECK) for study in ("interoception", "tag-0.25", "tag-blind")]
     reads = ", ".join(f"tag {tag} {cell(r)} (length {r['length']:.0f})"
                       for tag, r in zip([f"{TAG_CHECK:g}", "0.25", "-"], same))
