@@ -23,7 +23,7 @@ from tqdm import tqdm
 from gumbel import (MISSING, block_means, gumbel_topk, keep_count, kept_keys, log_block_logits,
                     ordered_topk, plackett_luce_log_prob)
 from model import KVCache, LayerCache, Qwen2
-from lib.compiled import captured_decode
+from compiled import captured_decode
 
 
 @dataclass

@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from lib import baselines, compiled
+import compiled
+from lib import baselines
 import ngc
 
 from gumbel import block_means, keep_count, ordered_topk
