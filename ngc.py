@@ -102,13 +102,16 @@ class Rollout:
 @torch.no_grad()
 def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
             eviction: Eviction | None = None, rates=None, eos_ids=(), generator=None,
-            progress=False, compile=False, eviction_generator=None) -> Rollout:
+            progress=False, compile=False, eviction_generator=None,
+            token_noise_rows=None) -> Rollout:
     """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
     rates: per-row ε (B,) in place of eviction.rate (interoception); generator: a torch.Generator
     for the token noise, and the Gumbel noise unless eviction_generator is given (then token noise
-    and eviction draws vary apart); compile: the decode step through torch.compile, same results."""
+    and eviction draws vary apart); token_noise_rows (B,): the row whose token noise each row
+    takes (rows that share it differ by their evictions alone); compile: the decode step through
+    torch.compile, same results."""
     s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile,
-                     eviction_generator)
+                     eviction_generator, token_noise_rows)
     logits = prefill(s)
     return finish(s, *decode_n_tokens(s, logits, eos_ids, progress))
 
@@ -117,10 +120,11 @@ class RolloutState:
     """A rollout under way: what prefill, decode_n_tokens and finish share."""
 
     def __init__(self, model: Qwen2, prompts, sampling: Sampling, eviction: Eviction | None, rates,
-                 generator, compile, eviction_generator=None):
+                 generator, compile, eviction_generator=None, token_noise_rows=None):
         self.model, self.sampling, self.eviction = model, sampling, eviction
         self.generator = generator  # of the token noise, and the Gumbel noise unless:
         self.eviction_generator = eviction_generator or generator
+        self.token_noise_rows = token_noise_rows
         self.meta = sampling.meta_token if eviction else None  # g; without eviction, no round
         check_rollout(prompts, self.meta, model.config.vocab_size, eviction, rates)
         B, L, device = len(prompts), model.config.num_hidden_layers, model.lm_head.weight.device
@@ -188,7 +192,7 @@ def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
     hit_eos = torch.zeros_like(active)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     for t in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
-        tok, lp = sample_tokens(logits, s.sampling, s.generator)
+        tok, lp = sample_tokens(logits, s.sampling, s.generator, s.token_noise_rows)
         if s.meta is not None:  # token kδ-1, the last before a round, is g (constrained decoding)
             force = is_round_end(s.prompt_lens + n_new, ev.delta)
             tok, lp = tok.masked_fill(force, s.meta), lp.masked_fill(force, 0.0)
@@ -219,8 +223,9 @@ def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
     return model.logits(h[:, -1])
 
 
-def sample_tokens(logits, s: Sampling, generator=None):
-    """Next tokens (B,) and their log-probs under softmax(logits / temperature)."""
+def sample_tokens(logits, s: Sampling, generator=None, noise_rows=None):
+    """Next tokens (B,) and their log-probs under softmax(logits / temperature); noise_rows (B,):
+    the row whose uniform each row takes (None: its own)."""
     logits = logits.float() / s.temperature
     logp = F.log_softmax(logits, dim=-1)
     if s.greedy:
@@ -235,7 +240,7 @@ def sample_tokens(logits, s: Sampling, generator=None):
             mass_above = probs.cumsum(-1) - probs  # 0 for the top token, which is always kept
             cut = sorted_logits.masked_fill(mass_above >= s.top_p, float("-inf"))
             logits = logits.scatter(-1, order, cut)
-        tok = inverse_cdf_sample(logits, generator)
+        tok = inverse_cdf_sample(logits, generator, noise_rows)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
@@ -428,12 +433,14 @@ def drop_ended_rows(s: RolloutState, active, going: int):
     s.cache_row[s.live] = torch.arange(size, device=active.device)
 
 
-def inverse_cdf_sample(logits, generator=None):
+def inverse_cdf_sample(logits, generator=None, noise_rows=None):
     """A token per row (B,) from softmax(logits (B, V)): the first whose cumulative probability
-    passes one uniform (torch.multinomial's way on CUDA; on the CPU it draws B·V exponentials)."""
+    passes one uniform (torch.multinomial's way on CUDA; on the CPU it draws B·V exponentials).
+    Rows that share a uniform (noise_rows) take the same token wherever their softmaxes agree."""
     cdf = logits.softmax(-1).cumsum(-1)  # (B, V)
     total = cdf[:, -1:].contiguous()  # (B, 1)
-    u = torch.rand(total.shape, generator=generator, device=total.device) * total
+    u = torch.rand(total.shape, generator=generator, device=total.device)
+    u = (u if noise_rows is None else u[noise_rows]) * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))
     tok = torch.searchsorted(cdf, u, right=True)[:, 0]
     return tok.clamp(max=logits.shape[-1] - 1)  # NaN logits (a diverged model) still give a token

@@ -78,40 +78,44 @@ def group_advantages(reward, group: int):
     return (r - r.mean(1, keepdim=True)).flatten()
 
 
-def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm="paper"):
+def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm="paper",
+                  adv_mem=None):
     """The loss's terms for rollouts ro with advantages adv (B,): "L_token" (eq. 3) and, when the
-    mode has it and a round fired, "L_mem" (eq. 4). Both are normalised by the whole step's rollout
+    mode has it and a round fired, "L_mem" (eq. 4), whose advantages are adv_mem if given. Both are normalised by the whole step's rollout
     count n_total (L_token also by the max completion length, Dr. GRPO's constant), so the
     micro-batches' losses add up to the step's. mem_norm "paper" is eq. (4): per rollout and layer
     the mean of log p(σ) over its rounds, summed over layers; "joint" sums over rounds and layers
     and divides by L_token's constant, the exact gradient of one policy whose actions are tokens
     and evictions (§4.4)."""
     tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)  # (B, T), (B, R, L)
+    adv_mem = adv if adv_mem is None else adv_mem
     terms = {"L_token": -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)}  # eq. (3)
     if mode.eviction_loss and ev_lp is not None:
         if mem_norm == "paper":  # eq. (4)
             per_layer = ev_lp.sum(1) / ro.n_rounds.clamp(min=1)[:, None]  # (B, L): its rounds' mean
-            terms["L_mem"] = -(adv[:, None] * per_layer).sum() / n_total  # summed over layers
+            terms["L_mem"] = -(adv_mem[:, None] * per_layer).sum() / n_total  # summed over layers
         else:  # every round at every layer (rounds that did not fire hold 0)
-            terms["L_mem"] = -(adv * ev_lp.sum((1, 2))).sum() / (n_total * max_new_tokens)
+            terms["L_mem"] = -(adv_mem * ev_lp.sum((1, 2))).sum() / (n_total * max_new_tokens)
     return terms
 
 
-def backward(model, ro, adv, c, amp=contextlib.nullcontext()):
+def backward(model, ro, adv, c, amp=contextlib.nullcontext(), adv_mem=None):
     """Replay the rollouts with A != 0 in micro-batches, accumulate the loss's gradient and average
     it over the processes (each normalised by its own rollout count, so this is the single-process
-    gradient). Returns each term summed over the micro-batches (None: not in this mode)."""
+    gradient). adv_mem: L_mem's advantages, if not adv's. Returns each term summed over the
+    micro-batches (None: not in this mode)."""
     params = [p for p in model.parameters() if p.requires_grad]
     mode = MODES[c.mode]
     sums = dict.fromkeys(LOSSES if mode.eviction_loss else LOSSES[:1], 0.0)  # no round: L_mem 0
-    learn = torch.nonzero(adv).flatten()
+    adv_mem = adv if adv_mem is None else adv_mem
+    learn = torch.nonzero((adv != 0) | (adv_mem != 0)).flatten()
     learn = learn[ro.lengths[learn].argsort(stable=True)]  # like lengths together: less padding
-    chunks = [(rows, adv[rows]) for rows in learn.split(c.micro_batch)] if len(learn) else []
+    chunks = [(rows, adv[rows], adv_mem[rows]) for rows in learn.split(c.micro_batch)]
     chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many everywhere
-    for rows, a in chunks:
+    for rows, a, a_mem in chunks:
         with amp:
             terms = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, len(adv),
-                                  c.mem_norm)
+                                  c.mem_norm, a_mem)
         losses = list(terms.values())
         sum(losses[1:], losses[0]).backward()
         for term, loss in terms.items():
@@ -151,16 +155,21 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
                for i, p in enumerate(batch) for _ in range(G)]
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, top_p=c.top_p, meta_token=meta)
+    K = c.eviction_draws  # members of a group that share their token noise
+    noise_rows = torch.arange(P * G, device=device) // K * K if K > 1 else None
     with amp, distributed.whole_model(model):
         ro = rollout(model, prompts, sampling, ev, rates=rates, eos_ids=model.config.eos_ids,
-                     generator=gen, progress=progress, compile=c.compile)
+                     generator=gen, progress=progress, compile=c.compile,
+                     token_noise_rows=noise_rows)
     t_rollout = time.perf_counter() - t0
     texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
     reward = torch.where(ro.lengths.cpu() < c.min_length, 0.0, correct)  # Appendix A.1 penalty
     adv = group_advantages(reward, G).to(device)
+    # eviction draws: an eviction's advantage is over the members that share its token noise
+    adv_mem = group_advantages(reward, K).to(device) if K > 1 else None
     t_replay = time.perf_counter()
-    losses = backward(model, ro, adv, c, amp)
+    losses = backward(model, ro, adv, c, amp, adv_mem)
     t_replay = time.perf_counter() - t_replay
     trained = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(trained, c.clip).item()
@@ -293,6 +302,11 @@ def resolve(args, state=None) -> settings.Settings:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if c.fsdp and not distributed.launched():
         raise Error("--fsdp runs under torchrun: torchrun --nproc_per_node N train.py ... --fsdp")
+    if c.group % c.eviction_draws:
+        raise Error(f"--eviction-draws {c.eviction_draws} must divide --group {c.group} (a group "
+                    f"is sets of members that share their token noise)")
+    if c.eviction_draws > 1 and not MODES[c.mode].eviction_loss:
+        raise Error(f"--eviction-draws needs a mode with an eviction loss, not --mode {c.mode}")
     if c.prompts % world:
         raise Error(f"--prompts {c.prompts} must be a multiple of the {world} processes (each "
                     f"takes whole groups)")

@@ -113,13 +113,15 @@ def is_sharded(module) -> bool:
 
 def pad_micro_batches(model, chunks: list, device) -> list:
     """Under FSDP each backward is a collective, so every process must run as many: the micro-batches
-    (rows, advantages) padded to the most any process has with one row of advantage 0 (a zero gradient)."""
+    (rows, token advantages, eviction advantages) padded to the most any process has with one row of
+    advantage 0 (a zero gradient)."""
     if not is_sharded(model):
         return chunks
     most = torch.tensor([len(chunks)], device=comm_device())
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     row = chunks[0][0][:1] if chunks else torch.zeros(1, dtype=torch.long, device=device)
-    return chunks + [(row, torch.zeros(1, device=device))] * (int(most) - len(chunks))
+    zero = torch.zeros(1, device=device)
+    return chunks + [(row, zero, zero)] * (int(most) - len(chunks))
 
 
 @contextlib.contextmanager

@@ -68,6 +68,7 @@ class Settings:
     min_length: int = 0
     meta_token: bool = False
     eviction_temperature: float = 1.0
+    eviction_draws: int = 1
     # Optimisation
     lr: float = 5e-6
     beta1: float = 0.9
@@ -138,7 +139,9 @@ HELP = {  # train.py's flags, by --help group (None: the first, ungrouped)
         min_length="reward 0 when prompt+completion is shorter (Appendix A.1)",
         meta_token="force the meta-token before each round (Appendix, meta-tokens; added as the mean of 'tl;dr')",
         eviction_temperature="τ: training samples blocks by Gumbel-top-k over log s_j / τ; 1 is the paper's, below 1 "
-                             "nearer the greedy top K (a departure: docs/departures.md)"),
+                             "nearer the greedy top K (a departure: docs/departures.md)",
+        eviction_draws="K: a group's members share their token noise in sets of K, which differ by their "
+                       "eviction draws; L_mem's advantage is over the set (1: the paper's; docs/departures.md)"),
     "optimisation": dict(
         lr="AdamW learning rate, constant", beta1="AdamW β1", beta2="AdamW β2", adam_eps="AdamW ε",
         weight_decay="AdamW weight decay", clip="grad-norm clipping", micro_batch="rollouts per replay pass",
@@ -164,7 +167,8 @@ def in_unit(low_open: bool):  # a rule like cli.at_least: (0, 1] or [0, 1)
 
 RULES = {  # value -> True, or why it is wrong
     **dict.fromkeys(["threads", "train_problems", "eval_problems", "steps", "prompts", "max_new_tokens",
-                     "stage_steps", "micro_batch", "eval_batch", "eval_max_new_tokens"], at_least(1)),
+                     "stage_steps", "micro_batch", "eval_batch", "eval_max_new_tokens",
+                     "eviction_draws"], at_least(1)),
     **dict.fromkeys(["top_k", "min_length", "weight_decay", "eval_every", "save_every", "eval_samples"], at_least(0)),
     **dict.fromkeys(["temperature", "lr", "adam_eps", "clip", "eval_temperature", "eviction_temperature"],
                    positive),

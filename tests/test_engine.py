@@ -246,6 +246,22 @@ def test_sampling_is_softmax_with_one_uniform_per_row(monkeypatch):
     assert (torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=True) == 50).all()
 
 
+def test_rows_that_share_token_noise_differ_by_their_evictions_alone(model):
+    """token_noise_rows (train.py's --eviction-draws): rows 0-2 take row 0's uniforms. Under the
+    full cache they write one completion; evicting, they write others (their Gumbel draws differ);
+    each row's own noise (the identity) draws what no sharing draws. Control: without sharing, the
+    full cache's three rows differ."""
+    prompts, sampling = [prompts_of([9])[0]] * 3, Sampling(max_new_tokens=40, temperature=1.5, top_k=0)
+    shared = torch.tensor([0, 0, 0])
+    run = lambda ev, rows: rollout(model, prompts, sampling, ev, generator=torch.Generator().manual_seed(0),
+                                   token_noise_rows=rows).completions()
+    full = run(None, shared)
+    assert full[0] == full[1] == full[2]
+    assert len({tuple(c) for c in run(None, None)}) == 3  # the control
+    assert len({tuple(c) for c in run(EV, shared)}) > 1
+    assert run(EV, torch.arange(3)) == run(EV, None)
+
+
 # ---------------------------------------------------------------------------------------
 # Each baseline's scores equal its formula (§5.1, baselines.py)
 

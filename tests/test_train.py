@@ -79,6 +79,33 @@ def test_l_mem_of_a_hand_built_batch_under_each_normaliser(monkeypatch, norm, ex
     assert l_token.item() == pytest.approx(1 / 40, abs=1e-9)  # -(0.5·(-3) + (-0.5)·(-1)) / 40: either norm
 
 
+def test_l_mem_takes_the_eviction_advantages_when_given(monkeypatch):
+    """--eviction-draws: L_mem weighs each rollout by adv_mem (here adv's negation), L_token by adv."""
+    tok_lp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [-0.5, -0.5, 0.0, 0.0]])
+    monkeypatch.setattr(train, "replay", lambda *args, **kwargs: (tok_lp, HAND_EV_LP))
+    ro = SimpleNamespace(n_rounds=torch.tensor([2, 1]))
+    adv = torch.tensor([0.5, -0.5])
+    terms = train.policy_losses(None, ro, adv, train.MODES["ngc"], 10, 4, "paper", adv_mem=-adv)
+    assert terms["L_mem"].item() == pytest.approx(-0.375, abs=1e-7)  # HAND_L_MEM's paper, negated
+    assert terms["L_token"].item() == pytest.approx(1 / 40, abs=1e-9)  # as with adv alone
+
+
+def test_eviction_draws_share_token_noise_in_sets_and_compare_evictions_within_them(
+        train_ckpt, tmp_path, monkeypatch):
+    """--eviction-draws 2 with groups of 4: rows 2k and 2k+1 take row 2k's token noise, and L_mem's
+    advantage of each is half its reward's difference from its partner's (adv gives r_i - r_j)."""
+    seen = {}
+    spy = lambda f, key: lambda *a, **k: seen.setdefault(key, (a, k)) and f(*a, **k)
+    monkeypatch.setattr(train, "rollout", spy(train.rollout, "rollout"))
+    monkeypatch.setattr(train, "backward", spy(train.backward, "backward"))
+    run_train(train_ckpt, tmp_path, "--steps", "1", "--eviction-draws", "2")
+    assert seen["rollout"][1]["token_noise_rows"].tolist() == [0, 0, 2, 2, 4, 4, 6, 6]
+    (_, _, adv, _, _, adv_mem), _ = seen["backward"]
+    pair = (adv[0::2] - adv[1::2]) / 2
+    assert torch.equal(adv_mem, torch.stack([pair, -pair], 1).flatten())
+    assert not torch.equal(adv_mem, adv)
+
+
 @pytest.mark.parametrize("norm", ["paper", "joint"])
 def test_the_logged_losses_are_those_of_the_whole_batch(ckpt, sampled, norm):
     """train.backward in micro-batches of 2 logs each term as policy_losses gives it on the whole batch,
@@ -527,6 +554,8 @@ BAD_TRAIN_FLAGS = [
     (["--steps", "x"], "invalid int value"), (["--adam-eps", "0"], "--adam-eps 0.0 must be positive"),
     (["--mem-norm", "mean"], "invalid choice: 'mean'"),
     (["--eviction-temperature", "0"], "--eviction-temperature 0.0 must be positive"),
+    (["--eviction-draws", "3"], "--eviction-draws 3 must divide --group 4"),
+    (["--eviction-draws", "2", "--mode", "no-evict"], "--eviction-draws needs a mode with an eviction loss"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA GPU is visible")])
 BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
              ("model.safetensors", "truncated", "not a readable safetensors file"),
