@@ -1,0 +1,146 @@
+"""The screen toward the hindsight bound: one factor per row against the control, each trained
+from tiny/ and scored on the validation split (never the test split) at ε = 0.51, with the
+hindsight bound on the same model beside it. Rows train one at a time and resume; rows.md is
+written from the evaluations in evals/.
+
+    python results/screen/screen.py [ROW ...]     # train and score these rows (default: all)
+    python results/screen/screen.py --table       # only rewrite rows.md
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CONTROL = ["--model", "tiny", "--group", "16", "--eval-every", "0"]  # the claims' recipe, seed 0
+NO_EVICT = "no-evict"  # the reference: its full cache is every share's denominator
+RATE, DRAWS, SAMPLES = 0.51, 16, 4
+PROBLEMS = 47  # the whole validation split (the copied runs' eval_problems predates it)
+HEADER = f"""# The screen toward the hindsight bound (written by screen.py)
+
+Each row trains tiny/ for 120 steps of 8 prompts x 16 (the claims' recipe, seed 0) with one
+factor changed, and is scored by `scripts/eval.py --split validation` (the 47 validation
+problems, {SAMPLES} samples each, pass@1 ± 1 SE) at ε = {RATE}: the full cache, NGC, and the
+hindsight bound ({DRAWS} eviction draws per problem and sample, solved if any draw solves) on
+the same model. Peak-KV reductions are of the no-evict row's full cache. Commands and consoles:
+logs/ROW.txt; evaluations: evals/ROW.jsonl.
+"""
+ROWS = {  # name: (train.py flags beyond the control's, the row whose last checkpoint it resumes)
+    "control": ([], None),
+    NO_EVICT: (["--mode", "no-evict"], None),
+    "block-2": (["--block", "2"], None),
+    "steps-240": (["--steps", "240"], "control"),
+    "eviction-draws-4": (["--eviction-draws", "4"], None),
+}
+
+
+def run_dir(name):
+    return os.path.join(HERE, "runs", name)
+
+
+def last_step(name):
+    path = os.path.join(run_dir(name), "log.jsonl")
+    if not os.path.exists(path):
+        return None
+    return json.loads(open(path).read().splitlines()[-1])["step"] + 1
+
+
+def steps_of(name):
+    flags = ROWS[name][0]
+    return int(flags[flags.index("--steps") + 1]) if "--steps" in flags else 120
+
+
+def train(name):
+    flags, start = ROWS[name]
+    if last_step(name) == steps_of(name):
+        return
+    if start and not os.path.exists(run_dir(name)):  # a copy of the run it continues
+        train(start)
+        shutil.copytree(run_dir(start), run_dir(name), ignore=shutil.ignore_patterns("lock"))
+    if os.path.exists(run_dir(name)):
+        argv = ["--resume", run_dir(name), *[f for f in flags if start]]
+    else:
+        argv = [*CONTROL, "--out", run_dir(name), *flags]
+    log = open(os.path.join(HERE, "logs", f"{name}.txt"), "a")
+    log.write(f"# python train.py {' '.join(argv)} --threads 1\n")
+    log.flush()
+    t0 = time.time()
+    subprocess.run([sys.executable, "train.py", *argv, "--threads", "1"], cwd=ROOT, check=True,
+                   stdout=log, stderr=subprocess.STDOUT)
+    log.write(f"# {(time.time() - t0) / 60:.1f} min\n")
+
+
+def score(name):
+    out = os.path.join(HERE, "evals", f"{name}.jsonl")
+    if os.path.exists(out):
+        return
+    policies = ["none", "bound"] + (["ngc"] if name != NO_EVICT else [])
+    argv = ["--model", os.path.join(run_dir(name), "checkpoint"), "--split", "validation",
+            "--policy", *policies, "--eviction-rate", str(RATE), "--draws", str(DRAWS),
+            "--samples", str(SAMPLES), "--problems", str(PROBLEMS), "--base-model",
+            os.path.join(run_dir(NO_EVICT), "checkpoint"), "--out", out]
+    with open(os.path.join(HERE, "logs", f"{name}.txt"), "a") as log:
+        log.write(f"# OMP_NUM_THREADS=1 python scripts/eval.py {' '.join(argv)}\n")
+        log.flush()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "scripts/eval.py", *argv], cwd=ROOT, check=True, env=env,
+                       stdout=log, stderr=subprocess.STDOUT)
+
+
+def evaluation(name):
+    path = os.path.join(HERE, "evals", f"{name}.jsonl")
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    return {r["policy"]: r for r in rows}
+
+
+def training_reward(name, last=20):
+    records = [json.loads(line) for line in open(os.path.join(run_dir(name), "log.jsonl"))]
+    return sum(r["reward"] for r in records[-last:]) / last
+
+
+def table():
+    reference = evaluation(NO_EVICT).get("none")
+    head = ("| row | flags | last 20 steps' reward | full cache | NGC at ε = 0.51 | NGC / no-evict "
+            "full | NGC / own full | bound | NGC / bound |")
+    lines = [HEADER, head, "|---" * 9 + "|"]
+    pct = lambda r: f"{100 * r['accuracy']:.1f} ± {100 * r['accuracy_se']:.1f}"
+    for name, (flags, start) in ROWS.items():
+        e = evaluation(name)
+        if not e:
+            continue
+        ngc, full, bound = e.get("ngc"), e["none"], e["bound"]
+        share = lambda a, b: f"{100 * a['accuracy'] / b['accuracy']:.0f}%" if a and b else ""
+        at = lambda r: f"{pct(r)} ({r['kv_reduction']:.2f}×)" if r else ""
+        what = " ".join(flags) + (f" (resumes {start})" if start else "")
+        lines.append(f"| {name} | {what} | {training_reward(name):.3f} | {pct(full)} | {at(ngc)} "
+                     f"| {share(ngc, reference)} | {share(ngc, full)} | {at(bound)} "
+                     f"| {share(ngc, bound)} |")
+    temporary = os.path.join(HERE, f"rows.md.{os.getpid()}.tmp")  # two screens may write at once
+    with open(temporary, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(temporary, os.path.join(HERE, "rows.md"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rows", nargs="*", help=f"of {', '.join(ROWS)} (default: all)")
+    p.add_argument("--table", action="store_true", help="only rewrite rows.md")
+    args = p.parse_args()
+    if unknown := set(args.rows) - set(ROWS):
+        p.error(f"no row {', '.join(sorted(unknown))}: the rows are {', '.join(ROWS)}")
+    os.makedirs(os.path.join(HERE, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(HERE, "evals"), exist_ok=True)
+    for name in [] if args.table else args.rows or ROWS:
+        train(NO_EVICT)
+        train(name)
+        score(name)
+        table()
+    table()
+
+
+if __name__ == "__main__":
+    main()
