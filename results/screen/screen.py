@@ -107,7 +107,7 @@ def table():
     head = ("| row | flags | last 20 steps' reward | full cache | NGC at ε = 0.51 | NGC / no-evict "
             "full | NGC / own full | bound | NGC / bound |")
     lines = [HEADER, head, "|---" * 9 + "|"]
-    pct = lambda r: f"{100 * r['accuracy']:.1f} ± {100 * r['accuracy_se']:.1f}"
+    pct = lambda r: f"{100 * r['accuracy']:.1f} ± {100 * r['se']:.1f}"
     for name, (flags, start) in ROWS.items():
         e = evaluation(name)
         if not e:
