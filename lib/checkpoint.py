@@ -44,6 +44,11 @@ CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test
 }
 
 
+LIMITS = {  # far above any Qwen2 (R1-1.5B: 28 layers of 1536; Qwen2-72B: 80 of 8192); past them, no model
+    "num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 1 << 20, "num_attention_heads": 1024,
+    "num_key_value_heads": 1024, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
+
+
 def load_config(path: str) -> Qwen2Config:
     """config.json of checkpoint directory `path`, or an Error naming the first key it lacks or a bad value."""
     cfg_path = os.path.join(path, "config.json")
@@ -55,6 +60,9 @@ def load_config(path: str) -> Qwen2Config:
     for key, (accepts, words) in CONFIG_VALUES.items():
         if key in d and not accepts(d[key]):
             raise Error(f"{cfg_path}: {key} is {json.dumps(d[key])}; it must be {words}")
+    for key, most in LIMITS.items():
+        if d.get(key, 0) > most:
+            raise Error(f"{cfg_path}: {key} is {d[key]}, above {most}: no Qwen2 is that large")
     return config_from_dict(d)
 
 
@@ -98,46 +106,51 @@ def _weight_files(path: str) -> list[str]:
 
 def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     """Load config.json and (sharded) safetensors weights, strictly: a missing, unexpected or
-    mis-shaped tensor, or one holding a NaN or an infinity (a diverged run's, a bad conversion), is an Error."""
+    mis-shaped tensor (checked on the files' headers, before any weight is read), or one holding a
+    NaN or an infinity (a diverged run's, a bad conversion), is an Error."""
     cfg = load_config(path)
     with torch.device("meta"):
         model = Qwen2(cfg)
+    files = {file: _open_weights(file, device) for file in _weight_files(path)}
+    names = {name: (file, f) for file, f in files.items() for name in f.keys()
+             if not name.endswith("rotary_emb.inv_freq")}  # RoPE's table: computed here, not loaded
+    shapes = {name: torch.empty(f.get_slice(name).get_shape(), device="meta") for name, (_, f) in names.items()}
+    _load_strictly(model, _tied(shapes, cfg), path)
     state = {}
-    for file in _weight_files(path):
-        try:
-            f = safe_open(file, framework="pt", device=str(device))
-        except Exception as e:  # missing, empty, truncated or not safetensors at all
-            raise Error(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from None
-        with f:
-            for name in f.keys():
-                if not name.endswith("rotary_emb.inv_freq"):  # RoPE's table: computed here, not loaded
-                    state[name] = f.get_tensor(name).to(dtype)
-                    if not torch.isfinite(state[name]).all():
-                        raise Error(f"{file}: {name} holds values that are not finite (NaN or inf): these weights "
-                                    f"are no model; use a checkpoint saved before they went bad")
-    if cfg.tie_word_embeddings:  # one matrix, embed_tokens's; a copy saved as lm_head.weight is ignored
-        state.pop("lm_head.weight", None)
-        if "model.embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    if wrong := misfits(model.state_dict(), state):
-        raise Error(f"the weights of {path} do not fit its config.json: {wrong}")
-    model.load_state_dict(state, assign=True)
+    for name, (file, f) in names.items():
+        state[name] = f.get_tensor(name).to(dtype)
+        if not torch.isfinite(state[name]).all():
+            raise Error(f"{file}: {name} holds values that are not finite (NaN or inf): these weights are no "
+                        f"model; use a checkpoint saved before they went bad")
+    _load_strictly(model, _tied(state, cfg), path)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device)
 
 
-def misfits(want: dict, got: dict, shown: int = 3) -> str:
-    """The first `shown` missing, unexpected and mis-shaped tensors of `got` (name -> tensor) against `want`."""
-    def listed(items, sep=", "):
-        return sep.join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+def _open_weights(file: str, device):
+    try:
+        return safe_open(file, framework="pt", device=str(device))
+    except Exception as e:  # missing, empty, truncated or not safetensors at all
+        raise Error(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from None
 
-    missing, unexpected = [k for k in want if k not in got], [k for k in got if k not in want]
-    shapes = [f"{k} has shape {tuple(got[k].shape)}, config.json implies {tuple(v.shape)}" for k, v in want.items()
-              if k in got and got[k].shape != v.shape]
-    parts = [("missing " + listed(missing), missing), ("unexpected " + listed(unexpected), unexpected),
-             (listed(shapes, "; "), shapes)]
-    return "; ".join(text for text, found in parts if found)
+
+def _tied(state: dict, cfg: Qwen2Config) -> dict:
+    """Tied embeddings are one matrix, embed_tokens's; a copy saved as lm_head.weight is ignored."""
+    if not cfg.tie_word_embeddings:
+        return state
+    state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    return {**state, "lm_head.weight": state["model.embed_tokens.weight"]} \
+        if "model.embed_tokens.weight" in state else state
+
+
+def _load_strictly(model: Qwen2, state: dict, path: str):
+    """load_state_dict(strict=True), its report of missing, unexpected and mis-shaped tensors as one line."""
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        report = "; ".join(line.strip() for line in str(e).splitlines()[1:])
+        raise Error(f"the weights of {path} do not fit its config.json: {report[:400]}") from None
 
 
 def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32):

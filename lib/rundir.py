@@ -10,6 +10,7 @@ import fcntl
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -190,11 +191,14 @@ def load_trainer_state(run_dir) -> dict:
     if not os.path.exists(path):
         raise Error(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt (a run that never saved "
                     f"starts again by its own command)")
-    try:
-        state = torch.load(path, weights_only=False)
+    try:  # weights_only: a state is data; a pickle that would run code is refused, never run
+        state = torch.load(path, weights_only=True)
         state = {**{k: state[k] for k in ("step", "optimizer", "config")}, "session": state.get("session", {})}
     except OSError as e:  # another user's file
         raise Error(f"cannot read {path} ({e.strerror})") from None
+    except pickle.UnpicklingError:
+        raise Error(f"{path} holds more than tensors and numbers (its pickle would run code); refusing "
+                    f"to load it: resume only runs you trust, or start the run again") from None
     except Exception as e:  # a truncated or foreign file
         raise Error(f"{path} is unreadable ({type(e).__name__}: {first_line(e, 200)}); it is not a trainer state "
                     f"this code wrote") from None
@@ -204,7 +208,7 @@ def load_trainer_state(run_dir) -> dict:
 def saved_step(run_dir) -> int | None:
     """The step of the checkpoint saved in run_dir (None: none, or not readable)."""
     try:
-        return torch.load(os.path.join(run_dir, "checkpoint", "trainer.pt"), weights_only=False, mmap=True)["step"]
+        return torch.load(os.path.join(run_dir, "checkpoint", "trainer.pt"), weights_only=True, mmap=True)["step"]
     except Exception:
         return None
 

@@ -3,12 +3,15 @@ Face layout, and add_meta_token's surgery on its vocabulary."""
 import json
 import os
 import shutil
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lib import rundir, settings
+from lib import checkpoint, rundir, settings
 import train
 
 from lib.checkpoint import META_TOKEN, add_meta_token, config_from_dict, from_pretrained, load_tokenizer
@@ -77,10 +80,29 @@ def test_bad_checkpoints_name_the_tensor(ckpt, tmp_path):
     with pytest.raises(Error, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
         from_pretrained(str(tmp_path))
     save_file({**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
-    with pytest.raises(Error, match=r"unexpected model\.layers\.0\.mlp\.extra\.weight"):
+    with pytest.raises(Error, match=r"Unexpected key.*model\.layers\.0\.mlp\.extra\.weight"):
         from_pretrained(str(tmp_path))
     with pytest.raises(Error, match="no config.json"):
         from_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_absurd_sizes_are_refused_before_a_layer_is_built(ckpt, tmp_path):
+    """config.json's sizes against bounds no Qwen2 reaches (10^9 layers would build for hours), and
+    against the weights' headers before a weight is read."""
+    d = json.load(open(os.path.join(ckpt, "config.json")))
+    shutil.copy(os.path.join(ckpt, "model.safetensors"), tmp_path)
+    for key, value in (("num_hidden_layers", 10**9), ("vocab_size", 10**12)):
+        (tmp_path / "config.json").write_text(json.dumps({**d, key: value}))
+        start = time.perf_counter()
+        with pytest.raises(Error, match=rf"config.json: {key} is {value}, above \d+: no Qwen2 is that large"):
+            from_pretrained(str(tmp_path))
+        assert time.perf_counter() - start < 5
+    (tmp_path / "config.json").write_text(json.dumps({**d, "vocab_size": d["vocab_size"] + 1}))
+    headers_only = lambda *a, **k: SimpleNamespace(keys=(f := safe_open(*a, **k)).keys, get_slice=f.get_slice)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "safe_open", headers_only)  # no get_tensor: a read would fail
+        with pytest.raises(Error, match=r"size mismatch for model\.embed_tokens\.weight"):
+            from_pretrained(str(tmp_path))
 
 
 def test_config_generations_and_refusals(ckpt, tmp_path):

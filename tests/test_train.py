@@ -605,6 +605,29 @@ def test_bad_resume_and_run_dirs_fail_with_one_line(train_ckpt, tmp_path, monkey
         assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
 
 
+class Payload:
+    """A pickle that, loaded, would create the file `marker`: what a stranger's trainer.pt can carry."""
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_and_not_run(train_ckpt, tmp_path):
+    run_train(train_ckpt, tmp_path / "run", "--steps", "1")
+    path, marker = tmp_path / "run" / "checkpoint" / "trainer.pt", tmp_path / "ran"
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "session": {"model": Payload(marker)}}, path)
+    with pytest.raises(SystemExit) as err:
+        train.main(["--resume", str(tmp_path / "run")])
+    assert "trainer.pt holds more than tensors and numbers" in str(err.value) and "\n" not in str(err.value)
+    assert rundir.saved_step(tmp_path / "run") is None  # reproduce.py's check: unreadable, not run
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the control: loaded as a pickle, it runs
+    assert marker.exists()
+
+
 def test_help_shows_the_checkpoints_defaults(train_ckpt, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--model", train_ckpt, "--help"])
