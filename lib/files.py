@@ -1,25 +1,39 @@
-"""Output files that are whole or absent: each write goes to `<path>.tmp`, then a rename, so a crash or a
-full disk can leave a stray `<path>.tmp` behind, never half of `<path>`. A file or directory replaced keeps
-its permissions (a run directory made readable to a group stays so, whatever the writer's umask)."""
+"""Output files that are whole or absent: each write goes to a temporary name of its own beside the file
+(`<path>.<pid>-<random>.tmp`), then one rename, so a crash or a full disk can leave a stray `.tmp` behind,
+never half of `<path>`, and two writers of one file each land whole (the last wins). A new file gets the
+mode the user's umask gives; a file or directory replaced keeps its permissions (a run directory made
+readable to a group stays so, whatever the writer's umask)."""
 import contextlib
+import ctypes
+import errno
+import functools
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
 
 def write_atomic(path: str, write):
     """write(tmp) writes the file at the temporary name tmp; it replaces `path` once complete."""
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     try:
         write(tmp)
         if os.path.exists(path):
             shutil.copymode(path, tmp)
+        else:  # some writers (safetensors) create their file private, whatever the umask
+            os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
     except BaseException:
-        if os.path.isfile(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    os.replace(tmp, path)
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)  # the one way to read it is to set it: set it back at once
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str, text: str):
@@ -42,17 +56,43 @@ def save_figure(fig, path: str, dpi: int):
 
 
 # A directory (a checkpoint) is replaced by a swap that keeps a complete copy at every instant:
-#   write <dir>.tmp/ → rename <dir>/ to <dir>.old/ → rename <dir>.tmp/ to <dir>/ → delete <dir>.old/
+#   write <dir>.tmp/ → exchange the names <dir>.tmp/ and <dir>/ in one step → rename <dir>.tmp/ (now the
+#   old one) to <dir>.old/ → delete <dir>.old/. Where the kernel cannot exchange two names, <dir>/ is
+#   renamed to <dir>.old/ and <dir>.tmp/ to <dir>/: a reader between the two renames finds no <dir>/.
 
 
 def swap_in(final: str):
     tmp, old = final + ".tmp", final + ".old"
-    if os.path.exists(final):
-        for name in [""] + [n for n in os.listdir(tmp) if os.path.exists(os.path.join(final, n))]:
-            shutil.copymode(os.path.join(final, name), os.path.join(tmp, name))  # "": the directory's own
+    if not os.path.exists(final):
+        os.replace(tmp, final)
+        return
+    for name in [""] + [n for n in os.listdir(tmp) if os.path.exists(os.path.join(final, n))]:
+        shutil.copymode(os.path.join(final, name), os.path.join(tmp, name))  # "": the directory's own
+    if exchange(tmp, final):  # <dir>/: the new copy at once; <dir>.tmp/: the old one
+        os.replace(tmp, old)
+    else:
         os.replace(final, old)
-    os.replace(tmp, final)
+        os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap the names a and b in one step (Linux's renameat2 with RENAME_EXCHANGE); False where the
+    system cannot, and nothing changed."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd, rename_exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # not on this system or disk
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), a)
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def abandon_swap(final: str):

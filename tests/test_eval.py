@@ -134,7 +134,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
         assert r["problems"] == 3 and r["samples"] == 1 and 0 <= r["accuracy"] <= 1 and r["rounds"] > 0
         assert r["kv_reduction"] > 1 and "pass_at_k" not in r
     assert rows[1]["kv_reduction"] > rows[0]["kv_reduction"]  # evicting more shrinks the peak more
-    assert not os.path.exists(str(out) + ".tmp")
+    assert not list(out.parent.glob(out.name + ".*.tmp"))  # no temporary file left
     assert len(printed.strip().splitlines()) == 6 and "KV reduction" in printed
 
     calls.clear()  # sampled: k completions per problem, pass@k, `none` is the reference itself

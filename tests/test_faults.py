@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ import show
 import train
 from lib.checkpoint import from_pretrained
 from lib.cli import Error
-from conftest import Reached, files_under, one_line_error, reached, run_train
+from conftest import Reached, files_under, one_line_error, reached, run_train, save_small_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: tiny/, scripts/
 TINY, TINY_MATH = os.path.join(ROOT, "tiny"), os.path.join(ROOT, "tiny-math")
@@ -430,3 +431,51 @@ def test_a_study_stopped_by_a_signal_continues_with_the_same_command(tmp_path):
         assert console.startswith(before) and resumed in console[len(before):]
     summary = (out / "summary.md").read_text()
     assert "3. Ablation: token-only" in summary and "1. The baselines at ε* = " in summary
+
+
+# ---------------------------------------------------------------------------------------
+# Writers side by side, and readers of what they write
+
+
+WRITER = "import sys; from lib import files; [files.write_text(sys.argv[1], sys.argv[2] * 50_000) for _ in range(200)]"
+
+
+def test_two_writers_of_one_file_each_land_whole(tmp_path):
+    """Two processes write one file 200 times each: a reader only ever finds one writer's whole
+    text, neither writer fails, and no temporary file is left."""
+    path, whole = tmp_path / "rows.jsonl", {c * 50_000 for c in "ab"}
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), c], cwd=ROOT, stderr=subprocess.PIPE)
+               for c in "ab"]
+    reads = []
+    while any(w.poll() is None for w in writers):
+        if path.exists():
+            reads.append(path.read_text())
+    assert [w.wait() for w in writers] == [0, 0], [w.stderr.read().decode()[-300:] for w in writers]
+    assert len(reads) > 10 and all(text in whole for text in reads) and path.read_text() in whole
+    assert os.listdir(tmp_path) == ["rows.jsonl"]
+
+
+def test_a_checkpoint_being_replaced_is_whole_at_every_instant(train_ckpt, tmp_path, monkeypatch):
+    """The swap of checkpoint/: at each rename it makes, checkpoint/ is there and loads (the old
+    step's or the new one's)."""
+    save_small_checkpoint(train_ckpt, tmp_path, step=1)
+    real_replace, loads = os.replace, []
+
+    def replace(a, b):
+        loads.append(rundir.saved_step(tmp_path))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    save_small_checkpoint(train_ckpt, tmp_path, step=2)
+    monkeypatch.undo()
+    assert len(loads) >= 5 and set(loads) == {1, 2}  # never None: no instant without a checkpoint
+
+
+def test_a_checkpoint_saved_under_umask_022_is_readable_by_everyone(train_ckpt, tmp_path):
+    umask = os.umask(0o022)
+    try:
+        save_small_checkpoint(train_ckpt, tmp_path)
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "checkpoint").iterdir()}
+    assert modes == dict.fromkeys(modes, 0o644) and "model.safetensors" in modes

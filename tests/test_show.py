@@ -100,7 +100,7 @@ def test_show_page_lists_every_token_of_every_rollout_and_every_layer(ckpt, trai
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in printed[:4]] == ["problem 1 untrained", "problem 1   trained",
                                                             "problem 2 untrained", "problem 2   trained"]
-    assert not os.path.exists(str(out) + ".tmp")
+    assert not list(out.parent.glob(out.name + ".*.tmp"))  # no temporary file left
     page = out.read_text(encoding="utf-8")
     for outside in ("<script", "<link", "src=", "href=", "url(", "http", "@import"):
         assert outside not in page  # self-contained
@@ -162,7 +162,7 @@ def test_show_png(ckpt, train_ckpt, tmp_path):
     out, png = tmp_path / "f.html", tmp_path / "f.png"
     show.main(["--model", train_ckpt, "--before", ckpt, "--problems", "1", "--out", str(out), "--png", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert not os.path.exists(str(png) + ".tmp")
+    assert not list(png.parent.glob(png.name + ".*.tmp"))
 
 
 def test_target_survival_by_hand():
