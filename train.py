@@ -110,7 +110,8 @@ def backward(model, ro, adv, c, amp=contextlib.nullcontext(), adv_mem=None):
     adv_mem = adv if adv_mem is None else adv_mem
     learn = torch.nonzero((adv != 0) | (adv_mem != 0)).flatten()
     learn = learn[ro.lengths[learn].argsort(stable=True)]  # like lengths together: less padding
-    chunks = [(rows, adv[rows], adv_mem[rows]) for rows in learn.split(c.micro_batch)]
+    chunks = [(rows, adv[rows], adv_mem[rows]) for rows in learn.split(c.micro_batch)
+              ] if len(learn) else []
     chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many everywhere
     for rows, a, a_mem in chunks:
         with amp:

@@ -39,9 +39,16 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 _stopping = []  # the handlers exits replaced, while a decorated main runs
 
 
+# How a console that cannot print a character (PYTHONIOENCODING=ascii, a C locale) spells it; any other: "?"
+ASCII = str.maketrans({"ε": "eps", "δ": "delta", "τ": "tau", "σ": "sigma", "ψ": "psi", "ρ": "rho", "α": "alpha",
+                       "β": "beta", "Δ": "Delta", "§": "S", "×": "x", "±": "+-", "≥": ">=", "≤": "<=", "→": "->",
+                       "·": "*", "−": "-", "–": "-", "—": "--", "∞": "inf", "½": "1/2", "⅓": "1/3"})
+
+
 class Console:
     """sys.stdout or sys.stderr, whose writes are dropped once its reader is gone (a closed terminal, a pipe
-    whose reader quit): the work and its files go on, only the console lines are lost."""
+    whose reader quit): the work and its files go on, only the console lines are lost. What its encoding
+    cannot hold is written in ASCII (ASCII's spellings), never dropped."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -55,10 +62,17 @@ class Console:
 
     def call(self, name, *args):
         try:
-            getattr(self.stream, name)(*args)
+            try:
+                getattr(self.stream, name)(*args)
+            except UnicodeEncodeError:
+                getattr(self.stream, name)(*map(self.encodable, args))
         except (OSError, ValueError):  # EIO, EPIPE; ValueError: closed. What is left goes to /dev/null
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def encodable(self, text: str) -> str:
+        encoding = getattr(self.stream, "encoding", None) or "ascii"
+        return text.translate(ASCII).encode(encoding, "replace").decode(encoding)
 
     def __getattr__(self, name):  # isatty, fileno, encoding, ...
         return getattr(self.stream, name)

@@ -479,3 +479,20 @@ def test_a_checkpoint_saved_under_umask_022_is_readable_by_everyone(train_ckpt, 
         os.umask(umask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "checkpoint").iterdir()}
     assert modes == dict.fromkeys(modes, 0o644) and "model.safetensors" in modes
+
+
+# ---------------------------------------------------------------------------------------
+# A console that cannot print ε
+
+
+def test_an_ascii_console_gets_every_line_spelled_in_ascii(train_ckpt, tmp_path):
+    """Under PYTHONIOENCODING=ascii, output to a file: each --help and a one-step run print their
+    whole text, ε and δ spelled eps and delta."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    run = lambda *argv: subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True)
+    for script in ("train.py", "scripts/eval.py", "scripts/show.py"):
+        done = run(script, "--help")
+        assert done.returncode == 0 and b"--model" in done.stdout and b"eps" in done.stdout, script
+    done = run("train.py", "--model", train_ckpt, "--out", str(tmp_path / "run"), "--steps", "1", "--threads", "1")
+    assert done.returncode == 0, done.stderr.decode()[-300:]
+    assert b"delta=8" in done.stdout and b"step 1/1" in done.stdout and b"done in" in done.stdout
