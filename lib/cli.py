@@ -8,6 +8,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import re
 import signal
 import sys
 
@@ -88,11 +89,26 @@ def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
     return p
 
 
-def exits(main):
+def out_of_memory(e: BaseException) -> str | None:
+    """What ran out, in a few words, if e is running out of memory: CUDA's OutOfMemoryError, the CPU
+    allocator's RuntimeError or Python's MemoryError; else None."""
+    if type(e).__name__ == "OutOfMemoryError":  # torch's, for CUDA
+        return f"OutOfMemoryError: {str(e).split('. ')[0][:160]}"
+    if isinstance(e, MemoryError):
+        return "MemoryError"
+    cpu = re.search(r"DefaultCPUAllocator: ([^.]*)", str(e)) if isinstance(e, RuntimeError) else None
+    return f"CPU: {cpu.group(1)}" if cpu else None
+
+
+def exits(main=None, *, memory: str = "free memory or use a smaller model"):
     """A script's main: an Error ends the process with its line and exit code 2 (a SystemExit whose str() is
-    the line), a stop signal with one line and 128 + the signal (files.py writes files whole); a signal the
-    process was started ignoring (nohup) stays ignored, and a console that goes away takes no more lines.
-    A main called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
+    the line), as does running out of memory (the line then says `memory`); a stop signal ends it with
+    one line and 128 + the signal (files.py writes files whole); a signal the process was started ignoring
+    (nohup) stays ignored, and a console that goes away takes no more lines. A main called inside another
+    (reproduce.py runs eval.main) leaves all this to the outer one."""
+    if main is None:  # @exits(memory=...)
+        return functools.partial(exits, memory=memory)
+
     @functools.wraps(main)
     def wrapped(*args, **kwargs):
         if _stopping:
@@ -101,7 +117,12 @@ def exits(main):
                           if signal.getsignal(s) is not signal.SIG_IGN})
         streams, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (Console(sys.stdout), Console(sys.stderr))
         try:
-            return main(*args, **kwargs)
+            try:
+                return main(*args, **kwargs)
+            except (RuntimeError, MemoryError) as e:
+                if not (what := out_of_memory(e)):
+                    raise
+                raise Error(f"out of memory ({what}); {memory}") from None
         except Error as e:
             print(f"error: {e}", file=sys.stderr)
             failed = SystemExit(f"error: {e}")

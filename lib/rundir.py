@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from lib import distributed, settings
 from lib.checkpoint import save_pretrained, save_tokenizer
-from lib.cli import STOP_SIGNALS, Error, Interrupted
+from lib.cli import STOP_SIGNALS, Error, Interrupted, out_of_memory
 from lib.files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
@@ -343,11 +343,11 @@ def guard(run: Run, lr: float, fsdp: bool):
     except Interrupted as e:
         tell(f"\n{e}: {stopped(run, fsdp)}; {run.go_on()}")
         raise SystemExit(128 + e.signum) from None
-    except torch.OutOfMemoryError as e:
-        traceback.clear_frames(e.__traceback__)  # the failed step's tensors go before the save
-        raise Error(f"out of memory in step {run.step + 1} ({gist(e)}); {stopped(run, fsdp)}; lower "
-                    f"--micro-batch (or --group, --max-new-tokens), then {run.go_on()}") from None
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
+        if what := out_of_memory(e):
+            traceback.clear_frames(e.__traceback__)  # the failed step's tensors go before the save
+            raise Error(f"out of memory in step {run.step + 1} ({what}); {stopped(run, fsdp)}; lower "
+                        f"--micro-batch (or --group, --max-new-tokens), then {run.go_on()}") from None
         if not distributed.peer_lost(e):
             raise
         signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # the launcher's SIGTERM follows: held

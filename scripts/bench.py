@@ -227,7 +227,7 @@ def bench_model(args, device, dtype):
     return init_weights(Qwen2(cfg)).to(device=device, dtype=dtype)
 
 
-@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
+@exits(memory="lower --batch")  # bad input, out of memory, a signal: one line
 def main(argv=None):
     args = parse_args(argv)
     with one_line_errors():

@@ -239,7 +239,7 @@ def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
     return None if rank else rows
 
 
-@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
+@exits(memory="lower --batch-size")  # bad input, out of memory, a signal: one line
 def main(argv=None):
     args = flags(argv)
     with one_line_errors(ValueError, RuntimeError):  # every check (problems, device, load) before any rollout

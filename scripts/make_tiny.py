@@ -151,7 +151,7 @@ TASKS = {
 }
 
 
-@exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
+@exits(memory="lower --batch")  # bad input, out of memory, a signal: one line
 def main(argv=None):
     args = parse_args(argv)
     task = TASKS[args.task]

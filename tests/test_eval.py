@@ -179,6 +179,15 @@ def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypat
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_eval_out_of_memory_is_one_line_naming_the_flag(train_ckpt, monkeypatch):
+    """The CPU's allocator failing mid-evaluation (for real: an allocation it cannot make)."""
+    monkeypatch.setattr(evaluation, "evaluate_policies", lambda *a: torch.empty(2 ** 60, dtype=torch.uint8))
+    with pytest.raises(SystemExit) as err:
+        evaluation.main(["--model", train_ckpt, "--policy", "ngc", "--problems", "1"])
+    assert str(err.value) == ("error: out of memory (CPU: can't allocate memory: you tried to allocate "
+                              "1152921504606846976 bytes); lower --batch-size")
+
+
 def test_cli_plot_without_matplotlib_fails_early(train_ckpt, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
     monkeypatch.setattr(evaluation, "load", None)  # fails before loading anything

@@ -439,21 +439,34 @@ def test_a_console_that_goes_away_costs_only_its_lines(train_ckpt, tmp_path, scr
         assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 2
 
 
-def test_out_of_memory_saves_the_steps_taken_and_stops_in_one_line(train_ckpt, tmp_path, monkeypatch):
-    """CUDA out of memory in a step (here raised by a stand-in rollout at the third step): the state
-    after the steps taken is saved, one line says what to lower, and a resume goes on from there."""
+def cuda_runs_out():  # what CUDA raises (no GPU here: its exception, as torch words it)
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+
+
+OUT_OF_MEMORY = [(cuda_runs_out, "OutOfMemoryError: CUDA out of memory"),
+                 (lambda: torch.empty(2 ** 60, dtype=torch.uint8),  # the CPU's allocator, for real
+                  "CPU: can't allocate memory: you tried to allocate 1152921504606846976 bytes"),
+                 (lambda: bytearray(2 ** 60), "MemoryError")]
+
+
+@pytest.mark.parametrize("run_out, says", OUT_OF_MEMORY, ids=["cuda", "cpu", "python"])
+def test_out_of_memory_saves_the_steps_taken_and_stops_in_one_line(train_ckpt, tmp_path, monkeypatch, run_out,
+                                                                   says):
+    """Out of memory in a step (on CUDA, in the CPU's allocator, in Python; at the third step's
+    rollout): the state after the steps taken is saved, one line says what to lower, and a resume
+    goes on from there."""
     calls = []
 
     def rollout_until_memory_runs_out(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+            run_out()
         return rollout(*args, **kwargs)
 
     monkeypatch.setattr(train, "rollout", rollout_until_memory_runs_out)
     with pytest.raises(SystemExit) as err:
         run_train(train_ckpt, tmp_path, "--steps", "4")
-    assert str(err.value) == (f"error: out of memory in step 3 (OutOfMemoryError: CUDA out of memory); saved step 2 to "
+    assert str(err.value) == (f"error: out of memory in step 3 ({says}); saved step 2 to "
                               f"{tmp_path}/checkpoint; lower --micro-batch (or --group, --max-new-tokens), then "
                               f"continue with --resume {tmp_path}")
     monkeypatch.undo()
