@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ngc import Eviction, Sampling, check_eviction, rollout
+from ngc import check_eviction, rollout
 from replay import replay
 from lib import distributed, rundir, settings
 from lib.checkpoint import META_TOKEN, load
@@ -143,7 +143,7 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     P, G, mode = c.prompts // world, c.group, MODES[c.mode]  # this process's prompts
     gen = step_generator(c.seed, rank, step, device)
     eps = eviction_rate_at(step, c)
-    ev = Eviction(c.delta, c.block, c.window, eps, c.eviction_temperature) if mode.evict else None
+    ev = settings.eviction(c, eps, temperature=c.eviction_temperature) if mode.evict else None
     group_eps = rates = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
         choices = torch.tensor(c.interoception_rates) * eps / final_eviction_rate(c)
@@ -155,7 +155,7 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     prompts = [prompt_encoder(c.task, c.prompt, rate(i), c.blind_tag)(tokenizer, p)
                for i, p in enumerate(batch) for _ in range(G)]
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, top_p=c.top_p, meta_token=meta)
+    sampling = settings.sampling(c, meta_token=meta)
     K = c.eviction_draws  # members of a group that share their token noise
     noise_rows = torch.arange(P * G, device=device) // K * K if K > 1 else None
     with amp, distributed.whole_model(model):
@@ -197,15 +197,16 @@ def make_optimizer(model, c, state=None):
 
 # ---- The loop ------------------------------------------------------------------------------------
 def evaluator(c, model, tokenizer, test, reward_fn, amp, progress):
-    """The run's final ε and its held-out evaluation: the full cache and the top K blocks at ε."""
-    ev = Eviction(c.delta, c.block, c.window, final_eviction_rate(c), greedy=True)
+    """The run's final ε and its held-out evaluation: the full cache and the top K blocks at ε, with
+    eval.py's sampling."""
+    ev = settings.eviction(c, final_eviction_rate(c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    sampling = Sampling(c.max_new_tokens, c.temperature, c.top_k, c.top_p)
+    sampling = settings.sampling(c, held_out=True)
 
     def evaluate_held_out():
         with amp, distributed.whole_model(model):
-            return evaluate(model, tokenizer, test, ev, c.max_new_tokens, encode, reward_fn,
+            return evaluate(model, tokenizer, test, ev, sampling.max_new_tokens, encode, reward_fn,
                             c.eval_batch, progress=progress, meta_token=meta, compile=c.compile,
                             sampling=sampling, samples=c.eval_samples, seed=c.seed)
     return ev.rate, evaluate_held_out

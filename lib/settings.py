@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 import countdown
+from ngc import Eviction, Sampling
 from lib import mathtask
 from lib.checkpoint import read_json
 from lib.cli import Error, at_least, check_values, positive
@@ -83,7 +84,8 @@ class Settings:
     eval_batch: int = 64
     save_every: int = 50
     eval_samples: int | None = 4
-    eval_temperature: float | None = None  # these three: eval.py's alone (no flag in train.py)
+    eval_temperature: float | None = None  # these three: no train.py flag; ngc.json sets them for train.py's
+    # evaluations and eval.py alike (settings.sampling)
     eval_top_p: float | None = None
     eval_max_new_tokens: int | None = None
 
@@ -180,6 +182,19 @@ SESSION = ["model", "device", "dtype", "compile", "fsdp"]  # not saved (a resume
 SAVED = [name for name in TYPES if name not in RUN_ONLY]
 WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
          "tuple[float, ...]": 'comma-separated numbers, such as "0.9,0.7,0.5"'}
+
+
+def eviction(c: Settings, rate: float, **how) -> Eviction:
+    """The run's rounds (δ, b, w) at ε = rate; how: Eviction's other fields (greedy, temperature, score)."""
+    return Eviction(c.delta, c.block, c.window, rate, **how)
+
+
+def sampling(c: Settings, held_out: bool = False, greedy: bool = False, meta_token: int | None = None) -> Sampling:
+    """Training's token sampling, or with held_out the evaluations' (train.py's and eval.py's alike):
+    eval_temperature, eval_top_p and eval_max_new_tokens where the run sets them."""
+    pick = lambda evaluated, trained: evaluated if held_out and evaluated is not None else trained
+    return Sampling(pick(c.eval_max_new_tokens, c.max_new_tokens), pick(c.eval_temperature, c.temperature),
+                    c.top_k, top_p=pick(c.eval_top_p, c.top_p), greedy=greedy, meta_token=meta_token)
 
 
 def floats(text) -> tuple[float, ...]:

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
 import countdown
-from ngc import Eviction, Sampling
-from lib import baselines, distributed
+from ngc import Eviction
+from lib import baselines, distributed, settings
 from lib.checkpoint import META_TOKEN, load
 from lib.cli import (Error, at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot,
                      writing)
@@ -52,7 +52,7 @@ def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction |
     """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError."""
     if name == "none":
         return None
-    layout = Eviction(c.delta, c.block, c.window, rate)
+    layout = settings.eviction(c, rate)
     return baselines.build(name, baselines.Given(layout, model, tokenizer, c.task, reference))
 
 
@@ -67,9 +67,8 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
     batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's noise depends on its size).
     draws: the eviction draws of the hindsight bound and its luck control per problem and sample."""
     n, batch_size = samples or 1, batch_size or c.eval_batch
-    sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, c.eval_temperature or c.temperature, c.top_k,
-                        top_p=c.eval_top_p or c.top_p, greedy=samples is None,
-                        meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
+    sampling = settings.sampling(c, held_out=True, greedy=samples is None,
+                                 meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
     tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
 
     def run(name, rate, on=model):
@@ -211,7 +210,7 @@ def run_settings(args) -> Settings:
     c = replace(c, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
     args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
     for rate in args.eviction_rate:
-        Eviction(c.delta, c.block, c.window, rate)  # one-line errors for bad ε, δ, b, w
+        settings.eviction(c, rate)  # one-line errors for bad ε, δ, b, w
     return c
 
 

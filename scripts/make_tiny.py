@@ -34,7 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
 import countdown as cd
 from model import Qwen2, Qwen2Config, init_weights
-from ngc import Eviction, Sampling, check_eviction
+from ngc import Sampling, check_eviction
 from lib import mathtask, settings
 from lib.checkpoint import load, save_pretrained
 from lib.cli import Error, at_least, check_values, exits, make_output_dir, one_line_errors, parser, positive
@@ -323,7 +323,7 @@ def report(model, tok, test, task, c):
     """Accuracy (greedy tokens, and pass@1 of one sample at temperature 1, seed 0), the fraction of correct
     traces and the mean length, with the full cache and at the run's final ε."""
     rate = 1 - c.retention[-1]  # the curriculum's last stage
-    ev, max_new_tokens = Eviction(c.delta, c.block, c.window, rate, greedy=True), c.max_new_tokens
+    ev, max_new_tokens = settings.eviction(c, rate, greedy=True), c.max_new_tokens
     encode, reward = prompt_encoder(c.task, c.prompt), TASK_REWARD[c.task]  # as train.py's evaluations
     evicting = f"ngc-greedy δ={ev.delta} b={ev.block} w={ev.window} ε={ev.rate}"
     for name, eviction in [("full cache", None), (evicting, ev)]:

@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
-from ngc import Eviction, Sampling, rollout
+from ngc import Eviction, rollout
 from replay import death_times, evicted_by
 from lib import distributed, settings
 from lib.checkpoint import META_TOKEN, load, load_config
@@ -69,7 +69,7 @@ def trace_rollouts(model, tokenizer, c, problems, ev: Eviction | None):
     """Per problem, its greedy rollout under ev (None: the full cache): verdict, token texts and death rounds."""
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None, c.blind_tag)
-    sampling = Sampling(c.eval_max_new_tokens or c.max_new_tokens, greedy=True, meta_token=meta)
+    sampling = settings.sampling(c, held_out=True, greedy=True, meta_token=meta)
     ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev, eos_ids=model.config.eos_ids)
     completions = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     runs = []
@@ -282,7 +282,7 @@ def check(args):
     args.before = args.before or BEFORE[c.task]
     load_config(args.before)
     run_defaults(args.before, c.task, "--before")  # a model of --model's task
-    ev = Eviction(c.delta, c.block, c.window, args.eviction_rate, greedy=True)  # bad ε: one line
+    ev = settings.eviction(c, args.eviction_rate, greedy=True)  # bad ε: one line
     return c, ev, held_out(c, args.problems)
 
 

@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -152,9 +153,14 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
 def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tmp_path, monkeypatch):
     """A batch's noise depends on its size, so eval.py's default batch is the run's eval_batch: on a run's checkpoint
     and train.py's split (validation) it draws the samples train.py's last evaluation drew and prints its pass@1,
-    the full cache's and at the run's ε. The control: another batch size draws other samples."""
+    the full cache's and at the run's ε, under the run's own evaluation sampling (eval_temperature, eval_top_p,
+    eval_max_new_tokens, set in its ngc.json). The control: another batch size draws other samples."""
+    model = tmp_path / "model"
+    shutil.copytree(train_ckpt, model)
+    (model / "ngc.json").write_text(json.dumps({**TRAIN_DEFAULTS, "eval_temperature": 0.6, "eval_top_p": 0.9,
+                                                "eval_max_new_tokens": 12}))
     flags = ["--steps", "1", "--eval-every", "1", "--eval-batch", "5", "--eval-samples", "4", "--eval-problems", "6"]
-    logged = [r["eval"] for r in run_train(train_ckpt, tmp_path / "run", *flags) if "eval" in r][-1]
+    logged = [r["eval"] for r in run_train(str(model), tmp_path / "run", *flags) if "eval" in r][-1]
     monkeypatch.setitem(tasks.TASK_REWARD, "countdown", parity_reward)  # train.py's stand-in reward
 
     def evaluated(*batch):
