@@ -35,6 +35,7 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "block-2": (["--block", "2"], None),
     "steps-240": (["--steps", "240"], "control"),
     "eviction-draws-4": (["--eviction-draws", "4"], None),
+    "from-no-evict": (["--model", os.path.join(HERE, "runs", NO_EVICT, "checkpoint"), "--mode", "ngc"], None),
 }
 
 
@@ -115,7 +116,8 @@ def table():
         ngc, full, bound = e.get("ngc"), e["none"], e["bound"]
         share = lambda a, b: f"{100 * a['accuracy'] / b['accuracy']:.0f}%" if a and b else ""
         at = lambda r: f"{pct(r)} ({r['kv_reduction']:.2f}×)" if r else ""
-        what = " ".join(flags) + (f" (resumes {start})" if start else "")
+        what = " ".join(os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for f in flags)
+        what += f" (resumes {start})" if start else ""
         lines.append(f"| {name} | {what} | {training_reward(name):.3f} | {pct(full)} | {at(ngc)} "
                      f"| {share(ngc, reference)} | {share(ngc, full)} | {at(bound)} "
                      f"| {share(ngc, bound)} |")
