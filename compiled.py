@@ -1,9 +1,10 @@
 """The decode step, captured whole by torch.compile (rollout(..., compile=True)).
 
-ngc.decode_one_token has fixed shapes and no host syncs, so torch.compile takes it as one graph: one CUDA
-graph per shape on CUDA ("reduce-overhead"), inductor's kernels launched from C++ on the CPU. A captured
-graph reads and writes the KV cache and query window at fixed addresses, so a model's buffers are kept and
-handed back, zeroed, to its next rollout of the same shape. Results match eager up to float rounding.
+ngc.decode_one_token has fixed shapes and no host syncs, so torch.compile takes it as one graph:
+one CUDA graph per shape on CUDA ("reduce-overhead"), inductor's kernels launched from C++ on the
+CPU. A captured graph reads and writes the KV cache and query window at fixed addresses, so a
+model's buffers are kept and handed back, zeroed, to its next rollout of the same shape. Results
+match eager up to float rounding.
 """
 import functools
 import weakref
@@ -29,21 +30,23 @@ def compiled_step(step, cuda: bool, sdpa_math: bool):
         def step(*args):
             with sdpa_kernel(SDPBackend.MATH):
                 return eager(*args)
-    return torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})  # kernels launched from C++
+    return torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})  # launched from C++
 
 
-CAPTURED = weakref.WeakKeyDictionary()  # model -> (state_args, (cache, window)) its compiled step last ran on
+# model -> (state_args, (cache, window)) its compiled step last ran on
+CAPTURED = weakref.WeakKeyDictionary()
 
 
 def captured_decode(model, step, new_state, state_args: tuple):
-    """(cache, window, compiled step) for a rollout whose state_args = (batch, capacity, w, dtype, device):
-    new_state(*state_args, tight=False) makes them, or the model's last ones are handed back, zeroed, so that
-    CUDA graphs captured on their addresses replay instead of being captured again."""
+    """(cache, window, compiled step) for a rollout whose state_args = (batch, capacity, w, dtype,
+    device): new_state(*state_args, tight=False) makes them, or the model's last ones are handed
+    back, zeroed, so that CUDA graphs captured on their addresses replay instead of being captured
+    again."""
     batch, capacity, w, dtype, device = state_args
     key = (batch, capacity, w, dtype, str(device))
     reused = model in CAPTURED and CAPTURED[model][0] == key
     if not reused:
-        CAPTURED[model] = key, new_state(*state_args, tight=False)  # a captured step reads all S slots
+        CAPTURED[model] = key, new_state(*state_args, tight=False)  # captured: reads all slots
     cache, window = CAPTURED[model][1]
     for t in cache.buffers() + (window.buffers() if window is not None else []):
         if reused:

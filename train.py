@@ -81,12 +81,12 @@ def group_advantages(reward, group: int):
 def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm="paper",
                   adv_mem=None):
     """The loss's terms for rollouts ro with advantages adv (B,): "L_token" (eq. 3) and, when the
-    mode has it and a round fired, "L_mem" (eq. 4), whose advantages are adv_mem if given. Both are normalised by the whole step's rollout
-    count n_total (L_token also by the max completion length, Dr. GRPO's constant), so the
-    micro-batches' losses add up to the step's. mem_norm "paper" is eq. (4): per rollout and layer
-    the mean of log p(σ) over its rounds, summed over layers; "joint" sums over rounds and layers
-    and divides by L_token's constant, the exact gradient of one policy whose actions are tokens
-    and evictions (§4.4)."""
+    mode has it and a round fired, "L_mem" (eq. 4), whose advantages are adv_mem if given. Both are
+    normalised by the whole step's rollout count n_total (L_token also by the max completion
+    length, Dr. GRPO's constant), so the micro-batches' losses add up to the step's. mem_norm
+    "paper" is eq. (4): per rollout and layer the mean of log p(σ) over its rounds, summed over
+    layers; "joint" sums over rounds and layers and divides by L_token's constant, the exact
+    gradient of one policy whose actions are tokens and evictions (§4.4)."""
     tok_lp, ev_lp = replay(model, ro, causal=not mode.replay_masks)  # (B, T), (B, R, L)
     adv_mem = adv if adv_mem is None else adv_mem
     terms = {"L_token": -(tok_lp.sum(1) * adv).sum() / (n_total * max_new_tokens)}  # eq. (3)

@@ -648,3 +648,20 @@ def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "NGC on math" in out and "δ=32" in out and "ε = 0.5, greedy tokens" in out
     assert settings.run_defaults(str(tmp_path / "run" / "checkpoint")).task == "math"
+
+
+# ---------------------------------------------------------------------------------------
+# The method files as a reader meets them
+
+
+ENGINE = ["model.py", "gumbel.py", "replay.py", "ngc.py", "compiled.py", "countdown.py", "train.py"]
+
+
+def test_the_method_files_fit_100_columns_and_import_nothing_from_lib():
+    """Lines of at most 100 characters, and the engine (all but train.py) reaches no plumbing."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ENGINE:
+        text = open(os.path.join(root, name), encoding="utf-8").read()
+        long = [i + 1 for i, line in enumerate(text.splitlines()) if len(line) > 100]
+        assert not long, f"{name}: lines {long} are over 100 characters"
+        assert name == "train.py" or not re.search(r"^(from|import) lib\b", text, re.M), name
