@@ -68,11 +68,11 @@ def plackett_luce_log_prob(logits, sigma):
     gives -inf or NaN in fp32 once the policy is peaked."""
     logits = logits.float()
     present = sigma >= 0
-    kept = logits.gather(1, sigma.clamp(min=0)).masked_fill(~present, MISSING)  # (N, Kmax)
+    chosen = logits.gather(1, sigma.clamp(min=0)).masked_fill(~present, MISSING)  # (N, Kmax)
     rest = logits.masked_fill(kept_blocks(sigma, logits.shape[1]), MISSING)  # (N, M)
-    x = torch.cat([kept, rest], dim=1)
+    x = torch.cat([chosen, rest], dim=1)
     suffix_lse = torch.logcumsumexp(x.flip(1), dim=1).flip(1)[:, : sigma.shape[1]]
-    return torch.where(present, kept - suffix_lse, 0.0).sum(1)  # (N,)
+    return torch.where(present, chosen - suffix_lse, 0.0).sum(1)  # (N,)
 
 
 def kept_blocks(sigma, n_blocks: int):

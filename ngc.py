@@ -223,22 +223,22 @@ def decode_one_token(model: Qwen2, cache: KVCache, window, tok, pos, valid):
     return model.logits(h[:, -1])
 
 
-def sample_tokens(logits, s: Sampling, generator=None, noise_rows=None):
+def sample_tokens(logits, sampling: Sampling, generator=None, noise_rows=None):
     """Next tokens (B,) and their log-probs under softmax(logits / temperature); noise_rows (B,):
     the row whose uniform each row takes (None: its own)."""
-    logits = logits.float() / s.temperature
+    logits = logits.float() / sampling.temperature
     logp = F.log_softmax(logits, dim=-1)
-    if s.greedy:
+    if sampling.greedy:
         tok = logits.argmax(-1)
     else:
-        if s.top_k:
-            kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        if sampling.top_k:
+            kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if s.top_p < 1:  # nucleus: drop a token once the tokens ranked above it hold top_p
+        if sampling.top_p < 1:  # nucleus: drop a token once the tokens ranked above it hold top_p
             sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
             probs = sorted_logits.softmax(-1)
             mass_above = probs.cumsum(-1) - probs  # 0 for the top token, which is always kept
-            cut = sorted_logits.masked_fill(mass_above >= s.top_p, float("-inf"))
+            cut = sorted_logits.masked_fill(mass_above >= sampling.top_p, float("-inf"))
             logits = logits.scatter(-1, order, cut)
         tok = inverse_cdf_sample(logits, generator, noise_rows)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
@@ -425,11 +425,11 @@ def drop_ended_rows(s: RolloutState, active, going: int):
     stay = still | ((~still).cumsum(0) <= size - going)  # the rows going, then ended ones to pad
     s.cache.check()  # an overflow is an error before a row leaves, too
     s.final_alive[live[~stay]] = s.cache.alive_counts()[~stay]
-    kept = stay.nonzero().flatten()
-    s.cache.keep_rows(kept)
+    rows = stay.nonzero().flatten()
+    s.cache.keep_rows(rows)
     if s.window is not None:
-        s.window.keep_rows(kept)
-    s.live = live[kept]
+        s.window.keep_rows(rows)
+    s.live = live[rows]
     s.cache_row[s.live] = torch.arange(size, device=active.device)
 
 

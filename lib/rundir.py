@@ -124,8 +124,8 @@ def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> li
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
         step, log = state["step"] if state else 0, os.path.join(out, "log.jsonl")
-        kept = [r for r in read_log(log) if r["step"] < step]  # later steps will run again
-        write_jsonl(log, kept)
+        earlier = [r for r in read_log(log) if r["step"] < step]  # later steps will run again
+        write_jsonl(log, earlier)
     except BaseException:
         release(out)
         raise
