@@ -33,7 +33,7 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "control": ([], None),
     NO_EVICT: (["--mode", "no-evict"], None),
     "block-2": (["--block", "2"], None),
-    "steps-240": (["--steps", "240"], "control"),
+    "steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], "control"),
     "eviction-draws-4": (["--eviction-draws", "4"], None),
     "from-no-evict": (["--model", os.path.join(HERE, "runs", NO_EVICT, "checkpoint"), "--mode", "ngc",
                        "--eval-problems", str(PROBLEMS)], None),  # its ngc.json: the pool before the split
