@@ -131,7 +131,7 @@ def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> li
         raise
     if changed := changed_settings({**state["session"], **state["config"]} if state else {}, recorded):
         tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
-    return kept
+    return earlier
 
 
 def changed_settings(saved: dict, now: dict) -> list[str]:
