@@ -29,14 +29,18 @@ hindsight bound ({DRAWS} eviction draws per problem and sample, solved if any dr
 the same model. Peak-KV reductions are of the no-evict row's full cache. Commands and consoles:
 logs/ROW.txt; evaluations: evals/ROW.jsonl.
 """
+FROM_NO_EVICT = ["--model", os.path.join(HERE, "runs", NO_EVICT, "checkpoint"), "--mode", "ngc",
+                 "--eval-problems", str(PROBLEMS)]  # its ngc.json: the pool before the split
 ROWS = {  # name: (train.py flags beyond the control's, the row whose last checkpoint it resumes)
     "control": ([], None),
     NO_EVICT: (["--mode", "no-evict"], None),
     "block-2": (["--block", "2"], None),
     "steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], "control"),
     "eviction-draws-4": (["--eviction-draws", "4"], None),
-    "from-no-evict": (["--model", os.path.join(HERE, "runs", NO_EVICT, "checkpoint"), "--mode", "ngc",
-                       "--eval-problems", str(PROBLEMS)], None),  # its ngc.json: the pool before the split
+    "from-no-evict": (FROM_NO_EVICT, None),
+    "from-no-evict-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], "from-no-evict"),
+    "from-no-evict-block-2": ([*FROM_NO_EVICT, "--block", "2"], None),
+    "from-no-evict-draws-4": ([*FROM_NO_EVICT, "--eviction-draws", "4"], None),
 }
 
 
