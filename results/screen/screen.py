@@ -41,6 +41,8 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], "from-no-evict"),
     "from-no-evict-block-2": ([*FROM_NO_EVICT, "--block", "2"], None),
     "from-no-evict-draws-4": ([*FROM_NO_EVICT, "--eviction-draws", "4"], None),
+    "no-evict-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], NO_EVICT),
+    "steps-360": (["--steps", "360", "--eval-problems", str(PROBLEMS)], "steps-240"),
 }
 
 
@@ -56,7 +58,7 @@ def last_step(name):
 
 
 def steps_of(name):
-    flags = ROWS[name][0]
+    flags = ROWS[name][0]  # a row's --steps, else the control's
     return int(flags[flags.index("--steps") + 1]) if "--steps" in flags else 120
 
 
@@ -84,7 +86,7 @@ def score(name):
     out = os.path.join(HERE, "evals", f"{name}.jsonl")
     if os.path.exists(out):
         return
-    policies = ["none", "bound"] + (["ngc"] if name != NO_EVICT else [])
+    policies = ["none", "bound"] + (["ngc"] if not name.startswith(NO_EVICT) else [])
     argv = ["--model", os.path.join(run_dir(name), "checkpoint"), "--split", "validation",
             "--policy", *policies, "--eviction-rate", str(RATE), "--draws", str(DRAWS),
             "--samples", str(SAMPLES), "--problems", str(PROBLEMS), "--base-model",
