@@ -43,6 +43,7 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-draws-4": ([*FROM_NO_EVICT, "--eviction-draws", "4"], None),
     "no-evict-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], NO_EVICT),
     "steps-360": (["--steps", "360", "--eval-problems", str(PROBLEMS)], "steps-240"),
+    "no-evict-360": (["--steps", "360", "--eval-problems", str(PROBLEMS)], "no-evict-240"),
 }
 
 
