@@ -127,7 +127,8 @@ STEP_KEYS = ["step", "eps", "reward", "accuracy", "response_len", "rounds", "pea
              "replay_time", "step_time"]
 TRAIN_DEFAULTS = dict(difficulty="tiny", train_problems=64, eval_problems=4, prompts=2, group=4, max_new_tokens=24,
                       temperature=1.0, top_k=0, delta=8, block=2, window=3, retention="0.75,0.5", stage_steps=1,
-                      micro_batch=3, eval_every=0, save_every=0, lr=1e-3)
+                      micro_batch=3, eval_every=0, save_every=0, lr=1e-3,
+                      eval_max_new_tokens=24)  # not the math recipe's 3850 in its evaluations
 
 
 @pytest.fixture(scope="session")
