@@ -1,7 +1,7 @@
 """The screen toward the hindsight bound: one factor per row against the control, each trained
 from tiny/ and scored on the validation split (never the test split) at ε = 0.51, with the
 hindsight bound on the same model beside it. Rows train one at a time and resume; rows.md is
-written from the evaluations in evals/.
+written from the evaluations in evals.jsonl.
 
     python results/screen/screen.py [ROW ...]     # train and score these rows (default: all)
     python results/screen/screen.py --table       # only rewrite rows.md
@@ -9,6 +9,7 @@ written from the evaluations in evals/.
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,15 +23,21 @@ RATE, DRAWS, SAMPLES = 0.51, 16, 4
 PROBLEMS = 47  # the whole validation split (the copied runs' eval_problems predates it)
 HEADER = f"""# The screen toward the hindsight bound (written by screen.py)
 
-Each row trains tiny/ for 120 steps of 8 prompts x 16 (the claims' recipe, seed 0) with one
-factor changed, and is scored by `scripts/eval.py --split validation` (the 47 validation
-problems, {SAMPLES} samples each, pass@1 ± 1 SE) at ε = {RATE}: the full cache, NGC, and the
-hindsight bound ({DRAWS} eviction draws per problem and sample, solved if any draw solves) on
-the same model. Peak-KV reductions are of the no-evict row's full cache. Commands and consoles:
-logs/ROW.txt; evaluations: evals/ROW.jsonl.
+Each row is the claims' recipe (train.py on tiny/, 8 prompts x 16, 120 steps, seed 0) with one
+factor changed from the row it builds on: the control, or the run it resumes ("resumes ROW":
+more steps of that run) or starts from (`--model .../no-evict/checkpoint`: NGC trained from the
+no-evict run's weights). Each is scored by `scripts/eval.py --split validation` (the 47
+validation problems, {SAMPLES} samples each, pass@1 ± 1 SE) at ε = {RATE}: the full cache, NGC,
+and the hindsight bound ({DRAWS} eviction draws per problem and sample, solved if any draw
+solves) on the same model. Peak-KV reductions are of the no-evict row's full cache; "NGC /
+no-evict full" divides by that row's 120-step full cache. The reward is the mean of the last 20
+training steps. Commands and consoles: logs/ROW.txt; evaluations: evals.jsonl (an eval.py row
+per line, with its screen row). Notes: notes.md.
 """
 FROM_NO_EVICT = ["--model", os.path.join(HERE, "runs", NO_EVICT, "checkpoint"), "--mode", "ngc",
                  "--eval-problems", str(PROBLEMS)]  # its ngc.json: the pool before the split
+EVALS = os.path.join(HERE, "evals.jsonl")
+STEP_LINE = re.compile(r"step (\d+)/\d+ \| reward ([\d.]+)")
 ROWS = {  # name: (train.py flags beyond the control's, the row whose last checkpoint it resumes)
     "control": ([], None),
     NO_EVICT: (["--mode", "no-evict"], None),
@@ -84,9 +91,10 @@ def train(name):
 
 
 def score(name):
-    out = os.path.join(HERE, "evals", f"{name}.jsonl")
-    if os.path.exists(out):
+    """The row's evaluation, added to evals.jsonl (each line an eval.py row with its screen row)."""
+    if evaluation(name):
         return
+    out = os.path.join(HERE, f"{name}.{os.getpid()}.jsonl.tmp")
     policies = ["none", "bound"] + (["ngc"] if not name.startswith(NO_EVICT) else [])
     argv = ["--model", os.path.join(run_dir(name), "checkpoint"), "--split", "validation",
             "--policy", *policies, "--eviction-rate", str(RATE), "--draws", str(DRAWS),
@@ -98,17 +106,31 @@ def score(name):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "scripts/eval.py", *argv], cwd=ROOT, check=True, env=env,
                        stdout=log, stderr=subprocess.STDOUT)
+    rows = [{"row": name, **json.loads(line)} for line in open(out)]
+    os.remove(out)
+    write_whole(EVALS, "".join(json.dumps(r) + "\n" for r in read_evals() + rows))
+
+
+def read_evals():
+    return [json.loads(line) for line in open(EVALS)] if os.path.exists(EVALS) else []
 
 
 def evaluation(name):
-    path = os.path.join(HERE, "evals", f"{name}.jsonl")
-    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    return {r["policy"]: r for r in rows}
+    return {r["policy"]: r for r in read_evals() if r["row"] == name}
 
 
 def training_reward(name, last=20):
-    records = [json.loads(line) for line in open(os.path.join(run_dir(name), "log.jsonl"))]
-    return sum(r["reward"] for r in records[-last:]) / last
+    """The mean reward of the row's last `last` steps, read from its console (logs/ROW.txt)."""
+    lines = open(os.path.join(HERE, "logs", f"{name}.txt")).read().splitlines()
+    steps = {int(m[1]): float(m[2]) for m in map(STEP_LINE.match, lines) if m}
+    return sum(steps[k] for k in sorted(steps)[-last:]) / last
+
+
+def write_whole(path, text):
+    temporary = f"{path}.{os.getpid()}.tmp"  # two screens may write at once
+    with open(temporary, "w") as f:
+        f.write(text)
+    os.replace(temporary, path)
 
 
 def table():
@@ -129,10 +151,7 @@ def table():
         lines.append(f"| {name} | {what} | {training_reward(name):.3f} | {pct(full)} | {at(ngc)} "
                      f"| {share(ngc, reference)} | {share(ngc, full)} | {at(bound)} "
                      f"| {share(ngc, bound)} |")
-    temporary = os.path.join(HERE, f"rows.md.{os.getpid()}.tmp")  # two screens may write at once
-    with open(temporary, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(temporary, os.path.join(HERE, "rows.md"))
+    write_whole(os.path.join(HERE, "rows.md"), "\n".join(lines) + "\n")
 
 
 def main():
@@ -143,7 +162,6 @@ def main():
     if unknown := set(args.rows) - set(ROWS):
         p.error(f"no row {', '.join(sorted(unknown))}: the rows are {', '.join(ROWS)}")
     os.makedirs(os.path.join(HERE, "logs"), exist_ok=True)
-    os.makedirs(os.path.join(HERE, "evals"), exist_ok=True)
     for name in [] if args.table else args.rows or ROWS:
         train(NO_EVICT)
         train(name)
