@@ -34,8 +34,13 @@ no-evict full" divides by that row's 120-step full cache. The reward is the mean
 training steps. Commands and consoles: logs/ROW.txt; evaluations: evals.jsonl (an eval.py row
 per line, with its screen row). Notes: notes.md.
 """
-FROM_NO_EVICT = ["--model", os.path.join(HERE, "runs", NO_EVICT, "checkpoint"), "--mode", "ngc",
-                 "--eval-problems", str(PROBLEMS)]  # its ngc.json: the pool before the split
+def from_no_evict(run):
+    """NGC trained from the weights of the no-evict row `run`."""
+    return ["--model", os.path.join(HERE, "runs", run, "checkpoint"), "--mode", "ngc",
+            "--eval-problems", str(PROBLEMS)]  # its ngc.json: the pool before the split
+
+
+FROM_NO_EVICT = from_no_evict(NO_EVICT)
 EVALS = os.path.join(HERE, "evals.jsonl")
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| reward ([\d.]+)")
 ROWS = {  # name: (train.py flags beyond the control's, the row whose last checkpoint it resumes)
@@ -51,6 +56,9 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "no-evict-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], NO_EVICT),
     "steps-360": (["--steps", "360", "--eval-problems", str(PROBLEMS)], "steps-240"),
     "no-evict-360": (["--steps", "360", "--eval-problems", str(PROBLEMS)], "no-evict-240"),
+    **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
+    **{f"from-no-evict-steps-240-seed{k}": (
+        [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--steps", "240", "--seed", str(k)], None) for k in (1, 2)},
 }
 
 
