@@ -4,7 +4,6 @@ the meta-token's surgery on a checkpoint (paper, Appendix "Compression via Meta-
 import json
 import os
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -157,6 +156,9 @@ def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32)
     """The model and tokenizer of checkpoint directory `path`; meta_token: with the meta-token g
     (added if the checkpoint lacks it, see add_meta_token)."""
     model, tokenizer = from_pretrained(path, dtype=dtype, device=device), load_tokenizer(path)
+    for name in ("tokenizer_config.json", "generation_config.json"):  # a run's checkpoint copies them
+        if os.path.isfile(os.path.join(path, name)):
+            read_json(os.path.join(path, name))
     top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= model.config.vocab_size:  # another model's tokenizer (R1's config has spare rows past its ids)
         raise Error(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
@@ -196,9 +198,9 @@ def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = 
     """Write tokenizer.json, tokenizer_config.json and generation_config.json into path, so that Hugging
     Face's AutoTokenizer and generate() need no guessing: the source checkpoint's two config files (chat
     template and all), what they lack filled in from cfg's special-token ids."""
-    def source_json(name):
+    def source_json(name):  # a broken one: an Error naming it
         file = os.path.join(source, name) if source else ""
-        return json.loads(Path(file).read_text()) if os.path.isfile(file) else {}
+        return read_json(file) if os.path.isfile(file) else {}
 
     write_atomic(os.path.join(path, "tokenizer.json"), tokenizer.save)
     tok_cfg = source_json("tokenizer_config.json")

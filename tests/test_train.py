@@ -576,6 +576,7 @@ BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
              ("config.json", "{not json", "config.json is not valid JSON"),
              ("config.json", '{"model_type": "qwen2", "vocab_size": 96}', "config.json lacks hidden_size"),
              ("ngc.json", "[1, 2", "ngc.json is not valid JSON"),
+             ("tokenizer_config.json", "{not json", "tokenizer_config.json is not valid JSON"),
              ("tokenizer.json", Tokenizer(models.WordLevel({f"w{i}": i for i in range(120)}, unk_token="w0")).to_str(),
               "tokenizer.json has token ids up to 119, but")]  # another model's: more ids than rows
 
