@@ -313,7 +313,7 @@ def test_reproduce_scores_the_untrained_model_on_the_trained_runs_problems_and_c
     base = tmp_path / "runs" / "no-evict" / "checkpoint"
     shutil.copytree(train_ckpt, base)
     (base / "ngc.json").write_text(json.dumps(json.loads((base / "ngc.json").read_text()) |
-                                              {"eval_problems": 3, "max_new_tokens": 10}))
+                                              {"eval_problems": 3, "max_new_tokens": 10, "eval_max_new_tokens": 10}))
     args = reproduce.parse_args(["--model", train_ckpt, "--out", str(tmp_path), "--samples", "1"])
     untrained = reproduce.eval_seed(args, "untrained", reproduce.UNTRAINED, ["none"], [0.5], [], 0)[0]
     assert untrained["problems"] == 3 and 0 < untrained["length"] <= 10
