@@ -1,4 +1,4 @@
-"""The rollout engine's details (ngc.py, compiled.py, baselines.py): the compiled decode step, bad
+"""The rollout engine's details (ngc.py, baselines.py): the compiled decode step, bad
 arguments, bf16 on CUDA, sampling and top-p, and each baseline's per-key scores."""
 import math
 from collections import Counter
@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-import compiled
+
 from lib import baselines
 import ngc
 
@@ -48,7 +48,7 @@ def test_compiled_decode_step_gives_the_eager_rollout(model):
     assert (causal - captured.logprobs)[completion].abs().max() > 1e-2
     full = compiled_and_eager(model, None)
     layers = model.config.num_hidden_layers
-    assert full.kv_slots <= compiled.SDPA_MATH_MAX_SLOTS * layers  # the math form, as above
+    assert full.kv_slots <= ngc.SDPA_MATH_MAX_SLOTS * layers  # the math form, as above
 
 
 def compiled_and_eager(model, ev):
@@ -64,7 +64,7 @@ def test_compiled_step_with_the_fused_attention_kernel_gives_the_eager_rollout(m
     """On the CPU the compiled step takes SDPA's math form for caches up to SDPA_MATH_MAX_SLOTS
     (test_compiled_decode_step_...) and the fused kernel above (here: from 0 slots on): the fused
     form gives the eager rollout too, with eviction and with the full cache."""
-    monkeypatch.setattr(compiled, "SDPA_MATH_MAX_SLOTS", 0)
+    monkeypatch.setattr(ngc, "SDPA_MATH_MAX_SLOTS", 0)
     for ev in (COMPILED_EV, None):
         compiled_and_eager(model, ev)
 

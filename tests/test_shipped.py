@@ -654,7 +654,7 @@ def test_the_math_demo_trains_from_tiny_math(tmp_path, capsys):
 # The method files as a reader meets them
 
 
-ENGINE = ["model.py", "gumbel.py", "replay.py", "ngc.py", "compiled.py", "countdown.py", "train.py"]
+ENGINE = ["model.py", "gumbel.py", "replay.py", "ngc.py", "countdown.py", "train.py"]
 
 
 def test_the_method_files_fit_100_columns_and_import_nothing_from_lib():
