@@ -206,9 +206,9 @@ def evaluator(c, model, tokenizer, test, reward_fn, amp, progress):
 
     def evaluate_held_out():
         with amp, distributed.whole_model(model):
-            return evaluate(model, tokenizer, test, ev, sampling.max_new_tokens, encode, reward_fn,
-                            c.eval_batch, progress=progress, meta_token=meta, compile=c.compile,
-                            sampling=sampling, samples=c.eval_samples, seed=c.seed)
+            return evaluate(model, tokenizer, test, ev, sampling, encode, reward_fn, c.eval_batch,
+                            progress=progress, meta_token=meta, compile=c.compile,
+                            samples=c.eval_samples, seed=c.seed)
     return ev.rate, evaluate_held_out
 
 

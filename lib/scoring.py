@@ -82,10 +82,12 @@ def standard_error(reward) -> float:
     return (per_problem.std(correction=1) / len(per_problem) ** 0.5).item() if len(per_problem) > 1 else 0.0
 
 
-def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, encode=None, reward_fn=countdown.reward,
-             batch_size=64, progress=False, meta_token=None, compile=False, sampling=None, samples=0, seed=0):
+def evaluate(model, tokenizer, problems, eviction: Eviction, sampling: Sampling, encode=None,
+             reward_fn=countdown.reward, batch_size=64, progress=False, meta_token=None, compile=False, samples=0,
+             seed=0):
     """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and under `eviction`
-    (greedy top-K), and with `samples` pass@1 ± 1 SE at `sampling`; meta_token: g's id, forced before each round."""
+    (greedy top-K), and with `samples` pass@1 ± 1 SE at `sampling`, each within its max_new_tokens; meta_token:
+    g's id, forced before each round."""
     greedy = replace(eviction, greedy=True)
 
     def score(s, ev, k, what):
@@ -93,13 +95,13 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, max_new_tokens, enc
         return roll_out_and_score(model, tokenizer, problems, replace(s, meta_token=meta_token), ev, encode, reward_fn,
                                   gen, k, batch_size, desc=f"eval {what}" if progress else None, compile=compile)
 
-    plain = Sampling(max_new_tokens=max_new_tokens, greedy=True)
+    plain = Sampling(max_new_tokens=sampling.max_new_tokens, greedy=True)
     full, pruned = score(plain, None, 1, "full cache"), score(plain, greedy, 1, f"ε={eviction.rate:g}")
     r = {"acc_full": full["reward"].mean().item(), "acc": pruned["reward"].mean().item(),
          "kv_reduction": kv_reduction(full["peak_kv"], pruned["peak_kv"]),
          "length": pruned["length"].mean().item(), "rounds": pruned["rounds"].mean().item()}
     if samples:
-        s = replace(sampling, max_new_tokens=max_new_tokens, greedy=False)
+        s = replace(sampling, greedy=False)
         full, pruned = score(s, None, samples, "full cache, sampled"), score(s, greedy, samples, "ε, sampled")
         r |= {"samples": samples, "pass1_full": full["reward"].mean().item(), "pass1_full_se": standard_error(
               full["reward"]), "pass1": pruned["reward"].mean().item(), "pass1_se": standard_error(pruned["reward"])}
