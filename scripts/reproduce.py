@@ -6,8 +6,12 @@
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'   # every seed on the same problems
     python scripts/reproduce.py --seeds 3 --jobs 2 --train-args '--group 16 --eval-every 0'
                                                 # RESULTS §0's claims on tiny/ (about 2.5 hours)
+    python scripts/reproduce.py --seeds 3 --jobs 2 --start-steps 120 --train-args '--group 16 --steps 240 --eval-every 0'
+                                                # the two-phase recipe of RESULTS §0.5's screen: 120 no-evict steps
+                                                # per seed, then every run 240 steps from there (about 4 hours)
 
-It trains the runs of RUNS from --model (seeds 0..N-1, into OUT/runs/<name>[-seed<k>], each unless finished),
+It trains the runs of RUNS from --model (seeds 0..N-1, into OUT/runs/<name>[-seed<k>], each unless finished; with
+--start-steps from OUT/runs/start[-seed<k>], a no-evict run of those steps from --model),
 scores them with eval.py on the test split into OUT/evals/, and writes OUT/<study>.jsonl and .png, claims.md,
 summary.md, the figures and forgets.html. Every study is measured at ε*, the rate at which §5.1's peak formula
 gives a 2.4× reduction on the no-evict model's full-cache completions (OUT/budget.json), each peak-KV reduction
@@ -40,9 +44,10 @@ import eval as evaluation  # scripts/, beside this file
 import show
 from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown, testable
 
-RUNS = {"ngc": [], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
-        "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--interoception"],
-        "interoception-blind": ["--interoception", "--blind-tag"]}
+RUNS = {"ngc": ["--mode", "ngc"], "no-evict": ["--mode", "no-evict"], "token-only": ["--mode", "token-only"],
+        "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--mode", "ngc", "--interoception"],
+        "interoception-blind": ["--mode", "ngc", "--interoception", "--blind-tag"]}  # each names its mode: a start
+START = "start"  # --start-steps: the no-evict run of each seed that every other run of the seed starts from
 CURVE = [0.5, 0.6, 0.7, 0.8, 0.9]  # the curve's rates, with ε* among them
 TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
 STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/deep/baselines.jsonl)
@@ -62,12 +67,29 @@ def run_name(name: str, seed: int) -> str:
     return name if seed == 0 else f"{name}-seed{seed}"
 
 
-def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int) -> dict:
-    """{dir under out: train.py flags} of ngc and no-evict, the ablations, the interoception pair (0: none)."""
+def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_steps=0, steps=None) -> dict:
+    """{dir under out: train.py flags} of ngc and no-evict, the ablations, the interoception pair (0: none). With
+    start_steps, first a no-evict run of that many steps per seed, and every run of the seed trains `steps` from
+    its checkpoint (checkpoint_of's path, relative to out: train_command makes it the run's --model)."""
     groups = [(["ngc", "no-evict"], seeds), (["token-only", "targeted-dropout"], ablation_seeds),
               (["interoception", "interoception-blind"], interoception_seeds)]
-    return {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
+    runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
             for names, n in groups for k in range(n) for name in names}
+    if not start_steps:
+        return runs
+    first = {start_dir(k): RUNS["no-evict"] + ["--seed", str(k), "--steps", str(start_steps)] for k in range(seeds)}
+    seed = lambda flags: int(flags[flags.index("--seed") + 1])
+    return first | {name: ["--model", os.path.join(start_dir(seed(flags)), "checkpoint"), "--steps", str(steps),
+                           *flags] for name, flags in runs.items()}
+
+
+def start_dir(seed: int) -> str:
+    return os.path.join("runs", run_name(START, seed))
+
+
+def start_of(flags) -> str | None:
+    """The run directory (under out) whose checkpoint a run starts from, if it starts from another run's."""
+    return os.path.dirname(flags[flags.index("--model") + 1]) if "--model" in flags else None
 
 
 def finished(run_dir) -> bool:
@@ -99,10 +121,14 @@ def check_runs(out, model, runs, jobs, extra):
             raise ValueError(f"--train-args sets --task {given.task}; reproduce.py's studies are Countdown's")
         for name, flags in runs.items():
             run_dir, checkpoint = os.path.join(out, name), os.path.join(out, name, "checkpoint")
+            start = start_of(flags)
+            if start and not finished(os.path.join(out, start)):  # checked on --model: the start's recipe
+                flags = flags[2:]
             cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)
             argv = cmd[2:]  # after python and train.py
             now = settings.saved(train.resolve(train.parse_args(argv)))  # bad values: train.py's one-line errors
-            now = {k: v for k, v in now.items() if k not in ("threads", "eval_problems")}  # not what it trains on
+            unread = ("threads", "eval_problems", *(("model",) if start and start_of(flags) is None else ()))
+            now = {k: v for k, v in now.items() if k not in unread}  # not what it trains on
             recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back in place, as a resume would
             changed = os.path.isdir(checkpoint) and rundir.changed_settings(settings.read_ngc_json(checkpoint), now)
             if changed:
@@ -118,10 +144,12 @@ def train_all(out, model, jobs, runs, extra):
     own, its console appended to <out>/<dir>.log. A signal or a failed run stops the others, each saving its step."""
     todo = [(name, flags) for name, flags in runs.items() if not finished(os.path.join(out, name))]
     running = []
+    ready = lambda flags: not start_of(flags) or finished(os.path.join(out, start_of(flags)))
     try:
         while todo or running:
-            while todo and len(running) < jobs:
-                name, flags = todo.pop(0)
+            while len(running) < jobs and (now := [run for run in todo if ready(run[1])]):
+                name, flags = now[0]
+                todo.remove(now[0])
                 cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra)
                 os.makedirs(os.path.join(out, name), exist_ok=True)
                 log = open(os.path.join(out, name) + ".log", "a")
@@ -143,12 +171,15 @@ def train_all(out, model, jobs, runs, extra):
 
 
 def train_command(out, name, model, threads, flags, extra, resume=True) -> list[str]:
-    """train.py's command line: a resume if the run saved a checkpoint (its settings are its own), else afresh."""
+    """train.py's command line: a resume if the run saved a checkpoint (its settings are its own), else afresh
+    from `model` or the run's start (study_runs), the run's own flags after --train-args'."""
     run_dir = os.path.join(out, name)
     if resume and os.path.exists(os.path.join(run_dir, "checkpoint")):
         argv = ["--resume", run_dir, "--threads", str(threads)]
     else:
-        argv = ["--model", model, "--out", run_dir, "--threads", str(threads), *flags, *extra, "--overwrite"]
+        if start := start_of(flags):
+            model, flags = os.path.join(out, start, "checkpoint"), flags[2:]  # study_runs puts --model first
+        argv = ["--model", model, "--out", run_dir, "--threads", str(threads), *extra, *flags, "--overwrite"]
     return [sys.executable, os.path.join(settings.HERE, "train.py"), *argv]
 
 
@@ -381,9 +412,10 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
 def run_studies(args):
     """Train the runs, evaluate each study, then write claims.md, show.py's forgets and summary.md."""
     extra = args.train_args.split()
-    runs = study_runs(args.seeds, 0 if args.no_ablations else args.ablation_seeds,
-                      0 if args.no_interoception else args.interoception_seeds)
     with one_line_errors():
+        steps = args.start_steps and (train.parse_args(extra).steps or settings.run_defaults(args.model).steps)
+        runs = study_runs(args.seeds, 0 if args.no_ablations else args.ablation_seeds,
+                          0 if args.no_interoception else args.interoception_seeds, args.start_steps, steps)
         check_runs(args.out, args.model, runs, args.jobs, extra)
         make_output_dir(args.out)
     t0 = time.time()
@@ -432,6 +464,8 @@ def parse_args(argv):
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time (CPU threads are shared out)")
     p.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--steps 60'")
+    p.add_argument("--start-steps", type=int, default=0, help="N: first a no-evict run of N steps per seed "
+                   "(runs/start), then every run of the seed from its checkpoint (default 0: from --model)")
     p.add_argument("--no-interoception", action="store_true", help="leave out the interoception runs (section 4)")
     p.add_argument("--no-ablations", action="store_true", help="leave out the ablation runs (section 3)")
     p.add_argument("--ablation-seeds", type=int, help="seeds of the ablation runs (default: --seeds)")
@@ -446,7 +480,7 @@ def parse_args(argv):
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
     with one_line_errors():
         check_values(args, dict.fromkeys(["jobs", "seeds", "ablation_seeds", "interoception_seeds", "problems",
-                                          "samples", "draws"], at_least(1)))
+                                          "samples", "draws"], at_least(1)) | {"start_steps": at_least(0)})
         within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs " \
             "with ngc's"
         check_values(args, dict.fromkeys(["ablation_seeds", "interoception_seeds"], within))

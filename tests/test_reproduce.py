@@ -302,8 +302,51 @@ def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
     assert sorted(runs) == sorted(os.path.join("runs", n) for n in [
         "ngc", "ngc-seed1", "ngc-seed2", "no-evict", "no-evict-seed1", "no-evict-seed2", "token-only",
         "token-only-seed1", "targeted-dropout", "targeted-dropout-seed1", "interoception", "interoception-blind"])
-    assert runs[os.path.join("runs", "interoception-blind")] == ["--interoception", "--blind-tag", "--seed", "0"]
+    assert runs[os.path.join("runs", "interoception-blind")] == ["--mode", "ngc", "--interoception", "--blind-tag",
+                                                                 "--seed", "0"]
     assert not any("interoception" in name for name in reproduce.study_runs(1, 1, 0))  # --no-interoception
+
+
+def test_reproduce_trains_every_run_of_a_seed_from_that_seeds_no_evict_start(train_ckpt, tmp_path, monkeypatch):
+    """--start-steps 3: a no-evict run of 3 steps per seed, then each run of the seed from its checkpoint for
+    the recipe's steps (--train-args' 5), never before its start has finished."""
+    out, done, started = str(tmp_path / "results"), set(), []
+
+    class Finished:  # a train.py that has saved its last step by the time it is polled
+        def __init__(self, cmd, **kwargs):
+            run = cmd[cmd.index("--out") + 1]
+            model = cmd[cmd.index("--model") + 1]
+            assert model == train_ckpt or os.path.dirname(model) in done, f"{run} began before {model} was saved"
+            started.append(cmd)
+            self.run, self.pid, self.returncode = run, 0, 0
+
+        def poll(self):  # finished once polled: three jobs would start a run in the third slot
+            done.add(self.run)
+            return 0
+
+    monkeypatch.setattr(reproduce.subprocess, "Popen", Finished)
+    monkeypatch.setattr(reproduce, "finished", lambda run_dir: run_dir in done)
+    monkeypatch.setattr(reproduce.time, "sleep", lambda s: None)
+    monkeypatch.setattr(reproduce, "stop_runs", lambda running, signum: None)  # no process group to signal
+    extra = ["--steps", "5"]
+    runs = reproduce.study_runs(2, 1, 0, start_steps=3, steps=5)
+    reproduce.check_runs(out, train_ckpt, runs, 3, extra)  # the starts' checkpoints are not there yet
+    assert not os.path.exists(out)
+    reproduce.train_all(out, train_ckpt, 3, runs, extra)
+    last = lambda cmd, flag: cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1]  # what train.py reads
+    for cmd in started:
+        run = os.path.relpath(last(cmd, "--out"), out)
+        seed = int(last(cmd, "--seed"))
+        if os.path.basename(run).startswith(reproduce.START):
+            assert (last(cmd, "--mode"), last(cmd, "--steps"), last(cmd, "--model")) == ("no-evict", "3", train_ckpt)
+        else:
+            start = os.path.join(out, "runs", reproduce.run_name(reproduce.START, seed), "checkpoint")
+            assert (last(cmd, "--steps"), last(cmd, "--model")) == ("5", start)
+    assert sorted(os.path.relpath(last(cmd, "--out"), out) for cmd in started) == sorted(runs)
+    assert [os.path.basename(last(cmd, "--out")) for cmd in started[:2]] == ["start", "start-seed1"]
+    assert last(started[-1], "--mode") == "targeted-dropout"  # every run's mode is its own, not the start's
+    assert reproduce.study_runs(1, 1, 0) == {os.path.join("runs", n): [*reproduce.RUNS[n], "--seed", "0"]
+                                             for n in ("ngc", "no-evict", "token-only", "targeted-dropout")}
 
 
 def test_reproduce_scores_the_untrained_model_on_the_trained_runs_problems_and_cap(train_ckpt, tmp_path):
