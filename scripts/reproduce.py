@@ -48,7 +48,7 @@ RUNS = {"ngc": ["--mode", "ngc"], "no-evict": ["--mode", "no-evict"], "token-onl
         "targeted-dropout": ["--mode", "targeted-dropout"], "interoception": ["--mode", "ngc", "--interoception"],
         "interoception-blind": ["--mode", "ngc", "--interoception", "--blind-tag"]}  # each names its mode: a start
 START = "start"  # --start-steps: the no-evict run of each seed that every other run of the seed starts from
-CURVE = [0.5, 0.6, 0.7, 0.8, 0.9]  # the curve's rates, with ε* among them
+CURVE = [0.5, 0.6, 0.7, 0.8, 0.9]  # the curve's rates by default (--curve), with ε* among them
 TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
 STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/deep/baselines.jsonl)
 UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, before any training
@@ -353,7 +353,7 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
     """(key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title); below: the rate just
     under ε*; beyond: the curve's rates stricter than the interoception run's. Every study reads the test split."""
     full, few, pair, both = args.seeds, args.ablation_seeds, args.interoception_seeds, ["none", "ngc"]
-    curve, bounds = sorted({*CURVE, budget}), ["oracle", "bound", "luck"]
+    curve, bounds = sorted({*args.curve, budget}), ["oracle", "bound", "luck"]
     draws, curve_draws = (["--draws", str(n)] for n in (args.draws, max(1, args.draws // 2)))
     table = [("untrained", "untrained", UNTRAINED, both, [budget], [], 1,
               "0. Before training: the starting model's full cache, and NGC's scores untrained"),
@@ -425,7 +425,7 @@ def run_studies(args):
     below = round(rate - 0.01, 2)  # budget_rate's step
     tagged = None if args.no_interoception else settings.run_defaults(checkpoint_of(args, "interoception", 0))
     training_rates = tagged and list(tagged.interoception_rates)  # the rates it trained on, at the end
-    beyond = [e for e in CURVE if e > max(training_rates or [1.0]) + 1e-9]
+    beyond = [e for e in args.curve if e > max(training_rates or [1.0]) + 1e-9]
     studies, sections = {}, []
     for key, name, *study, title in studies_of(args, rate, below, beyond):
         studies[key] = evaluate(args, name, *study)
@@ -473,6 +473,8 @@ def parse_args(argv):
     p.add_argument("--samples", type=int, default=2, help="sampled completions per problem for pass@1 (default 2)")
     p.add_argument("--draws", type=int, default=baselines.DRAWS, help=f"the hindsight bound's eviction draws at ε* "
                    f"(default {baselines.DRAWS}; over the curve half as many)")
+    p.add_argument("--curve", type=float, nargs="+", default=CURVE, metavar="ε", help="the curve's eviction rates "
+                   f"(default {' '.join(map(str, CURVE))}; ε* is added)")
     p.add_argument("--problems", type=int, help="test problems per evaluation (default: the run's eval_problems, all if none)")
     args = p.parse_args(argv)
     args.model = settings.COUNTDOWN.model if args.model is None else args.model
@@ -484,6 +486,8 @@ def parse_args(argv):
         within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies compare these runs " \
             "with ngc's"
         check_values(args, dict.fromkeys(["ablation_seeds", "interoception_seeds"], within))
+        if bad := [e for e in args.curve if not 0 < e < 1]:
+            raise ValueError(f"--curve {bad[0]:g}: an eviction rate lies between 0 and 1")
     return args
 
 
