@@ -11,7 +11,7 @@ import random
 import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from functools import partial
+from functools import lru_cache, partial
 
 @dataclass(frozen=True)
 class Problem:
@@ -112,9 +112,12 @@ def held_out(difficulty=PAPER, split=None):
     the HELD_OUT_SEED stream, those of the preset (with backtracks, a subset of the same ones).
     split "validation": a third of them, drawn with VALIDATION_SEED; "test": the rest; None: all,
     in order."""
+    return _split(list(_pool(difficulty)), split)
+
+@lru_cache(maxsize=8)  # a run, its evaluations and the tests draw the same sets again
+def _pool(difficulty):
     stream = _stream(random.Random(HELD_OUT_SEED), difficulty)
-    pool = [p for p in _take(stream, difficulty.held_out, unique=True) if _kept(p, difficulty)]
-    return _split(pool, split)
+    return tuple(p for p in _take(stream, difficulty.held_out, unique=True) if _kept(p, difficulty))
 
 def _split(pool, split):
     if split is None:
@@ -132,8 +135,12 @@ def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True,
     if n_test is not None and n_test > len(test):
         raise ValueError(f"--eval-problems {n_test}: the held-out {split or 'set'} has {len(test)} "
                          "problems")
-    skip = {_key(p) for p in pool}
-    return _take(_problems(random.Random(seed), difficulty), n_train, skip, unique), test[:n_test]
+    return list(_train_set(seed, n_train, difficulty, unique)), test[:n_test]
+
+@lru_cache(maxsize=8)
+def _train_set(seed, n_train, difficulty, unique):
+    skip = {_key(p) for p in _pool(difficulty)}
+    return tuple(_take(_problems(random.Random(seed), difficulty), n_train, skip, unique))
 
 def prompt_text(problem, eviction_rate=None, blind=False):
     """The task text; with eviction_rate, the paper's budget tag is appended (blind: the tag
