@@ -193,21 +193,27 @@ def hand_built_cache(S=12, D=4, H=4, Hkv=2, w=3, seed=0, holes=(2, 7)):
 def one_round(c, block, rate, policy, prompt=None):
     """The engine's eviction round on the hand-built cache c under a --policy name (or Eviction
     keywords): σ and log p(σ). prompt: (tokens (1, P), length (1,)); default: the first two keys."""
-    q, keys, kpos, alive, qpos = c
-    layer = LayerCache(1, keys.shape[1], keys.shape[3], keys.shape[2], torch.float32, "cpu")
+    sigma, logps = rounds(c, block, rate, policy, 1, prompt)
+    return sigma[0][sigma[0] >= 0].tolist(), logps[0, 0].item()
+
+
+def rounds(c, block, rate, policy, n, prompt=None):
+    """The round of one_round in n rows that hold copies of c, drawn at once: σ (n, K), log p (n, 1)."""
+    q, keys, kpos, alive, qpos = (x.expand(n, *x.shape[1:]) for x in c)
+    layer = LayerCache(n, keys.shape[1], keys.shape[3], keys.shape[2], torch.float32, "cpu")
     layer.append(keys, keys, kpos, alive)
-    window = ngc.QueryWindow(1, 1, q.shape[2], q.shape[1], q.shape[3], torch.float32, "cpu")
+    window = ngc.QueryWindow(1, n, q.shape[2], q.shape[1], q.shape[3], torch.float32, "cpu")
     window.q[0], window.pos, window.valid = q, qpos, torch.ones(qpos.shape, dtype=torch.bool)
     layout = Eviction(delta=64, block=block, window=q.shape[2], rate=rate)
     e = baselines.build(policy, baselines.Given(layout, None, None, "countdown")) if isinstance(policy, str) \
         else replace(layout, **policy)  # eval.py's construction by name; these policies read no model or tokenizer
-    prompt = prompt or (kpos[:, :2], torch.tensor([2]))
-    row = torch.tensor([0])
-    at = ngc.Round(row, None, None, None, *prompt)
-    (sigma,), logps, _ = ngc.eviction_round([layer], window, row, torch.tensor([rate]), e, at=at)
+    tokens, lengths = prompt or (kpos[:1, :2], torch.tensor([2]))
+    row = torch.arange(n)
+    at = ngc.Round(row, None, None, None, tokens.expand(n, -1), lengths.expand(n))
+    (sigma,), logps, _ = ngc.eviction_round([layer], window, row, torch.full((n,), rate), e, at=at)
     survivors = kept_keys(alive, sigma, block)  # the rest are gone, the survivors moved to the front
-    assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and int(layer.fill) == survivors.sum()
-    return sigma[0][sigma[0] >= 0].tolist(), logps[0, 0].item()
+    assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and torch.equal(layer.fill, survivors.sum(1))
+    return sigma, logps
 
 
 def keep(policy, c, block, rate, prompt=None):

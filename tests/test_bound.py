@@ -10,7 +10,7 @@ import claims
 import ngc
 from gumbel import ordered_topk
 from ngc import Eviction, Sampling
-from conftest import one_round, hand_built_cache, prompts_of
+from conftest import hand_built_cache, prompts_of, rounds
 
 LAYOUT = Eviction(delta=6, block=2, window=3, rate=0.6)
 SAMPLING = Sampling(max_new_tokens=16, temperature=1.0, top_k=0)
@@ -102,11 +102,10 @@ def test_the_bound_samples_in_proportion_to_the_oracles_block_means_to_the_power
     torch.manual_seed(0)  # the round draws its Gumbel noise from the global generator here
     bound = dict(greedy=False, score=lambda *a: key_score, log_blocks=True, temperature=tau)
     n = 3000
-    counts = torch.bincount(torch.tensor([one_round(c, 2, 0.75, bound)[0][0] for _ in range(n)]), minlength=4)
+    counts = torch.bincount(rounds(c, 2, 0.75, bound, n)[0][:, 0], minlength=4)
     se = (expected * (1 - expected) / n).sqrt()
     assert ((counts / n - expected).abs() < 4 * se).all(), (counts / n, expected)
-    plain = torch.bincount(torch.tensor([one_round(c, 2, 0.75, dict(bound, log_blocks=False))[0][0]
-                                         for _ in range(400)]), minlength=4) / 400
+    plain = torch.bincount(rounds(c, 2, 0.75, dict(bound, log_blocks=False), 400)[0][:, 0], minlength=4) / 400
     assert (plain - expected).abs().max() > 0.1
 
 

@@ -14,7 +14,7 @@ from gumbel import block_means, keep_count, ordered_topk
 from lib.checkpoint import from_pretrained
 from ngc import Eviction, Sampling, rollout
 from replay import replay
-from conftest import EOS, EV, hand_built_cache, keep, prompts_of, psi_by_hand
+from conftest import EOS, EV, hand_built_cache, keep, prompts_of, psi_by_hand, rounds
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,8 +334,10 @@ def test_streamingllm_keeps_the_sink_block_and_the_newest(block, rate, sinks):
 
 
 def kept_frequencies(policy, c, block, rate, n, prompt=None):
+    """How often each block is kept over n rounds (n rows, one round)."""
     torch.manual_seed(0)  # the round draws its Gumbel noise from the global generator here
-    counts = Counter(j for _ in range(n) for j in keep(policy, c, block, rate, prompt))
+    sigma, _ = rounds(c, block, rate, policy, n, prompt)
+    counts = Counter(sigma[sigma >= 0].tolist())
     return {j: counts[j] / n for j in sorted(counts)}
 
 
