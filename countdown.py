@@ -165,26 +165,23 @@ def encode_prompt(tokenizer, text):
         text = f"{bos}{user}{text}{assistant}<think>\n"
     return tokenizer.encode(text, add_special_tokens=False).ids  # template adds BOS itself
 
-def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False, one_token=False):
+def shift_prompt(problem, eviction_rate=None, blind=False, unseen=False):
     """The prompt of tiny/: one body and 8 filler dots, 0 or 8 of them before it (a function of the
     problem), so the target's block index changes (1 or 3; blocks of 4) while the length and the
     block's contents do not. unseen: 4 before and 4 after, a layout never trained on (block 2) at
     the same length, so rounds fire at the same tokens. With eviction_rate, rate_tag's tag."""
     before = 4 if unseen else 8 * ((3 * problem.target + sum(problem.nums)) % 2)
     body = f"Countdown : reach {problem.target} with {' '.join(map(str, problem.nums))} ."
-    tag = "" if eviction_rate is None else rate_tag(eviction_rate, blind, one_token)
+    tag = "" if eviction_rate is None else rate_tag(eviction_rate, blind)
     return "<bos>" + " ." * before + f" {body}" + " ." * (8 - before) + tag
 
-def rate_tag(eviction_rate, blind=False, one_token=False) -> str:
+def rate_tag(eviction_rate, blind=False) -> str:
     """The tiny prompts' budget tag: ε in whole percent, tens then units as two integer tokens
     (` <eviction_rate> 4 2 % </eviction_rate>` for ε = 0.42, `10 0 %` for 1) so that the order of
-    rates reads; blind (the control): `- - %`, as many tokens without the value. one_token: the
-    form of the vocabularies built before the digits (tiny/ as shipped): `42%`, blind `-%`."""
+    rates reads; blind (the control): `- - %`, as many tokens without the value."""
     pct = round(100 * eviction_rate)
     if not 0 <= pct <= 100:
         raise ValueError(f"the budget tag's eviction rate {eviction_rate} is not in [0, 1]")
-    if one_token:
-        return f" <eviction_rate> {'-' if blind else pct}% </eviction_rate>"
     return f" <eviction_rate> {'- -' if blind else f'{pct // 10} {pct % 10}'} % </eviction_rate>"
 
 PROMPTS = {"plain": prompt_text, "tiny-shift": shift_prompt,  # style: (problem, rate, blind) -> str
@@ -194,19 +191,18 @@ SHIFTED = {"tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layout
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK, "tiny-deep": SMALL_DEEP}
 
 def prompt(tokenizer, problem, style="plain", eviction_rate=None, blind=False) -> str:
-    """A problem's prompt text in a style; a tiny style's budget tag as the tokenizer reads it: one
-    token where its vocabulary has `50%`, else digits (a ValueError where it has `<eviction_rate>`
-    but not every word of the digits' form; one without the tag, a test's, is left alone)."""
+    """A problem's prompt text in a style (a ValueError where a tiny style's budget tag has a word
+    the tokenizer lacks and it has `<eviction_rate>`; one without the tag, a test's, is left alone)."""
     if style not in PROMPTS:
         raise ValueError(f"unknown prompt style {style!r}; choose one of {', '.join(PROMPTS)}")
     if style == "plain" or eviction_rate is None:
         return PROMPTS[style](problem, eviction_rate, blind)
-    one_token, tag = tokenizer.token_to_id("50%") is not None, rate_tag(eviction_rate, blind)
+    tag = rate_tag(eviction_rate, blind)
     unknown = getattr(tokenizer.model, "unk_token", None) in tokenizer.encode(tag).tokens
-    if unknown and not one_token and tokenizer.token_to_id("<eviction_rate>") is not None:
-        raise ValueError(f"the tokenizer spells neither form of the budget tag: it has no `50%` "
-                         f"token and a word of `{tag.strip()}` is unknown to it")
-    return PROMPTS[style](problem, eviction_rate, blind, one_token=one_token)
+    if unknown and tokenizer.token_to_id("<eviction_rate>") is not None:
+        raise ValueError(f"the tokenizer cannot spell the budget tag: a word of `{tag.strip()}` is "
+                         "unknown to it")
+    return PROMPTS[style](problem, eviction_rate, blind)
 
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
     """A problem's prompt token ids in the given style (with the budget tag if rate given)."""

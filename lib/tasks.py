@@ -71,7 +71,7 @@ def check_prompts(c, tokenizer, model_dir: str, problems: list, positions: int |
     try:
         texts = [prompt_text(c, tokenizer, p) for p in problems]
         texts += [prompt_text(c, tokenizer, problems[0], rate) for rate in tags]
-    except ValueError as e:  # countdown.prompt: a budget tag in neither form the tokenizer could spell
+    except ValueError as e:  # countdown.prompt: a budget tag the tokenizer cannot spell
         raise Error(f"{model_dir}/tokenizer.json: {e}") from None
     unknown, spelled_any, longest = spelling(tokenizer, texts)
     if unknown and spelled_any:

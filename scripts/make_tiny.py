@@ -4,7 +4,6 @@ a word-level tokenizer, a 1-2M-parameter Qwen2 and its next-token pretraining on
     python scripts/make_tiny.py              # rebuild tiny/ (about 35 minutes on one core)
     python scripts/make_tiny.py --task math  # rebuild tiny-math/ (about 15 minutes on one core)
     python scripts/make_tiny.py --steps 300 --out runs/tiny-smoke
-    python scripts/make_tiny.py --shuffle-order 0 --no-digit-tag --out runs/tiny-canonical  # tiny/ before 2026-11
 
 Countdown: the model learns to write a depth-first search (countdown.trace) whose every leaf needs the
 prompt's target, its moves tried in a shuffled order half the time (the order is what RL improves); a bare
@@ -65,15 +64,12 @@ MATH_RUN = dict(
 )
 MATH_BUILD = dict(  # --task math's defaults where they differ: a smaller model, more steps of smaller batches
     out="tiny-math", steps=1440, batch=32, lr=3e-3, warmup=120, d=128, ffn=384, n_test=200, train_problems=20_000,
-    shuffle_order=0.0, digit_tag=False)
+    shuffle_order=0.0)
 RESTATE = 0.25  # the probability that a Countdown trace restates the target after a `[ ... ]` or a `back`
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-ONE_TOKEN_RATES = [f"{n}%" for n in range(101)] + ["-%"]  # the budget tag's rate as one token (`-%`: blind)
-WORDS = (["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
-          "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>", "none"]
-         + ONE_TOKEN_RATES)  # `none` (the earlier models' failed search) is written no more: it keeps tiny/'s
-# vocabulary as shipped. --digit-tag leaves out ONE_TOKEN_RATES: the tag's rate is its digits (countdown.rate_tag)
-DIGIT_TAG_WORDS = [w for w in WORDS if w not in ONE_TOKEN_RATES]
+WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes", "back",
+         "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>", "none"]  # `none`, the
+# earlier models' failed search, is written no more: it keeps tiny/'s vocabulary as shipped
 MATH_WORDS = sorted(  # the demo questions' words without their placeholders, R1's instruction, the traces'
     {w for text, _, _ in mathtask.TEMPLATES for w in text.split()} - {"{n}", "{a}", "{b}", "{c}"}
     | set(mathtask.NAMES) | set(mathtask.INSTRUCTION.split())
@@ -163,7 +159,7 @@ def main(argv=None):
         make_output_dir(os.path.dirname(os.path.abspath(args.out)))  # <out>.tmp/ is written beside <out>
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    tok = build_tokenizer(DIGIT_TAG_WORDS if args.digit_tag else task.words)
+    tok = build_tokenizer(task.words)
     config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=args.d, intermediate_size=args.ffn,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
                          tie_word_embeddings=True, max_position_embeddings=1024,
@@ -197,8 +193,6 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--train-problems", type=int, default=300_000, help="distinct training problems drawn")
     ap.add_argument("--shuffle-order", type=float, default=0.5, help="Countdown: the probability that a trace tries "
                     "its moves in a shuffled order (default 0.5: tiny/'s)")
-    ap.add_argument("--digit-tag", action=argparse.BooleanOptionalAction, default=True, help="Countdown: the budget "
-                    "tag's rate as digits, `4 2 %%` (tiny/'s), or with --no-digit-tag as one token, `42%%`")
     ap.add_argument("--max-new-tokens", type=int, help="the run's completion cap in ngc.json (default: the task's)")
     ap.add_argument("--delta", type=int, help="the run's δ in ngc.json (default: the task's)")
     ap.add_argument("--retention", help="the run's curriculum in ngc.json; the evaluation's ε is 1 - its last")
@@ -215,9 +209,8 @@ def check_flags(args):
     check_values(args, {**{name: at_least(low) for name, low in AT_LEAST.items()}, "lr": positive})
     if not 0 <= args.shuffle_order <= 1:
         raise ValueError(f"--shuffle-order {args.shuffle_order} must lie in [0, 1]: it is a probability")
-    if args.task == "math" and (args.shuffle_order or args.digit_tag):
-        raise ValueError("--shuffle-order and --digit-tag are Countdown's (tiny/): --task math has no search and no "
-                         "budget tag")
+    if args.task == "math" and args.shuffle_order:
+        raise ValueError("--shuffle-order is Countdown's (tiny/): --task math has no search")
     if args.heads % 2 or args.d % args.heads or (args.d // args.heads) % 2:
         raise ValueError(f"--d {args.d} --heads {args.heads}: the heads must be a multiple of the 2 key/value heads, "
                          f"and --d a multiple of 2 x --heads (an even head size for RoPE)")

@@ -280,14 +280,14 @@ def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
 
 def test_a_tokenizer_that_is_not_the_model_s_is_refused_in_one_line(tmp_path, monkeypatch, nothing_runs):
     """A tokenizer.json beside tiny/'s weights whose ids all lie inside tiny/'s vocabulary but which lacks
-    words of its Countdown prompt (as tiny-math/'s did beside the tiny/ of one-token tags): those words
+    words of its Countdown prompt (as tiny-math/'s did beside an earlier tiny/): those words
     became <unk>, eval.py reported 0.0%, train.py trained, as the check left alone a tokenizer that spells
     no prompt style. Likewise a tag the run writes (interoception) that the tokenizer cannot spell, and
     prompts with their new tokens past the model's positions. The control: tiny/ as shipped passes, and
     the tests' random vocabularies (no word at all) are still left alone."""
     model = tmp_path / "model"
     shutil.copytree(TINY, model)
-    make_tiny.build_tokenizer([w for w in make_tiny.DIGIT_TAG_WORDS if w not in ("Countdown", "reach")]).save(
+    make_tiny.build_tokenizer([w for w in make_tiny.WORDS if w not in ("Countdown", "reach")]).save(
         str(model / "tokenizer.json"))
     says = (f"error: {model}/tokenizer.json cannot spell 2 words of this run's prompts (Countdown, reach): each "
             f"would be its unknown token, and the run would learn from noise or score 0%: the tokenizer is not this "
@@ -301,7 +301,7 @@ def test_a_tokenizer_that_is_not_the_model_s_is_refused_in_one_line(tmp_path, mo
         SCRIPTS["train"](str(model), tmp_path)
     assert one_line_error(lambda: train.main(["--model", str(model), "--out", str(tmp_path / "r"),
                                               "--interoception"])).startswith(
-        f"error: {model}/tokenizer.json: the tokenizer spells neither form of the budget tag")
+        f"error: {model}/tokenizer.json: the tokenizer cannot spell the budget tag")
     assert one_line_error(lambda: train.main(["--model", TINY, "--out", str(tmp_path / "r"), "--max-new-tokens",
                                               "1010"])) == (
         f"error: prompts of up to 18 tokens and 1010 new ones pass the 1024 positions of {TINY} "

@@ -91,14 +91,16 @@ def test_pretraining_examples_restate_at_one_rate_whatever_the_tag():
     problems = cd.generate(1500, 4, cd.SMALL)
 
     def restated_by_tag():
-        rng, by = random.Random(0), {"low": [], "high": [], "-%": [], "none": []}
+        rng, by = random.Random(0), {"low": [], "high": [], "blind": [], "none": []}
         for q in problems:
             prompt, completion = make_tiny.countdown_example(tok, q, rng)
             words = tok.decode(prompt + completion).split()
             slots = words.count("[") + words.count("back")  # where a trace may restate the target
             reach = words.count("reach") - 1  # the prompt's own `reach` aside
-            tag = words[words.index("<eviction_rate>") + 1] if "<eviction_rate>" in words else "none"
-            kind = tag if tag in ("-%", "none") else ("low" if int(tag[:-1]) < 25 else "high" if int(tag[:-1]) > 75 else None)
+            at = words.index("<eviction_rate>") + 1 if "<eviction_rate>" in words else None
+            tens, units = words[at: at + 2] if at else ("none", "")
+            pct = int(tens) * 10 + int(units) if tens.isdigit() else None
+            kind = {"-": "blind", "none": "none"}.get(tens) or ("low" if pct < 25 else "high" if pct > 75 else None)
             if kind:
                 by[kind].append(reach / slots)
         return {k: sum(v) / len(v) for k, v in by.items()}
@@ -136,11 +138,10 @@ def _tag(tok, rate, blind=False):
 
 
 def test_the_budget_tag_writes_its_rate_tens_then_units():
-    """A vocabulary built for the digit tag (make_tiny.py's default, tiny/'s) reads ε = 0.42 as the
+    """tiny/'s vocabulary (make_tiny.py's) reads ε = 0.42 as the
     integer tokens 4 and 2, so that rates are ordered as their tokens are (tens, then units); blind: as
     many tokens, no digit; every whole percent in [0, 1] is written, 1 as `10 0`, and nothing else."""
-    tok = build_tokenizer(make_tiny.DIGIT_TAG_WORDS)
-    assert tok.token_to_id("50%") is None and tok.token_to_id("-%") is None
+    tok = build_tokenizer(make_tiny.WORDS)
     assert load_tokenizer(TINY_DIR).get_vocab() == tok.get_vocab()
     assert _tag(tok, 0.42) == ["<eviction_rate>", "4", "2", "%", "</eviction_rate>"]
     assert _tag(tok, 0.42, blind=True) == ["<eviction_rate>", "-", "-", "%", "</eviction_rate>"]
@@ -158,26 +159,19 @@ def test_the_budget_tag_writes_its_rate_tens_then_units():
         cd.rate_tag(1.2)
 
 
-def test_a_vocabulary_built_for_the_one_token_tag_keeps_it_and_one_for_neither_is_refused():
-    """The tag follows what the tokenizer spells: one built for `50%` (make_tiny.py --no-digit-tag, the
-    earlier tiny/'s) reads one token and the blind `-%`, at the same length; a vocabulary without `50%`
-    reads digits; one with the tag that spells neither form (here without `%`) is a one-line ValueError,
-    which the runs' prompt check raises too; one without the tag at all (tiny-math/'s words) is left alone."""
-    one_token = build_tokenizer(make_tiny.WORDS)
-    assert _tag(one_token, 0.42) == ["<eviction_rate>", "42%", "</eviction_rate>"]
-    assert _tag(one_token, 0.42, blind=True) == ["<eviction_rate>", "-%", "</eviction_rate>"]
-    assert _tag(one_token, 1.0) == ["<eviction_rate>", "100%", "</eviction_rate>"]
+def test_a_vocabulary_that_cannot_spell_the_tag_is_refused():
+    """A vocabulary with the tag that lacks a word of it (here `%`) is a one-line ValueError, which the
+    runs' prompt check raises too; one without the tag at all (tiny-math/'s words) is left alone."""
     cd.encode(build_tokenizer(make_tiny.MATH_WORDS), cd.Problem((3, 5, 2), 16), "tiny-shift", 0.42)
-    neither = build_tokenizer([w for w in make_tiny.DIGIT_TAG_WORDS if w != "%"])
-    with pytest.raises(ValueError, match="the tokenizer spells neither form of the budget tag") as err:
-        cd.encode(neither, cd.Problem((3, 5, 2), 16), "tiny-shift", 0.42)
+    lacking = build_tokenizer([w for w in make_tiny.WORDS if w != "%"])
+    with pytest.raises(ValueError, match="the tokenizer cannot spell the budget tag") as err:
+        cd.encode(lacking, cd.Problem((3, 5, 2), 16), "tiny-shift", 0.42)
     assert "\n" not in str(err.value)
     run = replace(settings.run_defaults(TINY_DIR), interoception=True)
-    with pytest.raises(ValueError, match="spells neither form"):
-        tasks.check_prompts(run, neither, "a build without %", [tasks.SAMPLE])
-    tasks.check_prompts(run, one_token, "a one-token build", [tasks.SAMPLE])  # the controls: both forms pass
-    tasks.check_prompts(run, load_tokenizer(TINY_DIR), TINY_DIR, [tasks.SAMPLE])
-    assert cd.encode(neither, cd.Problem((3, 5, 2), 16), "tiny-shift")  # no tag, no check
+    with pytest.raises(ValueError, match="cannot spell the budget tag"):
+        tasks.check_prompts(run, lacking, "a build without %", [tasks.SAMPLE])
+    tasks.check_prompts(run, load_tokenizer(TINY_DIR), TINY_DIR, [tasks.SAMPLE])  # the control
+    assert cd.encode(lacking, cd.Problem((3, 5, 2), 16), "tiny-shift")  # no tag, no check
 
 
 def test_bare_back_returns_without_the_numbers_and_still_replays():
@@ -235,9 +229,9 @@ def test_a_share_shuffle_of_traces_tries_another_first_move(shuffle):
 
 def test_an_unshuffled_trace_is_todays_and_draws_nothing_more(tmp_path):
     """shuffle = 0 writes the traces and draws the random numbers of trace(problem, restate, rng):
-    the earlier tiny/'s pretraining examples, pinned byte for byte (a digest of 2,000 of make_tiny's
-    examples with its one-token tag, taken before --shuffle-order existed); tiny/'s tokenizer is the
-    digit tag's build, byte for byte."""
+    make_tiny's examples pinned byte for byte (a digest of 2,000 of them with tiny/'s vocabulary, taken
+    when the one-token budget tag was removed; the digest before it, of that tag's examples, was taken
+    before --shuffle-order existed); tiny/'s tokenizer is make_tiny's build, byte for byte."""
     rng, same = random.Random(4), random.Random(4)
     for q in cd.generate(300, 8, cd.SMALL):
         assert trace(q, 0.25, rng, shuffle=0.0) == trace(q, 0.25, same)
@@ -245,13 +239,13 @@ def test_an_unshuffled_trace_is_todays_and_draws_nothing_more(tmp_path):
     problems = cd.generate(2000, 11, cd.SMALL)
 
     def digest(**kw):
-        tok, rng = build_tokenizer(), random.Random(3)
+        tok, rng = build_tokenizer(make_tiny.WORDS), random.Random(3)
         examples = [make_tiny.countdown_example(tok, q, rng, **kw) for q in problems]
         return hashlib.sha256("".join(map(repr, examples)).encode()).hexdigest()
 
-    assert digest() == "bee4ae8b86940165893870e83c3b47712b34e523c1e602e287d5db1547ae1b92"
+    assert digest() == "774aa31ec7067bb6fad0c48144ba450519c3260acd22181f2e3a42bcbcafff6d"
     assert digest(shuffle=0.01) != digest()  # the control: one shuffled trace in a hundred changes them
-    build_tokenizer(make_tiny.DIGIT_TAG_WORDS).save(str(tmp_path / "tokenizer.json"))
+    build_tokenizer(make_tiny.WORDS).save(str(tmp_path / "tokenizer.json"))
     assert (tmp_path / "tokenizer.json").read_bytes() == open(os.path.join(TINY_DIR, "tokenizer.json"), "rb").read()
 
 
@@ -268,7 +262,7 @@ def test_an_unshuffled_trace_is_todays_and_draws_nothing_more(tmp_path):
     (["--n-test", "501"], "--n-test 501: the tiny difficulty's held-out set (countdown.held_out) has 500 problems"),
     (["--shuffle-order", "1.5"], "--shuffle-order 1.5 must lie in [0, 1]"),
     (["--shuffle-order", "nan"], "--shuffle-order nan must lie in [0, 1]"),
-    (["--task", "math", "--digit-tag"], "--shuffle-order and --digit-tag are Countdown's (tiny/)"),
+    (["--task", "math", "--shuffle-order", "0.5"], "--shuffle-order is Countdown's (tiny/)"),
     (["--delta", "4"], "eviction cadence δ=4 must be larger than the window w=4"),
     (["--retention", "0.9,1.2"], "the run's retention 0.9,1.2 must lie in [0, 1)"),
     (["--retention", "0.9,x"], "--retention '0.9,x' must be comma-separated numbers")])
@@ -333,7 +327,7 @@ def test_tokenizer_round_trips_a_trace():
         assert len(ids) == len(text.split())  # one token per word, numbers included
         assert tok.decode(ids, skip_special_tokens=False) == text
         tagged = cd.encode(tok, p, "tiny-shift", eviction_rate=0.5)  # the --interoception prompt
-        assert unk not in tagged and tok.decode(tagged[-3:]) == "<eviction_rate> 50% </eviction_rate>"
+        assert unk not in tagged and tok.decode(tagged[-5:]) == "<eviction_rate> 5 0 % </eviction_rate>"
         completion = tok.decode(tok.encode(trace(p)).ids + [tok.token_to_id("<eos>")], skip_special_tokens=True)
         assert cd.reward(completion, p) == 1.0
 
@@ -410,7 +404,7 @@ def test_make_tiny_rebuilds_bit_for_bit(tmp_path, capsys):
     assert "final loss" in capsys.readouterr().out
 
 
-NEXT_TOY = ["--shuffle-order", "0.25", "--digit-tag", "--max-new-tokens", "64", "--delta", "20", "--retention",
+NEXT_TOY = ["--shuffle-order", "0.25", "--max-new-tokens", "64", "--delta", "20", "--retention",
             "0.9,0.7,0.35"]
 
 
@@ -422,7 +416,7 @@ def digit_build(tmp_path_factory):
 
 
 def test_make_tiny_builds_the_next_toy_bit_for_bit(digit_build, tmp_path):
-    """--shuffle-order, --digit-tag and the run's flags: the same flags and seed write the same four
+    """--shuffle-order and the run's flags: the same flags and seed write the same four
     files; ngc.json is tiny/'s run with the flags' values; the vocabulary has no one-token rate; the
     weights differ from the default build's (the control)."""
     out, first = digit_build
