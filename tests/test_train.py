@@ -659,7 +659,7 @@ def test_each_setting_is_defined_once(train_ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--model", train_ckpt, "--help"])
     text = capsys.readouterr().out
-    flags = [name for group in settings.HELP.values() for name in group]
+    flags = list(settings.HELP)
     assert sorted(flags + ["eval_temperature", "eval_top_p", "eval_max_new_tokens"]) == sorted(settings.TYPES)
     assert all(f"--{name.replace('_', '-')} " in text for name in flags) and "--eval-top-p" not in text
     assert settings.CHOICES["mode"] == list(train.MODES)
@@ -899,7 +899,7 @@ def test_a_resume_refuses_what_cannot_change_and_reports_every_change(train_ckpt
     saved = {**state["session"], **state["config"]}
     assert set(saved) == set(settings.SAVED) | set(settings.SESSION)
     cannot = {"model", "task", "overwrite", "out", "resume", "fsdp"}  # fsdp: refused outside torchrun
-    with_flag = [name for group in settings.HELP.values() for name in group]
+    with_flag = list(settings.HELP)
     checked = []
     for f in fields(settings.Settings):
         if f.name not in with_flag or f.name in cannot or (f.name == "device" and not torch.cuda.is_available()):
