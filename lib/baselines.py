@@ -1,13 +1,14 @@
-"""The eviction baselines: the paper's heuristics (§5.1: SnapKV, KeyDiff, KNorm, StreamingLLM), random blocks,
-random completion blocks behind the prompt, hand-written rules for Countdown, an oracle that looks ahead, and
-the hindsight bound with its luck control.
+"""The eviction baselines: the paper's heuristics (§5.1: SnapKV, KeyDiff, KNorm, StreamingLLM),
+random blocks, random completion blocks behind the prompt, hand-written rules for Countdown, an
+oracle that looks ahead, and the hindsight bound with its luck control.
 
-Each is a per-key score for the engine's eviction round, Eviction(score=...), in place of NGC's ψ: the round
-pools it to blocks by the mean and keeps the top K (greedy=True) or samples K by Gumbel-top-k with the block
-means as logits (greedy=False; with log_blocks, log s_j / τ as for ψ), with NGC's rounds, blocks and K. A
-score maps (ψ (N, S), keys (N, Hkv, S, D), alive (N, S), at: ngc.Round) to (N, S), higher = keep; dead slots
-are ignored. A new baseline is one function
-and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every policy (Given).
+Each is a per-key score for the engine's eviction round, Eviction(score=...), in place of NGC's ψ:
+the round pools it to blocks by the mean and keeps the top K (greedy=True) or samples K by
+Gumbel-top-k with the block means as logits (greedy=False; with log_blocks, log s_j / τ as for ψ),
+with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D), alive (N, S), at:
+ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
+and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every
+policy (Given).
 """
 from dataclasses import replace
 from functools import partial
@@ -26,8 +27,10 @@ TARGET_MARKER = "reach"  # the tiny prompt's word before the target
 
 
 def snapkv(psi, keys, alive, at=None):
-    """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order, cut short at the edges."""
-    order = torch.argsort((~alive).to(torch.uint8), dim=1, stable=True)  # alive slots first, in position order
+    """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order, cut
+    short at the edges."""
+    # alive slots first, in position order
+    order = torch.argsort((~alive).to(torch.uint8), dim=1, stable=True)
     m = alive.gather(1, order).float()[:, None]  # (N, 1, S)
     x = psi.gather(1, order)[:, None] * m
     pool = partial(F.avg_pool1d, kernel_size=SNAPKV_KERNEL, stride=1, padding=SNAPKV_KERNEL // 2)
@@ -36,7 +39,8 @@ def snapkv(psi, keys, alive, at=None):
 
 
 def keydiff(psi, keys, alive, at=None):
-    """KeyDiff (Park et al. 2025): −cos(k_t, mean of the L2-normalised alive keys), averaged over KV heads."""
+    """KeyDiff (Park et al. 2025): −cos(k_t, mean of the L2-normalised alive keys), averaged over
+    KV heads."""
     k = keys.float()
     m = alive[:, None, :, None].float()  # (N, 1, S, 1)
     anchor = (F.normalize(k, dim=-1) * m).sum(2, keepdim=True) / m.sum(2, keepdim=True).clamp(min=1)
@@ -44,56 +48,67 @@ def keydiff(psi, keys, alive, at=None):
 
 
 def knorm(psi, keys, alive, at=None):
-    """KNorm (Devoto et al. 2024): −‖k_t‖₂ averaged over KV heads: low-norm keys are kept."""
+    """KNorm (Devoto et al. 2024): −‖k_t‖₂ averaged over KV heads: low-norm keys are
+    kept."""
     return -keys.float().norm(dim=-1).mean(1)
 
 
 def streamingllm(psi, keys, alive, at=None):
-    """StreamingLLM (Xiao et al. 2024): the blocks of the first 4 alive keys (attention sinks), then the newest."""
+    """StreamingLLM (Xiao et al. 2024): the blocks of the first 4 alive keys (attention sinks), then
+    the newest."""
     return pinned_then_newest(alive, (alive.long().cumsum(1) - 1) < SINKS)
 
 
 def pinned_then_newest(alive, pinned):
-    """S² for the pinned keys (N, S), else the key's rank among the alive keys (newer = higher): a block holding a
-    pinned key has mean ≥ S²/b ≥ S, above any other (< S), so top-K keeps those blocks, then the newest."""
+    """S² for the pinned keys (N, S), else the key's rank among the alive keys (newer = higher): a
+    block holding a pinned key has mean ≥ S²/b ≥ S, above any other (< S), so top-K keeps those
+    blocks, then the newest."""
     S = alive.shape[1]
     return torch.where(pinned, float(S * S), (alive.long().cumsum(1) - 1).float())
 
 
 def uniform(psi, keys, alive, at=None):
-    """Random (with greedy=False): every block scores the same, so Gumbel-top-k keeps K blocks uniformly."""
+    """Random (with greedy=False): every block scores the same, so Gumbel-top-k keeps K blocks
+    uniformly."""
     return torch.zeros_like(psi)
 
 
 def random_prompt(psi, keys, alive, at):
-    """Random Attention (2026; with greedy=False): a block scores 10⁶ × its share of prompt keys, so whole prompt
-    blocks come first (K of them at random if they exceed K), then one shared with the completion, then random."""
-    return torch.where(at.key_pos < at.prompt_lens[:, None], 1e6, 0.0)  # 10⁶: far above any Gumbel noise
+    """Random Attention (2026; with greedy=False): a block scores 10⁶ × its share of prompt keys,
+    so whole prompt blocks come first (K of them at random if they exceed K), then one shared with
+    the completion, then random."""
+    # 10⁶: far above any Gumbel noise
+    return torch.where(at.key_pos < at.prompt_lens[:, None], 1e6, 0.0)
 
 
 def task_rule(marker: int):
-    """Countdown's hand-written rule: the block holding the target (the token after token id `marker`), then
-    the newest blocks (greedy=True)."""
+    """Countdown's hand-written rule: the block holding the target (the token after token id
+    `marker`), then the newest blocks (greedy=True)."""
     def score(psi, keys, alive, at):
-        after = torch.cat([torch.zeros_like(at.prompts[:, :1], dtype=torch.bool), at.prompts[:, :-1] == marker], 1)
-        target_pos = torch.where(after.any(1), after.float().argmax(1), -1)  # (N,) the target's position, -1: none
+        after = torch.cat([torch.zeros_like(at.prompts[:, :1], dtype=torch.bool),
+                           at.prompts[:, :-1] == marker], 1)
+        # (N,) the target's position, -1: none
+        target_pos = torch.where(after.any(1), after.float().argmax(1), -1)
         return pinned_then_newest(alive, alive & (at.key_pos == target_pos[:, None]))
     return score
 
 
 def number_rule(is_number):
-    """The blocks holding the prompt's numbers (the tokens where is_number (V,) is True), then the newest."""
+    """The blocks holding the prompt's numbers (the tokens where is_number (V,) is True), then the
+    newest."""
     def score(psi, keys, alive, at):
         P = at.prompts.shape[1]
         in_prompt = at.key_pos < at.prompt_lens[:, None]  # (N, S)
-        number = is_number[at.prompts].gather(1, at.key_pos.clamp(max=P - 1))  # (N, S): the key's token is a number
+        # (N, S): the key's token is a number
+        number = is_number[at.prompts].gather(1, at.key_pos.clamp(max=P - 1))
         return pinned_then_newest(alive, alive & in_prompt & number)
     return score
 
 
 @torch.no_grad()
 def future_attention(model, reference: Rollout):
-    """Per layer, (B, T + 1, T): row t sums the attention (mean over heads) the reference's queries < t paid."""
+    """Per layer, (B, T + 1, T): row t sums the attention (mean over heads) the reference's queries
+    < t paid."""
     B, T = reference.tokens.shape
     pos = torch.arange(T, device=reference.tokens.device).expand(B, T)
     real = pos < reference.lengths[:, None]  # (B, T): the reference's own tokens
@@ -109,15 +124,17 @@ def future_attention(model, reference: Rollout):
 
 
 def lookahead(cumulative, delta: int):
-    """The oracle (greedy=True): a round after token t scores each key by the attention the full-cache rollout's
-    queries t+1..t+δ paid it (cumulative: its future_attention, made from the same noise), so while the evicting
-    rollout follows it, the round keeps what the next δ tokens will read; ties go to the newer key."""
+    """The oracle (greedy=True): a round after token t scores each key by the attention the
+    full-cache rollout's queries t+1..t+δ paid it (cumulative: its future_attention, made from the
+    same noise), so while the evicting rollout follows it, the round keeps what the next δ tokens
+    will read; ties go to the newer key."""
     def score(psi, keys, alive, at):
         c = cumulative[at.layer]  # (B, T + 1, T): the round's rows are read in place, never copied
         T = c.shape[2]
         t = at.query_pos[:, -1].clamp(max=T - 1)  # (N,) the newest token
         ahead = (t + 1 + delta).clamp(max=T)
-        paid = c[at.rows, ahead] - c[at.rows, t + 1]  # (N, T) attention of queries t+1..t+δ to each position
+        # (N, T) attention of queries t+1..t+δ to each position
+        paid = c[at.rows, ahead] - c[at.rows, t + 1]
         rank = (alive.long().cumsum(1) - 1).float() / alive.shape[1]  # in [0, 1): newer higher
         return paid.gather(1, at.key_pos.clamp(0, T - 1)) + 1e-6 * rank
     return score
@@ -128,33 +145,38 @@ class Given(NamedTuple):  # what eval.py hands every policy it builds
     model: object
     tokenizer: object
     task: str
-    reference: Callable[[], Rollout] | None = None  # the batch's full-cache rollout from the same noise; None: a check
+    # the batch's full-cache rollout from the same noise; None: a check
+    reference: Callable[[], Rollout] | None = None
 
 
 class Policy(NamedTuple):
     greedy: bool  # keep the top K blocks; False: Gumbel-top-k with the block means as logits
     score: Callable | None  # the per-key score; None: NGC's ψ, or the one bind makes
     help: str  # its line in eval.py --help
-    bind: Callable | None = None  # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
-    kind: str = "agnostic"  # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle,
-    # bound (not a policy: a problem counts as solved if any of eval.py's --draws eviction draws solves it)
-    temperature: float | None = None  # Gumbel-top-k over log s_j / temperature (None: over the block means)
+    # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
+    bind: Callable | None = None
+    # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle, bound (not a
+    # policy: a problem counts as solved if any of eval.py's --draws eviction draws solves it)
+    kind: str = "agnostic"
+    # Gumbel-top-k over log s_j / temperature (None: over the block means)
+    temperature: float | None = None
 
 
 def build(name: str, given: Given) -> Eviction:
     p = POLICIES[name]
     if p.kind == "rule" and given.task != "countdown":
-        raise ValueError(f"--policy {name} keeps the block of a Countdown prompt's target; this evaluation's task is "
-                         f"{given.task}: leave {name} out")
+        raise ValueError(f"--policy {name} keeps the block of a Countdown prompt's target; this "
+                         f"evaluation's task is {given.task}: leave {name} out")
     logs = {} if p.temperature is None else dict(log_blocks=True, temperature=p.temperature)
-    return replace(given.layout, greedy=p.greedy, score=p.bind(given) if p.bind else p.score, **logs)
+    return replace(given.layout, greedy=p.greedy, score=p.bind(given) if p.bind else p.score,
+                   **logs)
 
 
 def target_marker(given: Given) -> int:
     marker = given.tokenizer.token_to_id(TARGET_MARKER)
     if marker is None:
-        raise ValueError(f"--policy task-rule keeps the token after '{TARGET_MARKER}' (the tiny prompt's target); "
-                         f"this tokenizer has no such token")
+        raise ValueError(f"--policy task-rule keeps the token after '{TARGET_MARKER}' (the tiny "
+                         f"prompt's target); this tokenizer has no such token")
     return marker
 
 
@@ -167,36 +189,43 @@ def number_tokens(given: Given):
 
 
 def oracle(given: Given):
-    """lookahead on the batch's full-cache rollout; without one, a score that refuses to run (never ψ)."""
+    """lookahead on the batch's full-cache rollout; without one, a score that refuses to run (never
+    ψ)."""
     if given.reference is None:
         def unbound(*args):
-            raise ValueError("the oracle reads the batch's full-cache rollout: build it with Given.reference")
+            raise ValueError("the oracle reads the batch's full-cache rollout: build it with "
+                             "Given.reference")
         return unbound
     return lookahead(future_attention(given.model, given.reference()), given.layout.delta)
 
 
 POLICIES = {  # --policy name -> Policy, in eval.py --help's order
-    "ngc": Policy(True, None, "greedy top-K blocks on NGC's scores: the paper's evaluation", kind="ngc"),
+    "ngc": Policy(True, None, "greedy top-K blocks on NGC's scores: the paper's evaluation",
+                  kind="ngc"),
     "ngc-sample": Policy(False, None, "Gumbel-top-k blocks, as in training", kind="ngc"),
-    "snapkv": Policy(True, snapkv, f"SnapKV: ψ smoothed over {SNAPKV_KERNEL} neighbouring keys (deterministic, as the "
-                                   "next three)"),
+    "snapkv": Policy(True, snapkv, f"SnapKV: ψ smoothed over {SNAPKV_KERNEL} neighbouring keys "
+                                   "(deterministic, as the next three)"),
     "keydiff": Policy(True, keydiff, "KeyDiff: the keys least like the mean key"),
     "knorm": Policy(True, knorm, "KNorm: the keys of lowest norm"),
-    "streamingllm": Policy(True, streamingllm, f"StreamingLLM: the {SINKS} attention sinks' blocks, then the newest"),
+    "streamingllm": Policy(True, streamingllm, f"StreamingLLM: the {SINKS} attention sinks' "
+                                               "blocks, then the newest"),
     "random": Policy(False, uniform, "K blocks uniformly at random"),
-    "random-prompt": Policy(False, random_prompt, "the prompt's blocks, then random completion blocks (Random "
-                            "Attention, 2026)"),
-    "task-rule": Policy(True, None, "Countdown's hand-written rule: the block holding the target, then the "
-                        "newest", bind=lambda given: task_rule(target_marker(given)), kind="rule"),
-    "number-rule": Policy(True, None, "the same with the numbers: the blocks holding the prompt's target and "
-                          "numbers, then the newest", bind=lambda given: number_rule(number_tokens(given)),
-                          kind="rule"),
-    "oracle": Policy(True, None, "the blocks the full-cache rollout's next δ tokens attend to most (a heuristic "
-                     "that sees the future, not an optimum)", bind=oracle, kind="oracle"),
-    "bound": Policy(False, None, f"the hindsight bound: solved if any of --draws eviction draws around the oracle's "
-                    f"scores (Gumbel-top-k over log attention / {BOUND_TEMPERATURE:g}, the token noise fixed) solves: "
-                    "an estimate from above of what schedules exist, not a policy", bind=oracle, kind="bound",
+    "random-prompt": Policy(False, random_prompt, "the prompt's blocks, then random completion "
+                            "blocks (Random Attention, 2026)"),
+    "task-rule": Policy(True, None, "Countdown's hand-written rule: the block holding the target, "
+                        "then the newest", bind=lambda given: task_rule(target_marker(given)),
+                        kind="rule"),
+    "number-rule": Policy(True, None, "the same with the numbers: the blocks holding the prompt's "
+                          "target and numbers, then the newest",
+                          bind=lambda given: number_rule(number_tokens(given)), kind="rule"),
+    "oracle": Policy(True, None, "the blocks the full-cache rollout's next δ tokens attend to "
+                     "most (a heuristic that sees the future, not an optimum)", bind=oracle,
+                     kind="oracle"),
+    "bound": Policy(False, None, f"the hindsight bound: solved if any of --draws eviction draws "
+                    f"around the oracle's scores (Gumbel-top-k over log attention / "
+                    f"{BOUND_TEMPERATURE:g}, the token noise fixed) solves: an estimate "
+                    "from above of what schedules exist, not a policy", bind=oracle, kind="bound",
                     temperature=BOUND_TEMPERATURE),
-    "luck": Policy(False, uniform, "the bound's luck control: the same --draws, each K blocks uniformly at random",
-                   kind="bound"),
+    "luck": Policy(False, uniform, "the bound's luck control: the same --draws, each K blocks "
+                   "uniformly at random", kind="bound"),
 }

@@ -1,6 +1,7 @@
-"""Checkpoints in the Hugging Face layout (config.json, (sharded) *.safetensors, tokenizer.json), read and
-written without transformers, so R1's own directory and the tiny models load through the same code; and
-the meta-token's surgery on a checkpoint (paper, Appendix "Compression via Meta-Tokens")."""
+"""Checkpoints in the Hugging Face layout (config.json, (sharded) *.safetensors, tokenizer.json),
+read and written without transformers, so R1's own directory and the tiny models load through the
+same code; and the meta-token's surgery on a checkpoint (paper, Appendix "Compression via
+Meta-Tokens")."""
 import json
 import os
 from dataclasses import fields
@@ -30,26 +31,33 @@ def _token_id(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads")  # no default for these: a missing one would silently be R1-1.5B's
+# no default for these: a missing one would silently be R1-1.5B's
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads")
 CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test, in words)
-    **{k: (lambda v: _token_id(v) and v > 0, "a positive integer") for k in (*REQUIRED, "max_position_embeddings")},
-    **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
+    **{k: (lambda v: _token_id(v) and v > 0, "a positive integer")
+       for k in (*REQUIRED, "max_position_embeddings")},
+    **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+           "a positive number")
        for k in ("rope_theta", "rms_norm_eps")},
     "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
     "bos_token_id": (lambda v: v is None or _token_id(v), "a token id or null"),
-    "eos_token_id": (lambda v: v is None or _token_id(v) or (isinstance(v, list) and all(map(_token_id, v))),
+    "eos_token_id": (lambda v: v is None or _token_id(v)
+                     or (isinstance(v, list) and all(map(_token_id, v))),
                      "a token id, a list of them, or null"),
 }
 
 
-LIMITS = {  # far above any Qwen2 (R1-1.5B: 28 layers of 1536; Qwen2-72B: 80 of 8192); past them, no model
-    "num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 1 << 20, "num_attention_heads": 1024,
-    "num_key_value_heads": 1024, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
+# far above any Qwen2 (R1-1.5B: 28 layers of 1536; Qwen2-72B: 80 of 8192); past them, no model
+LIMITS = {
+    "num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 1 << 20,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 24}
 
 
 def load_config(path: str) -> Qwen2Config:
-    """config.json of checkpoint directory `path`, or an Error naming the first key it lacks or a bad value."""
+    """config.json of checkpoint directory `path`, or an Error naming the first key it lacks or a
+    bad value."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise Error(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
@@ -73,7 +81,8 @@ def config_from_dict(d: dict) -> Qwen2Config:
     if d.get("hidden_act", "silu") != "silu":
         raise Error(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
     if d.get("rope_scaling"):
-        raise Error(f"rope_scaling {d['rope_scaling']} is not supported; remove it from config.json")
+        raise Error(f"rope_scaling {d['rope_scaling']} is not supported; remove it from "
+                    f"config.json")
     if rope.get("rope_type", "default") != "default":
         raise Error(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
     if d.get("use_sliding_window", False):
@@ -89,17 +98,19 @@ def config_from_dict(d: dict) -> Qwen2Config:
 
 def _weight_files(path: str) -> list[str]:
     """model.safetensors, or the shards that model.safetensors.index.json's weight_map names."""
-    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
+    single, index = (os.path.join(path, "model.safetensors"),
+                     os.path.join(path, "model.safetensors.index.json"))
     if not os.path.exists(index):
         if os.path.exists(single):
             return [single]
         raise Error(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     d = read_json(index, "; re-download it or re-save the checkpoint")
     weight_map = d.get("weight_map") if isinstance(d, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v
+                                                   for v in weight_map.values()):
         raise Error(f"{index} has no weight_map of tensor names to shard files ({{\"weight_map\": "
-                    f"{{\"model.norm.weight\": \"model-00001-of-00002.safetensors\", ...}}}}); re-download it or "
-                    f"re-save the checkpoint")
+                    f"{{\"model.norm.weight\": \"model-00001-of-00002.safetensors\", ...}}}}); "
+                    f"re-download it or re-save the checkpoint")
     return sorted({os.path.join(path, name) for name in weight_map.values()})
 
 
@@ -113,14 +124,15 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     files = {file: _open_weights(file, device) for file in _weight_files(path)}
     names = {name: (file, f) for file, f in files.items() for name in f.keys()
              if not name.endswith("rotary_emb.inv_freq")}  # RoPE's table: computed here, not loaded
-    shapes = {name: torch.empty(f.get_slice(name).get_shape(), device="meta") for name, (_, f) in names.items()}
+    shapes = {name: torch.empty(f.get_slice(name).get_shape(), device="meta")
+              for name, (_, f) in names.items()}
     _load_strictly(model, _tied(shapes, cfg), path)
     state = {}
     for name, (file, f) in names.items():
         state[name] = f.get_tensor(name).to(dtype)
         if not torch.isfinite(state[name]).all():
-            raise Error(f"{file}: {name} holds values that are not finite (NaN or inf): these weights are no "
-                        f"model; use a checkpoint saved before they went bad")
+            raise Error(f"{file}: {name} holds values that are not finite (NaN or inf): these "
+                        f"weights are no model; use a checkpoint saved before they went bad")
     _load_strictly(model, _tied(state, cfg), path)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -131,7 +143,8 @@ def _open_weights(file: str, device):
     try:
         return safe_open(file, framework="pt", device=str(device))
     except Exception as e:  # missing, empty, truncated or not safetensors at all
-        raise Error(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from None
+        raise Error(f"{file} is not a readable safetensors file ({e}); "
+                    f"re-download or re-save it") from None
 
 
 def _tied(state: dict, cfg: Qwen2Config) -> dict:
@@ -144,7 +157,8 @@ def _tied(state: dict, cfg: Qwen2Config) -> dict:
 
 
 def _load_strictly(model: Qwen2, state: dict, path: str):
-    """load_state_dict(strict=True), its report of missing, unexpected and mis-shaped tensors as one line."""
+    """load_state_dict(strict=True), its report of missing, unexpected and mis-shaped tensors as one
+    line."""
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:
@@ -156,21 +170,25 @@ def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32)
     """The model and tokenizer of checkpoint directory `path`; meta_token: with the meta-token g
     (added if the checkpoint lacks it, see add_meta_token)."""
     model, tokenizer = from_pretrained(path, dtype=dtype, device=device), load_tokenizer(path)
-    for name in ("tokenizer_config.json", "generation_config.json"):  # a run's checkpoint copies them
+    # a run's checkpoint copies them
+    for name in ("tokenizer_config.json", "generation_config.json"):
         if os.path.isfile(os.path.join(path, name)):
             read_json(os.path.join(path, name))
     top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= model.config.vocab_size:  # another model's tokenizer (R1's config has spare rows past its ids)
+    # another model's tokenizer (R1's config has spare rows past its ids)
+    if top >= model.config.vocab_size:
         raise Error(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
-                    f"{os.path.join(path, 'config.json')} gives the model only vocab_size {model.config.vocab_size} "
-                    f"rows: the tokenizer is another model's; use the tokenizer.json of these weights")
+                    f"{os.path.join(path, 'config.json')} gives the model only vocab_size "
+                    f"{model.config.vocab_size} rows: the tokenizer is another model's; use the "
+                    f"tokenizer.json of these weights")
     if meta_token:
         add_meta_token(model, tokenizer)
     return model, tokenizer
 
 
 def save_pretrained(model: Qwen2, path: str, state: dict | None = None):
-    """Write config.json and model.safetensors (model's weights, or the given state dict) into path."""
+    """Write config.json and model.safetensors (model's weights, or the given state dict) into
+    path."""
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in (state or model.state_dict()).items()}
     if model.config.tie_word_embeddings:
@@ -180,24 +198,27 @@ def save_pretrained(model: Qwen2, path: str, state: dict | None = None):
               **{f.name: getattr(model.config, f.name) for f in fields(model.config)},
               "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
     write_json(os.path.join(path, "config.json"), config, indent=2)
-    write_atomic(os.path.join(path, "model.safetensors"), lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    write_atomic(os.path.join(path, "model.safetensors"),
+                 lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
 
 
 def load_tokenizer(path: str):
     from tokenizers import Tokenizer
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
-        raise Error(f"no tokenizer.json in {path!r}: copy it from the model's Hugging Face repository")
+        raise Error(f"no tokenizer.json in {path!r}: copy it from the model's Hugging Face "
+                    f"repository")
     try:
         return Tokenizer.from_file(file)
     except Exception as e:
-        raise Error(f"{file} is not a readable tokenizer ({str(e).splitlines()[0][:200]})") from None
+        raise Error(f"{file} is not a readable tokenizer "
+                    f"({str(e).splitlines()[0][:200]})") from None
 
 
 def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = None):
-    """Write tokenizer.json, tokenizer_config.json and generation_config.json into path, so that Hugging
-    Face's AutoTokenizer and generate() need no guessing: the source checkpoint's two config files (chat
-    template and all), what they lack filled in from cfg's special-token ids."""
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json into path, so that
+    Hugging Face's AutoTokenizer and generate() need no guessing: the source checkpoint's two config
+    files (chat template and all), what they lack filled in from cfg's special-token ids."""
     def source_json(name):  # a broken one: an Error naming it
         file = os.path.join(source, name) if source else ""
         return read_json(file) if os.path.isfile(file) else {}
@@ -205,11 +226,14 @@ def save_tokenizer(tokenizer, path: str, cfg: Qwen2Config, source: str | None = 
     write_atomic(os.path.join(path, "tokenizer.json"), tokenizer.save)
     tok_cfg = source_json("tokenizer_config.json")
     tok_cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-    for name, token_id in {"bos_token": cfg.bos_token_id, "eos_token": (cfg.eos_ids or [None])[0]}.items():
+    for name, token_id in {"bos_token": cfg.bos_token_id,
+                           "eos_token": (cfg.eos_ids or [None])[0]}.items():
         if tok_cfg.get(name) is None and token_id is not None:
             tok_cfg[name] = tokenizer.id_to_token(token_id)
-    if tok_cfg.get("pad_token") is None:  # padded batches need one; <pad> if the vocab has it, else EOS
-        tok_cfg["pad_token"] = "<pad>" if tokenizer.token_to_id("<pad>") is not None else tok_cfg.get("eos_token")
+    # padded batches need one; <pad> if the vocab has it, else EOS
+    if tok_cfg.get("pad_token") is None:
+        tok_cfg["pad_token"] = ("<pad>" if tokenizer.token_to_id("<pad>") is not None
+                                else tok_cfg.get("eos_token"))
     if tok_cfg.get("unk_token") is None:  # written even when null, or transformers invents one
         tok_cfg["unk_token"] = "<unk>" if tokenizer.token_to_id("<unk>") is not None else None
     gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
@@ -223,11 +247,12 @@ META_TOKEN = "<|meta|>"
 
 @torch.no_grad()
 def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = META_TOKEN) -> int:
-    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added to the tokenizer
-    as a special token and to the model when the checkpoint lacks it; its embedding row (and an untied LM
-    head's row) is the mean of the rows of `text`'s tokens. A checkpoint that has g already is left as it
-    is: g's row may be trained. Grows embed_tokens and lm_head only when g's id has no row (R1's checkpoints
-    have spare rows past the tokenizer's vocabulary). Call it before making the optimizer."""
+    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added to the
+    tokenizer as a special token and to the model when the checkpoint lacks it; its embedding row
+    (and an untied LM head's row) is the mean of the rows of `text`'s tokens. A checkpoint that has
+    g already is left as it is: g's row may be trained. Grows embed_tokens and lm_head only when g's
+    id has no row (R1's checkpoints have spare rows past the tokenizer's vocabulary). Call it before
+    making the optimizer."""
     from tokenizers import AddedToken
     g = tokenizer.token_to_id(token)
     if g is not None and g < model.config.vocab_size:
@@ -236,17 +261,21 @@ def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = ME
         tokenizer.add_special_tokens([AddedToken(token, special=True)])
         g = tokenizer.token_to_id(token)
     embed = model.model.embed_tokens
-    unk = getattr(tokenizer.model, "unk_token", None)  # a word-level tokenizer maps unknown words to it
+    # a word-level tokenizer maps unknown words to it
+    unk = getattr(tokenizer.model, "unk_token", None)
     unk_id = tokenizer.token_to_id(unk) if unk else None
-    ids = [i for i in tokenizer.encode(text, add_special_tokens=False).ids if i != unk_id and i < embed.num_embeddings]
+    ids = [i for i in tokenizer.encode(text, add_special_tokens=False).ids
+           if i != unk_id and i < embed.num_embeddings]
     if not ids:
-        print(f"note: the tokenizer has no tokens for {text!r}; {token}'s embedding is the mean of all rows")
+        print(f"note: the tokenizer has no tokens for {text!r}; {token}'s embedding is the mean "
+              f"of all rows")
         ids = list(range(embed.num_embeddings))
     if g >= model.config.vocab_size:  # rows up to g: g's is set below (any between stay zero)
         extra = g + 1 - model.config.vocab_size
         grow = lambda w: nn.Parameter(torch.cat([w, w.new_zeros(extra, w.shape[1])]))
         embed.weight = grow(embed.weight)
-        model.lm_head.weight = embed.weight if model.config.tie_word_embeddings else grow(model.lm_head.weight)
+        model.lm_head.weight = (embed.weight if model.config.tie_word_embeddings
+                                else grow(model.lm_head.weight))
         embed.num_embeddings = model.lm_head.out_features = model.config.vocab_size = g + 1
     embed.weight[g] = embed.weight[ids].mean(0)
     if not model.config.tie_word_embeddings:

@@ -1,7 +1,8 @@
-"""What every script's command line shares: the one error a script ends with, the signals that stop it,
-optional extras, output paths. Library code raises, never exits: an `Error` is bad input or a failure a
-user can act on, its message one line saying what to do; `exits` prints it as `error: ...`, exit code 2.
-A stop signal raises `Interrupted` where the process is: one line and exit code 128 + the signal."""
+"""What every script's command line shares: the one error a script ends with, the signals that stop
+it, optional extras, output paths. Library code raises, never exits: an `Error` is bad input or a
+failure a user can act on, its message one line saying what to do; `exits` prints it as
+`error: ...`, exit code 2. A stop signal raises `Interrupted` where the process is: one line and
+exit code 128 + the signal."""
 import argparse
 import contextlib
 import functools
@@ -14,7 +15,8 @@ import sys
 
 
 class Error(ValueError):
-    """Bad input, or a failure a user can act on: the script ends with 'error: <message>', exit code 2."""
+    """Bad input, or a failure a user can act on: the script ends with 'error: <message>',
+    exit code 2."""
 
 
 class FlagError(Error):
@@ -33,23 +35,28 @@ def raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
-# What a terminal (Ctrl-C, a closed window or ssh session) or a scheduler sends to stop a process: SIGTERM
-# (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal warning before its time limit), SIGXCPU (a CPU-time limit).
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGXCPU")
+# What a terminal (Ctrl-C, a closed window or ssh session) or a scheduler sends to stop a process:
+# SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal warning before its time limit), SIGXCPU (a
+# CPU-time limit).
+STOP_SIGNALS = tuple(getattr(signal, name)
+                     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGXCPU")
                      if hasattr(signal, name))
 _stopping = []  # the handlers exits replaced, while a decorated main runs
 
 
-# How a console that cannot print a character (PYTHONIOENCODING=ascii, a C locale) spells it; any other: "?"
-ASCII = str.maketrans({"ε": "eps", "δ": "delta", "τ": "tau", "σ": "sigma", "ψ": "psi", "ρ": "rho", "α": "alpha",
-                       "β": "beta", "Δ": "Delta", "§": "S", "×": "x", "±": "+-", "≥": ">=", "≤": "<=", "→": "->",
-                       "·": "*", "−": "-", "–": "-", "—": "--", "∞": "inf", "½": "1/2", "⅓": "1/3"})
+# How a console that cannot print a character (PYTHONIOENCODING=ascii, a C locale) spells it;
+# any other: "?"
+ASCII = str.maketrans({"ε": "eps", "δ": "delta", "τ": "tau", "σ": "sigma", "ψ": "psi",
+                       "ρ": "rho", "α": "alpha", "β": "beta", "Δ": "Delta", "§": "S",
+                       "×": "x", "±": "+-", "≥": ">=", "≤": "<=", "→": "->", "·": "*",
+                       "−": "-", "–": "-", "—": "--", "∞": "inf", "½": "1/2",
+                       "⅓": "1/3"})
 
 
 class Console:
-    """sys.stdout or sys.stderr, whose writes are dropped once its reader is gone (a closed terminal, a pipe
-    whose reader quit): the work and its files go on, only the console lines are lost. What its encoding
-    cannot hold is written in ASCII (ASCII's spellings), never dropped."""
+    """sys.stdout or sys.stderr, whose writes are dropped once its reader is gone (a closed
+    terminal, a pipe whose reader quit): the work and its files go on, only the console lines are
+    lost. What its encoding cannot hold is written in ASCII (ASCII's spellings), never dropped."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -67,7 +74,8 @@ class Console:
                 getattr(self.stream, name)(*args)
             except UnicodeEncodeError:
                 getattr(self.stream, name)(*map(self.encodable, args))
-        except (OSError, ValueError):  # EIO, EPIPE; ValueError: closed. What is left goes to /dev/null
+        except (OSError, ValueError):
+            # EIO, EPIPE; ValueError: closed. What is left goes to /dev/null
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
@@ -80,8 +88,10 @@ class Console:
 
 
 def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
-    """An ArgumentParser whose errors are one line (a FlagError, no usage dump), with `doc` as its --help."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    """An ArgumentParser whose errors are one line (a FlagError, no usage dump), with `doc` as its
+    --help."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(message):
         raise FlagError(message)
@@ -96,16 +106,17 @@ def out_of_memory(e: BaseException) -> str | None:
         return f"OutOfMemoryError: {str(e).split('. ')[0][:160]}"
     if isinstance(e, MemoryError):
         return "MemoryError"
-    cpu = re.search(r"DefaultCPUAllocator: ([^.]*)", str(e)) if isinstance(e, RuntimeError) else None
+    cpu = (re.search(r"DefaultCPUAllocator: ([^.]*)", str(e)) if isinstance(e, RuntimeError)
+           else None)
     return f"CPU: {cpu.group(1)}" if cpu else None
 
 
 def exits(main=None, *, memory: str = "free memory or use a smaller model"):
-    """A script's main: an Error ends the process with its line and exit code 2 (a SystemExit whose str() is
-    the line), as does running out of memory (the line then says `memory`); a stop signal ends it with
-    one line and 128 + the signal (files.py writes files whole); a signal the process was started ignoring
-    (nohup) stays ignored, and a console that goes away takes no more lines. A main called inside another
-    (reproduce.py runs eval.main) leaves all this to the outer one."""
+    """A script's main: an Error ends the process with its line and exit code 2 (a SystemExit whose
+    str() is the line), as does running out of memory (the line then says `memory`); a stop signal
+    ends it with one line and 128 + the signal (files.py writes files whole); a signal the process
+    was started ignoring (nohup) stays ignored, and a console that goes away takes no more lines. A
+    main called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
     if main is None:  # @exits(memory=...)
         return functools.partial(exits, memory=memory)
 
@@ -115,7 +126,8 @@ def exits(main=None, *, memory: str = "free memory or use a smaller model"):
             return main(*args, **kwargs)
         _stopping.append({s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS
                           if signal.getsignal(s) is not signal.SIG_IGN})
-        streams, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (Console(sys.stdout), Console(sys.stderr))
+        streams, (sys.stdout, sys.stderr) = (sys.stdout, sys.stderr), (Console(sys.stdout),
+                                                                       Console(sys.stderr))
         try:
             try:
                 return main(*args, **kwargs)
@@ -200,9 +212,11 @@ def check_output_file(path: str, flag: str = "the output path"):
     if os.path.isdir(path):
         raise Error(f"{path} is a directory; give a file path")
     if not os.path.isdir(folder):
-        raise Error(f"cannot write {path}: " + (f"{folder} is not a directory" if os.path.exists(folder)
+        raise Error(f"cannot write {path}: " + (f"{folder} is not a directory"
+                                                if os.path.exists(folder)
                                                 else "its directory does not exist"))
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)
+                                                    and not os.access(path, os.W_OK)):
         raise Error(f"cannot write {path}: permission denied")
 
 

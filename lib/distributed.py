@@ -1,8 +1,8 @@
 """Several processes under torchrun: data parallel, or FSDP2 with --fsdp.
 
-Each process rolls out and replays its share of a step's prompts (whole groups) and the gradients are
-averaged, so one step equals the single-process step over all the rollouts; held-out evaluation splits
-the problems the same way. With one process every function here is a no-op.
+Each process rolls out and replays its share of a step's prompts (whole groups) and the gradients
+are averaged, so one step equals the single-process step over all the rollouts; held-out evaluation
+splits the problems the same way. With one process every function here is a no-op.
 """
 import atexit
 import contextlib
@@ -20,17 +20,20 @@ def launched() -> bool:  # by torchrun
 
 
 def pick_device(name: str | None) -> str:
-    """--device checked (default: cuda when present), or a one-line ValueError. Under torchrun a bare
-    "cuda" is this process's own GPU, cuda:LOCAL_RANK."""
+    """--device checked (default: cuda when present), or a one-line ValueError. Under torchrun a
+    bare "cuda" is this process's own GPU, cuda:LOCAL_RANK."""
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N")
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda"
+                                              and not torch.cuda.is_available()):
         raise ValueError(f"--device {name}: " + ("no CUDA GPU is visible here; use --device cpu"
-                                                 if device.type == "cuda" else "use cpu, cuda or cuda:N"))
-    return f"cuda:{os.environ['LOCAL_RANK']}" if name == "cuda" and "LOCAL_RANK" in os.environ else name
+                                                 if device.type == "cuda"
+                                                 else "use cpu, cuda or cuda:N"))
+    return (f"cuda:{os.environ['LOCAL_RANK']}" if name == "cuda" and "LOCAL_RANK" in os.environ
+            else name)
 
 
 def start(device: torch.device):
@@ -41,7 +44,8 @@ def start(device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    atexit.register(stop)  # on every exit (errors and signals too): a live group torn down at exit can abort
+    # on every exit (errors and signals too): a live group torn down at exit can abort
+    atexit.register(stop)
 
 
 def stop():
@@ -50,9 +54,11 @@ def stop():
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether e is a failed collective of several processes: one of them is gone (killed, out of memory)."""
-    return rank_and_world()[1] > 1 and any("torch/distributed" in frame.filename.replace(os.sep, "/")
-                                            for frame in traceback.extract_tb(e.__traceback__))
+    """Whether e is a failed collective of several processes: one of them is gone (killed, out of
+    memory)."""
+    return rank_and_world()[1] > 1 and any(
+        "torch/distributed" in frame.filename.replace(os.sep, "/")
+        for frame in traceback.extract_tb(e.__traceback__))
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -60,12 +66,13 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def comm_device():  # where collectives run: NCCL needs the tensors on the GPU
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+            else torch.device("cpu"))
 
 
 def average_gradients(params):
-    """Average p.grad over the processes, in place. When no process has one (no learning signal anywhere),
-    they stay None, as in a single process."""
+    """Average p.grad over the processes, in place. When no process has one (no learning signal
+    anywhere), they stay None, as in a single process."""
     world = rank_and_world()[1]
     if world == 1 or isinstance(params[0], DTensor):  # one process, or FSDP averaged them already
         return
@@ -88,7 +95,8 @@ def mean_over_processes(values: dict) -> dict:  # each holds the same number of 
 
 
 def gather_in_order(mine: list, n: int) -> list:
-    """All processes' results of n jobs dealt out round-robin (process r took r, r + world, ...), in job order."""
+    """All processes' results of n jobs dealt out round-robin (process r took r, r + world, ...), in
+    job order."""
     world = rank_and_world()[1]
     if world == 1:
         return mine
@@ -98,8 +106,8 @@ def gather_in_order(mine: list, n: int) -> list:
 
 
 def shard(model):
-    """FSDP2 (--fsdp): every decoder layer, and the rest of the model, sharded across the processes (FSDP's
-    reduce-scatter averages the gradients). Only this imports FSDP."""
+    """FSDP2 (--fsdp): every decoder layer, and the rest of the model, sharded across the processes
+    (FSDP's reduce-scatter averages the gradients). Only this imports FSDP."""
     from torch.distributed.fsdp import fully_shard
     for block in model.layers:
         fully_shard(block)
@@ -112,9 +120,9 @@ def is_sharded(module) -> bool:
 
 
 def pad_micro_batches(model, chunks: list, device) -> list:
-    """Under FSDP each backward is a collective, so every process must run as many: the micro-batches
-    (rows, token advantages, eviction advantages) padded to the most any process has with one row of
-    advantage 0 (a zero gradient)."""
+    """Under FSDP each backward is a collective, so every process must run as many: the
+    micro-batches (rows, token advantages, eviction advantages) padded to the most any process has
+    with one row of advantage 0 (a zero gradient)."""
     if not is_sharded(model):
         return chunks
     most = torch.tensor([len(chunks)], device=comm_device())
@@ -140,12 +148,15 @@ def whole_model(model):
             u.set_reshard_after_forward(u is not model, recurse=False)
 
 
-def full_state(model, opt):  # the whole model's and optimizer's state dicts; under FSDP, a collective
+# the whole model's and optimizer's state dicts; under FSDP, a collective
+def full_state(model, opt):
     if not is_sharded(model):
         return model.state_dict(), opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, opt, options=options)
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, opt, options=options))
 
 
 def load_optimizer_state(model, opt, state):

@@ -1,8 +1,8 @@
-"""Output files that are whole or absent: each write goes to a temporary name of its own beside the file
-(`<path>.<pid>-<random>.tmp`), then one rename, so a crash or a full disk can leave a stray `.tmp` behind,
-never half of `<path>`, and two writers of one file each land whole (the last wins). A new file gets the
-mode the user's umask gives; a file or directory replaced keeps its permissions (a run directory made
-readable to a group stays so, whatever the writer's umask)."""
+"""Output files that are whole or absent: each write goes to a temporary name of its own beside the
+file (`<path>.<pid>-<random>.tmp`), then one rename, so a crash or a full disk can leave a stray
+`.tmp` behind, never half of `<path>`, and two writers of one file each land whole (the last wins).
+A new file gets the mode the user's umask gives; a file or directory replaced keeps its permissions
+(a run directory made readable to a group stays so, whatever the writer's umask)."""
 import contextlib
 import ctypes
 import errno
@@ -50,15 +50,17 @@ def write_jsonl(path: str, rows):
 
 def save_figure(fig, path: str, dpi: int):
     """A matplotlib figure as PNG; the figure is closed."""
-    import matplotlib.pyplot as plt  # only a caller with a figure gets here: matplotlib is installed
+    # only a caller with a figure gets here: matplotlib is installed
+    import matplotlib.pyplot as plt
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
     plt.close(fig)
 
 
 # A directory (a checkpoint) is replaced by a swap that keeps a complete copy at every instant:
-#   write <dir>.tmp/ → exchange the names <dir>.tmp/ and <dir>/ in one step → rename <dir>.tmp/ (now the
-#   old one) to <dir>.old/ → delete <dir>.old/. Where the kernel cannot exchange two names, <dir>/ is
-#   renamed to <dir>.old/ and <dir>.tmp/ to <dir>/: a reader between the two renames finds no <dir>/.
+#   write <dir>.tmp/ → exchange the names <dir>.tmp/ and <dir>/ in one step → rename
+#   <dir>.tmp/ (now the old one) to <dir>.old/ → delete <dir>.old/. Where the kernel cannot
+#   exchange two names, <dir>/ is renamed to <dir>.old/ and <dir>.tmp/ to <dir>/: a reader
+#   between the two renames finds no <dir>/.
 
 
 def swap_in(final: str):
@@ -67,7 +69,8 @@ def swap_in(final: str):
         os.replace(tmp, final)
         return
     for name in [""] + [n for n in os.listdir(tmp) if os.path.exists(os.path.join(final, n))]:
-        shutil.copymode(os.path.join(final, name), os.path.join(tmp, name))  # "": the directory's own
+        # "": the directory's own
+        shutil.copymode(os.path.join(final, name), os.path.join(tmp, name))
     if exchange(tmp, final):  # <dir>/: the new copy at once; <dir>.tmp/: the old one
         os.replace(tmp, old)
     else:
@@ -85,7 +88,8 @@ def exchange(a: str, b: str) -> bool:
     at_cwd, rename_exchange = -100, 2
     if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), rename_exchange) == 0:
         return True
-    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # not on this system or disk
+    # not on this system or disk
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
         return False
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), a)
 
@@ -96,8 +100,8 @@ def _libc():
 
 
 def abandon_swap(final: str):
-    """Undo a swap that failed part way: the previous `final` back in place, `final`.tmp deleted. Best
-    effort: what it cannot undo, recover_swap puts right later."""
+    """Undo a swap that failed part way: the previous `final` back in place, `final`.tmp deleted.
+    Best effort: what it cannot undo, recover_swap puts right later."""
     with contextlib.suppress(OSError):
         if not os.path.exists(final) and os.path.exists(final + ".old"):
             os.replace(final + ".old", final)

@@ -1,11 +1,12 @@
-"""The math task of the NGC paper (§5.4): train on DAPO-Math-17k, evaluate on AMC and AIME. The reward
-is 1.0 when the last \\boxed{...} of the completion equals the answer after normalisation (integers
-and simple fractions compared as exact numbers); answers are read, never evaluated.
+"""The math task of the NGC paper (§5.4): train on DAPO-Math-17k, evaluate on AMC and AIME. The
+reward is 1.0 when the last \\boxed{...} of the completion equals the answer after normalisation
+(integers and simple fractions compared as exact numbers); answers are read, never evaluated.
 
-Data is read from local files (JSONL, or Parquet with pyarrow); docs/math.md says how to save the sets.
-`load` reads DAPO's layout, AIME/AMC's and others (_question, _answer). The prompt is the question, then
-DeepSeek-R1's instruction for math (INSTRUCTION), in R1's chat template. A CPU-sized demo set of word
-problems in DAPO's layout, with the worked solutions tiny-math/ was pretrained on (demo_trace):
+Data is read from local files (JSONL, or Parquet with pyarrow); docs/math.md says how to save the
+sets. `load` reads DAPO's layout, AIME/AMC's and others (_question, _answer). The prompt is the
+question, then DeepSeek-R1's instruction for math (INSTRUCTION), in R1's chat template. A CPU-sized
+demo set of word problems in DAPO's layout, with the worked solutions tiny-math/ was pretrained on
+(demo_trace):
     python -m lib.mathtask --make-demo data/math-demo      # from the repository root
 """
 import json
@@ -25,8 +26,9 @@ class Problem:
     answer: str
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of "
-             "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response "
+             "should be of the form Answer: $Answer (without quotes) where $Answer is the "
+             "answer to the problem.\n\n")
 DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 def _first(row, paths):
@@ -39,19 +41,21 @@ def _first(row, paths):
             return value
 
 def _question(row, field):
-    """A row's question (None if none): the named field, else DAPO's chat `prompt` (its user message), else
-    `problem`, else `question`; DAPO's "Answer: ..." wrapper and R1's instruction stripped (prompt_text adds it)."""
+    """A row's question (None if none): the named field, else DAPO's chat `prompt` (its user
+    message), else `problem`, else `question`; DAPO's "Answer: ..." wrapper and R1's instruction
+    stripped (prompt_text adds it)."""
     value = _first(row, [field] if field else ["prompt", "problem", "question"])
     if isinstance(value, list):  # a chat: [{"role": "user", "content": ...}, ...]
-        value = next((m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"), None)
+        value = next((m.get("content") for m in value
+                      if isinstance(m, dict) and m.get("role") == "user"), None)
     if not isinstance(value, str):
         return None
     value = value.strip().removeprefix(DAPO_HEAD).removesuffix(DAPO_TAIL).removesuffix(INSTRUCTION)
     return value.strip() or None
 
 def _answer(row, field):
-    """A row's answer as a string (None if none): the named field, else reward_model.ground_truth, else answer
-    (AMC's floats like 27.0 are read as the integer 27)."""
+    """A row's answer as a string (None if none): the named field, else reward_model.ground_truth,
+    else answer (AMC's floats like 27.0 are read as the integer 27)."""
     value = _first(row, [field] if field else ["reward_model.ground_truth", "answer"])
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         return None
@@ -64,7 +68,8 @@ def _rows(path):
         try:
             return list(enumerate(pq.read_table(path).to_pylist(), 1))
         except Exception as e:  # pyarrow's own errors: truncated, not Parquet at all
-            raise ValueError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
+            raise ValueError(f"{path}: not a readable Parquet file "
+                             f"({str(e).splitlines()[0][:200]})") from None
     if not path.endswith(".jsonl"):
         raise ValueError(f"{path}: expected a .jsonl or .parquet file")
     rows = []
@@ -75,11 +80,11 @@ def _rows(path):
                     try:
                         rows.append((i, json.loads(line)))
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected one JSON object per "
-                                         "line") from None
+                        raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); expected one "
+                                         "JSON object per line") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} cannot be decoded); save it as "
-                         "UTF-8") from None
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} cannot be "
+                         "decoded); save it as UTF-8") from None
     except OSError as e:
         raise ValueError(f"cannot read {path} ({e.strerror})") from None
     return rows
@@ -96,9 +101,11 @@ def demo_hint(path: str) -> str:
 
 
 def load(path, question_field=None, answer_field=None):
-    """The problems of a local .jsonl / .parquet file, in order; a one-line ValueError naming file and line."""
+    """The problems of a local .jsonl / .parquet file, in order; a one-line ValueError naming file
+    and line."""
     if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file" + (demo_hint(path) or " (datasets are local files: docs/math.md)"))
+        raise ValueError(f"{path}: no such file" + (demo_hint(path)
+                                                    or " (datasets are local files: docs/math.md)"))
     rows = _rows(path)
     if not rows:
         raise ValueError(f"{path}: no problems in the file")
@@ -109,11 +116,13 @@ def load(path, question_field=None, answer_field=None):
         question, answer = _question(row, question_field), _answer(row, answer_field)
         fields = ", ".join(map(str, row))
         if question is None:
-            raise ValueError(f"{path}:{i}: no question text in {question_field or 'prompt, problem or question'} "
-                             f"(its fields: {fields}); name the question's field with --question-field")
+            raise ValueError(f"{path}:{i}: no question text in "
+                             f"{question_field or 'prompt, problem or question'} (its fields: "
+                             f"{fields}); name the question's field with --question-field")
         if answer is None:
-            raise ValueError(f"{path}:{i}: no answer in {answer_field or 'reward_model.ground_truth or answer'} "
-                             f"(its fields: {fields}); name the answer's field with --answer-field")
+            raise ValueError(f"{path}:{i}: no answer in "
+                             f"{answer_field or 'reward_model.ground_truth or answer'} (its "
+                             f"fields: {fields}); name the answer's field with --answer-field")
         problems.append(Problem(question, answer))
     return problems
 
@@ -132,9 +141,10 @@ MAX_ANSWER_CHARS = 1000  # longer boxed answers score 0 (and are not scanned pas
 _BOX = re.compile(r"\\boxed *\{")
 
 def last_boxed(text):
-    """The content of the last \\boxed{...} in text, braces nested; None when there is none, it does not close,
-    or it is over MAX_ANSWER_CHARS long. Linear time."""
-    i = max((m.end() - 1 for m in _BOX.finditer(text)), default=None)  # the last box's opening brace
+    """The content of the last \\boxed{...} in text, braces nested; None when there is none, it does
+    not close, or it is over MAX_ANSWER_CHARS long. Linear time."""
+    # the last box's opening brace
+    i = max((m.end() - 1 for m in _BOX.finditer(text)), default=None)
     if i is None:
         return None
     depth = 0
@@ -153,8 +163,8 @@ _THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 _VARIABLE = re.compile(r"[a-zA-Z]=")
 
 def normalize(answer):
-    """A canonical string for an answer: \\text{..} unwrapped; spaces, $, \\! \\, \\; \\:, \\left and
-    \\right, ^\\circ dropped; \\dfrac and \\tfrac read as \\frac; thousands commas dropped; a
+    """A canonical string for an answer: \\text{..} unwrapped; spaces, $, \\! \\, \\; \\:, \\left
+    and \\right, ^\\circ dropped; \\dfrac and \\tfrac read as \\frac; thousands commas dropped; a
     leading "x =" dropped. Numbers are then compared exactly by _number."""
     s = _TEXT.sub(r"\1", answer)
     s = _DROPPED.sub("", s).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
@@ -169,7 +179,8 @@ _SLASH = re.compile(r"([-+]?\d+)/(\d+)")             # 3/4, -3/4
 _FRAC = re.compile(r"([-+]?)\\frac\{([-+]?\d+)\}\{([-+]?\d+)\}")  # \frac{3}{4}, -\frac{3}{4}
 
 def _number(s):
-    """The exact value (no float rounding) of a normalised integer, decimal or simple fraction, else None."""
+    """The exact value (no float rounding) of a normalised integer, decimal or simple fraction, else
+    None."""
     try:
         if _DECIMAL.fullmatch(s):
             return Fraction(s)
@@ -184,7 +195,8 @@ def _number(s):
     return Fraction(num, den) if den else None
 
 def equivalent(given, truth):
-    """Whether two answers agree: as exact numbers when both are numbers, else as normalised strings."""
+    """Whether two answers agree: as exact numbers when both are numbers, else as normalised
+    strings."""
     a, b = normalize(given), normalize(truth)
     if not a or not b:
         return False
@@ -197,15 +209,19 @@ def reward(completion, problem):
     return 1.0 if boxed is not None and equivalent(boxed, problem.answer) else 0.0
 
 NAMES = ["Tom", "Ana", "Lena", "Ravi", "Mia", "Omar", "Yuki", "Sam"]
-TEMPLATES = [  # (question with a name n and numbers a, b, c in that order, c drawn given a * b, answer)
+# (question with a name n and numbers a, b, c in that order, c drawn given a * b, answer)
+TEMPLATES = [
     ("{n} has {a} boxes of {b} apples and gives away {c} apples. How many apples are left?",
      lambda rng, ab: rng.randint(1, ab), lambda a, b, c: a * b - c),
     ("A shelf has {a} rows of {b} books. {n} adds {c} more books. How many books are on the shelf?",
      lambda rng, ab: rng.randint(1, ab), lambda a, b, c: a * b + c),
-    ("{n} buys {a} pencils at {b} cents each and pays with {c} cents. How many cents of change does {n} get?",
+    ("{n} buys {a} pencils at {b} cents each and pays with {c} cents. How many cents of change "
+     "does {n} get?",
      lambda rng, ab: ab + rng.randint(0, 50), lambda a, b, c: c - a * b),
-    ("{n} shares {a} bags of {b} marbles equally among {c} friends. How many marbles does each friend get?",
-     lambda rng, ab: rng.choice([d for d in range(2, 13) if ab % d == 0]), lambda a, b, c: a * b // c),
+    ("{n} shares {a} bags of {b} marbles equally among {c} friends. How many marbles does each "
+     "friend get?",
+     lambda rng, ab: rng.choice([d for d in range(2, 13) if ab % d == 0]),
+     lambda a, b, c: a * b // c),
 ]
 
 def demo_problem(rng):
@@ -216,16 +232,17 @@ def demo_problem(rng):
     return Problem(text.format(n=rng.choice(NAMES), a=a, b=b, c=c), str(answer(a, b, c)))
 
 def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
-    """(train, test): distinct problems, reproducible from seed; a ValueError when `patience` draws in a
-    row bring no new one (the templates allow about 148,000)."""
+    """(train, test): distinct problems, reproducible from seed; a ValueError when `patience` draws
+    in a row bring no new one (the templates allow about 148,000)."""
     rng, seen, out, misses = random.Random(seed), set(), [], 0
     while len(out) < n_train + n_test:
         p = demo_problem(rng)
         if p.question in seen:
             misses += 1
             if misses > patience:
-                raise ValueError(f"the demo set has too few distinct problems for {n_train} train and {n_test} "
-                                 f"held-out ones (its templates allow about 148,000); ask for fewer")
+                raise ValueError(f"the demo set has too few distinct problems for {n_train} train "
+                                 f"and {n_test} held-out ones (its templates allow about 148,000); "
+                                 f"ask for fewer")
             continue
         misses = 0
         seen.add(p.question)
@@ -233,40 +250,47 @@ def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
     return out[n_test:], out[:n_test]
 
 def make_demo(out_dir, seed=0, n_train=2000, n_test=200, splits=None):
-    """Write out_dir/train.jsonl and test.jsonl in DAPO-Math-17k's layout (splits: demo_splits', if drawn)."""
+    """Write out_dir/train.jsonl and test.jsonl in DAPO-Math-17k's layout (splits: demo_splits', if
+    drawn)."""
     if n_train < 1 or n_test < 1:
-        raise ValueError(f"the demo set needs at least one train and one test problem, got {n_train} and {n_test}")
+        raise ValueError(f"the demo set needs at least one train and one test problem, got "
+                         f"{n_train} and {n_test}")
     train, test = splits or demo_splits(seed, n_train, n_test)
     make_output_dir(out_dir)
     for name, problems in (("train", train), ("test", test)):
         write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [
-            {"data_source": "ngc-demo", "prompt": [{"role": "user", "content": prompt_text(p)}], "ability": "MATH",
-             "reward_model": {"style": "rule", "ground_truth": p.answer}} for p in problems])
+            {"data_source": "ngc-demo", "prompt": [{"role": "user", "content": prompt_text(p)}],
+             "ability": "MATH", "reward_model": {"style": "rule", "ground_truth": p.answer}}
+            for p in problems])
     return train, test
 
-# The demo set's worked solutions: the traces tiny-math/ was pretrained on (make_tiny.py --task math)
+# The demo set's worked solutions: the traces tiny-math/ was pretrained on
+# (make_tiny.py --task math)
 
 DEMO_LAST_STEP = {  # the unit after b -> the last step as (x, op, y), from the total a·b and c
     "apples": lambda total, c: (total, "-", c), "books": lambda total, c: (total, "+", c),
     "cents": lambda total, c: (c, "-", total), "marbles": lambda total, c: (total, "/", c)}
 
 def columns(x, op, y) -> str:
-    """x + y, or x - y for x >= y, in columns: the units, the tens with the carry or borrow, the two together."""
+    """x + y, or x - y for x >= y, in columns: the units, the tens with the carry or borrow, the two
+    together."""
     (tx, ux), (ty, uy) = divmod(x, 10), divmod(y, 10)
     if op == "+":
         units = ux + uy
         carry = " + 10" if units >= 10 else ""
         tens = 10 * (tx + ty) + 10 * (units >= 10)
-        return f"{ux} + {uy} = {units} , {10 * tx} + {10 * ty}{carry} = {tens} , {tens} + {units % 10} = {x + y}"
+        return (f"{ux} + {uy} = {units} , {10 * tx} + {10 * ty}{carry} = {tens} , "
+                f"{tens} + {units % 10} = {x + y}")
     borrow = ux < uy
     units = ux + 10 * borrow - uy
     tens = 10 * (tx - ty - borrow)
-    return (f"{ux + 10 * borrow} - {uy} = {units} , {10 * tx}{' - 10' if borrow else ''} - {10 * ty} = {tens} , "
+    return (f"{ux + 10 * borrow} - {uy} = {units} , "
+            f"{10 * tx}{' - 10' if borrow else ''} - {10 * ty} = {tens} , "
             f"{tens} + {units} = {x - y}")
 
 def demo_trace(problem) -> str:
-    """A demo problem's solution: a groups of b counted up to the total, the total and c in columns, and the
-    answer in `\\boxed { N }` (spaced: one word each)."""
+    """A demo problem's solution: a groups of b counted up to the total, the total and c in columns,
+    and the answer in `\\boxed { N }` (spaced: one word each)."""
     words = problem.question.split()
     at = [i for i, w in enumerate(words) if w.isdigit()]  # a, b, c in this order
     unit = words[at[1] + 1].rstrip(".") if len(at) == 3 else None
@@ -283,7 +307,8 @@ def demo_trace(problem) -> str:
 @exits  # bad input: one line, exit code 2
 def main(argv=None):
     ap = parser("Write the demonstration set of arithmetic word problems.")
-    ap.add_argument("--make-demo", metavar="DIR", required=True, help="output folder for train.jsonl and test.jsonl")
+    ap.add_argument("--make-demo", metavar="DIR", required=True,
+                    help="output folder for train.jsonl and test.jsonl")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=2000, help="training problems")
     ap.add_argument("--test", type=int, default=200, help="held-out problems")
@@ -297,7 +322,8 @@ def main(argv=None):
         try:
             train, test = make_demo(args.make_demo, args.seed, args.train, args.test, splits)
         except OSError as e:
-            raise ValueError(f"could not write {e.filename or args.make_demo} ({e.strerror})") from None
+            raise ValueError(f"could not write {e.filename or args.make_demo} "
+                             f"({e.strerror})") from None
     print(f"wrote {len(train)} train and {len(test)} test problems to {args.make_demo}")
 
 

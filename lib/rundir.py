@@ -1,9 +1,10 @@
-"""A run directory, kept whole through crashes, signals and resumes: log.jsonl (a JSON record per optimizer
-step and per held-out evaluation) and checkpoint/ (a Hugging Face model directory plus ngc.json, the settings,
-and trainer.pt, the step and optimizer state), replaced by a swap (files.swap_in). A signal stops the run
-between an update and the next, never between an update and its record, so a resume takes exactly the steps
-an uninterrupted run would. One process at a time trains there, holding a flock on `lock`: the lock ends with
-the process, so a killed run leaves nothing stuck.
+"""A run directory, kept whole through crashes, signals and resumes: log.jsonl (a JSON record per
+optimizer step and per held-out evaluation) and checkpoint/ (a Hugging Face model directory plus
+ngc.json, the settings, and trainer.pt, the step and optimizer state), replaced by a swap
+(files.swap_in). A signal stops the run between an update and the next, never between an update and
+its record, so a resume takes exactly the steps an uninterrupted run would. One process at a time
+trains there, holding a flock on `lock`: the lock ends with the process, so a killed run leaves
+nothing stuck.
 """
 import contextlib
 import fcntl
@@ -28,14 +29,16 @@ from lib.cli import STOP_SIGNALS, Error, Interrupted, out_of_memory
 from lib.files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
 
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
-LOCK = "lock"  # held by the process that trains in the directory; not a file of the run (--overwrite keeps it)
+# held by the process that trains in the directory; not a file of the run (--overwrite keeps it)
+LOCK = "lock"
 _held = {}  # run directory (real path) -> the open file that holds its lock, for the process's life
 
 
-# ---- The lock ---------------------------------------------------------------------------------------------
+# ---- The lock ------------------------------------------------------------------------------------
 def lock(out: str, check_only: bool = False):
-    """Take out's lock until release (or the process ends), writing this process's id into it; check_only:
-    take it shared and let go at once, writing nothing. An Error if another process holds it."""
+    """Take out's lock until release (or the process ends), writing this process's id into it;
+    check_only: take it shared and let go at once, writing nothing. An Error if another process
+    holds it."""
     key, path = os.path.realpath(out), os.path.join(out, LOCK)
     if key in _held or (check_only and not os.path.isfile(path)):
         return
@@ -62,8 +65,9 @@ def release(out: str):
 
 
 def in_use(out: str) -> str:
-    """The message for a lock another process holds, naming it: it writes its id just after taking the lock,
-    so this waits a moment for a live id (a killed run's stays in the file until the next run's)."""
+    """The message for a lock another process holds, naming it: it writes its id just after taking
+    the lock, so this waits a moment for a live id (a killed run's stays in the file until the next
+    run's)."""
     path, who = os.path.join(out, LOCK), "another process"
     for _ in range(100):
         text = Path(path).read_text().strip() if os.path.isfile(path) else ""
@@ -76,50 +80,59 @@ def in_use(out: str) -> str:
             continue
         who = f"process {text}"
         break
-    return (f"{out} is in use: {who} is training there (it holds {path}); wait for it to end or stop it, or choose "
-            f"another --out")
+    return (f"{out} is in use: {who} is training there (it holds {path}); wait for it to end or "
+            f"stop it, or choose another --out")
 
 
 def lock_error(path: str, why: str) -> str:
-    return (f"cannot open the run directory's lock {path} ({why}); it must be a file this user can write: fix its "
-            f"permissions or remove it")
+    return (f"cannot open the run directory's lock {path} ({why}); it must be a file this user "
+            f"can write: fix its permissions or remove it")
 
 
-# ---- Before a run starts, and its first writes ------------------------------------------------------------
+# ---- Before a run starts, and its first writes ---------------------------------------------------
 def check_run_dir(out: str, resume: bool, overwrite: bool):
-    """Errors before anything starts: a new run never writes into a directory that holds another run's
-    checkpoint (unless --overwrite) or files not a run's, nor where another process trains, nor where it
-    cannot create or write. A run that never saved left nothing to resume: the same command starts again."""
+    """Errors before anything starts: a new run never writes into a directory that holds another
+    run's checkpoint (unless --overwrite) or files not a run's, nor where another process trains,
+    nor where it cannot create or write. A run that never saved left nothing to resume: the same
+    command starts again."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise Error(f"--out {out} is a file; the run directory must be a directory")
     if os.path.isdir(out):
         path = os.path.join(out, LOCK)
-        if os.path.lexists(path) and not (os.path.isfile(path) and os.access(path, os.R_OK | os.W_OK)):
-            raise Error(lock_error(path, "a directory" if os.path.isdir(path) else "permission denied"))
+        if os.path.lexists(path) and not (os.path.isfile(path)
+                                          and os.access(path, os.R_OK | os.W_OK)):
+            raise Error(lock_error(path, "a directory" if os.path.isdir(path)
+                                   else "permission denied"))
         lock(out, check_only=True)
         if not resume and not overwrite and {"checkpoint", "checkpoint.old"} & set(os.listdir(out)):
-            raise Error(f"{out} already holds a run; continue it with --resume {out}, choose another --out, or "
-                        f"pass --overwrite to start afresh there")
-        if not resume and not overwrite and (others := sorted(set(os.listdir(out)) - {LOCK, *RUN_FILES})):
-            raise Error(f"{out} holds files that are not a run's ({', '.join(others[:3])}); choose another --out")
+            raise Error(f"{out} already holds a run; continue it with --resume {out}, choose "
+                        f"another --out, or pass --overwrite to start afresh there")
+        if not resume and not overwrite and (others := sorted(set(os.listdir(out))
+                                                              - {LOCK, *RUN_FILES})):
+            raise Error(f"{out} holds files that are not a run's ({', '.join(others[:3])}); choose "
+                        f"another --out")
     parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise Error(f"cannot create or write the run directory {out}: {parent} is not a writable directory")
+        raise Error(f"cannot create or write the run directory {out}: {parent} is not a writable "
+                    f"directory")
 
 
 def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> list[dict]:
-    """The first writes of a run: create the run directory and take its lock; a resume keeps (and returns) the
-    log records of the steps before its checkpoint's (state: load_trainer_state's) and prints the settings it
-    changes (recorded: settings.recorded's), a new run removes an earlier run's files."""
+    """The first writes of a run: create the run directory and take its lock; a resume keeps (and
+    returns) the log records of the steps before its checkpoint's (state: load_trainer_state's) and
+    prints the settings it changes (recorded: settings.recorded's), a new run removes an earlier
+    run's files."""
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise Error(f"cannot create the run directory {out} ({e.strerror}); choose another --out") from None
+        raise Error(f"cannot create the run directory {out} ({e.strerror}); "
+                    f"choose another --out") from None
     lock(out)
     try:
-        check_run_dir(out, state is not None, overwrite)  # again, now that no other run can start here
+        # again, now that no other run can start here
+        check_run_dir(out, state is not None, overwrite)
         for name in RUN_FILES if state is None else ():
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
@@ -129,7 +142,8 @@ def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> li
     except BaseException:
         release(out)
         raise
-    if changed := changed_settings({**state["session"], **state["config"]} if state else {}, recorded):
+    if changed := changed_settings({**state["session"], **state["config"]} if state else {},
+                                   recorded):
         tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
     return earlier
 
@@ -139,31 +153,37 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
     return [f"{k} {saved[k]} → {now[k]}" for k in saved if k in now and now[k] != saved[k]]
 
 
-# ---- The checkpoint ---------------------------------------------------------------------------------------
+# ---- The checkpoint ------------------------------------------------------------------------------
 class Diverged(Exception):
     """A non-finite loss, gradient or weight: the run stops and no checkpoint holds it."""
 
 
 class SaveFailed(Exception):
-    """A checkpoint that could not be written, whatever raised (a full disk is safetensors' SafetensorError,
-    torch.save's RuntimeError); the previous one is in place and the temporary one is gone."""
+    """A checkpoint that could not be written, whatever raised (a full disk is safetensors'
+    SafetensorError, torch.save's RuntimeError); the previous one is in place and the temporary one
+    is gone."""
 
 
-def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict, session: dict | None = None):
-    """Write checkpoint/ for the state after `step` optimizer steps, by a swap. Every process calls this
-    (FSDP gathers the shards); the first one writes. Weights that are not finite are never written
-    (Diverged). settings go to ngc.json and trainer.pt, session (device, dtype, ...) to trainer.pt."""
+def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict,
+                    session: dict | None = None):
+    """Write checkpoint/ for the state after `step` optimizer steps, by a swap. Every process calls
+    this (FSDP gathers the shards); the first one writes. Weights that are not finite are never
+    written (Diverged). settings go to ngc.json and trainer.pt, session (device, dtype, ...) to
+    trainer.pt."""
     model_state, opt_state = distributed.full_state(model, opt)
     if distributed.rank_and_world()[0] != 0:
         return
-    if not all(bool(torch.isfinite(t).all()) for t in model_state.values() if t.is_floating_point()):
+    if not all(bool(torch.isfinite(t).all())
+               for t in model_state.values() if t.is_floating_point()):
         raise Diverged(f"the weights after step {step} are not finite")
     final = os.path.join(run_dir, "checkpoint")
     tmp = final + ".tmp"
     trainer = {"step": step, "optimizer": opt_state, "config": settings, "session": session or {}}
     writes = [("the earlier save's leftovers", lambda: recover_swap(final)),
-              ("config.json and model.safetensors", lambda: save_pretrained(model, tmp, model_state)),
-              ("the tokenizer files", lambda: save_tokenizer(tokenizer, tmp, model.config, source_dir)),
+              ("config.json and model.safetensors",
+               lambda: save_pretrained(model, tmp, model_state)),
+              ("the tokenizer files",
+               lambda: save_tokenizer(tokenizer, tmp, model.config, source_dir)),
               ("ngc.json", lambda: write_json(os.path.join(tmp, "ngc.json"), settings)),
               ("trainer.pt", lambda: torch.save(trainer, os.path.join(tmp, "trainer.pt"))),
               ("the swap into checkpoint/", lambda: swap_in(final))]
@@ -176,8 +196,8 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
                 raise
             free = f"; {shutil.disk_usage(run_dir).free / 2 ** 20:.0f} MiB free on that disk" \
                 if os.path.isdir(run_dir) else ""
-            raise SaveFailed(f"could not save step {step}: writing {what} in {tmp} failed ({type(e).__name__}: "
-                             f"{first_line(e, 200)}){free}") from e
+            raise SaveFailed(f"could not save step {step}: writing {what} in {tmp} failed "
+                             f"({type(e).__name__}: {first_line(e, 200)}){free}") from e
 
 
 def first_line(e: BaseException, most: int) -> str:
@@ -185,35 +205,39 @@ def first_line(e: BaseException, most: int) -> str:
 
 
 def load_trainer_state(run_dir) -> dict:
-    """The step, optimizer state, settings and session of the run saved in run_dir (after recover_swap)."""
+    """The step, optimizer state, settings and session of the run saved in run_dir (after
+    recover_swap)."""
     recover_swap(os.path.join(run_dir, "checkpoint"))
     path = os.path.join(run_dir, "checkpoint", "trainer.pt")
     if not os.path.exists(path):
-        raise Error(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt (a run that never saved "
-                    f"starts again by its own command)")
+        raise Error(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt (a run "
+                    f"that never saved starts again by its own command)")
     try:  # weights_only: a state is data; a pickle that would run code is refused, never run
         state = torch.load(path, weights_only=True)
-        state = {**{k: state[k] for k in ("step", "optimizer", "config")}, "session": state.get("session", {})}
+        state = {**{k: state[k] for k in ("step", "optimizer", "config")},
+                 "session": state.get("session", {})}
     except OSError as e:  # another user's file
         raise Error(f"cannot read {path} ({e.strerror})") from None
     except pickle.UnpicklingError:
-        raise Error(f"{path} holds more than tensors and numbers (its pickle would run code); refusing "
-                    f"to load it: resume only runs you trust, or start the run again") from None
+        raise Error(f"{path} holds more than tensors and numbers (its pickle would run code); "
+                    f"refusing to load it: resume only runs you trust, "
+                    f"or start the run again") from None
     except Exception as e:  # a truncated or foreign file
-        raise Error(f"{path} is unreadable ({type(e).__name__}: {first_line(e, 200)}); it is not a trainer state "
-                    f"this code wrote") from None
+        raise Error(f"{path} is unreadable ({type(e).__name__}: {first_line(e, 200)}); it is not "
+                    f"a trainer state this code wrote") from None
     return {**state, "config": settings.check_saved(state["config"], path)}
 
 
 def saved_step(run_dir) -> int | None:
     """The step of the checkpoint saved in run_dir (None: none, or not readable)."""
     try:
-        return torch.load(os.path.join(run_dir, "checkpoint", "trainer.pt"), weights_only=True, mmap=True)["step"]
+        return torch.load(os.path.join(run_dir, "checkpoint", "trainer.pt"), weights_only=True,
+                          mmap=True)["step"]
     except Exception:
         return None
 
 
-# ---- The log ----------------------------------------------------------------------------------------------
+# ---- The log -------------------------------------------------------------------------------------
 def json_safe(value):
     """NaN and ±inf are not JSON: they are written as null."""
     if isinstance(value, dict):
@@ -227,8 +251,8 @@ def write_log(path, record):
 
 
 def read_log(path) -> list[dict]:
-    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is an Error
-    naming the file and the line."""
+    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is
+    an Error naming the file and the line."""
     if not os.path.exists(path):
         return []
     try:
@@ -239,8 +263,8 @@ def read_log(path) -> list[dict]:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise Error(f"{path} line {line} is not UTF-8 text (byte {raw[e.start]:#x}); repair or remove that line") \
-            from None
+        raise Error(f"{path} line {line} is not UTF-8 text (byte {raw[e.start]:#x}); repair or "
+                    f"remove that line") from None
     records = []
     for i, line in enumerate(lines):
         try:
@@ -262,13 +286,14 @@ def record_error(record) -> str | None:
         return f"is {json.dumps(record)}, not a record (a JSON object with its step)"
     step = record.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        return "has no step" if step is None else f"has step {json.dumps(step)}; a step is an integer, 0 or more"
+        return ("has no step" if step is None
+                else f"has step {json.dumps(step)}; a step is an integer, 0 or more")
     if "eval" in record and not isinstance(record["eval"], dict):
         return "has an eval that is not a JSON object"
     return None
 
 
-# ---- The guard: what stops a run ends in one line, and loses nothing ---------------------------------------
+# ---- The guard: what stops a run ends in one line, and loses nothing -----------------------------
 @contextlib.contextmanager
 def signals_held():
     """Stop signals (cli.STOP_SIGNALS) that arrive inside the block are delivered when it ends."""
@@ -300,7 +325,8 @@ class Run:
         self.saved = self.step
 
     def try_save(self) -> bool:
-        """A save that fails keeps the previous checkpoint, says so in one line, and training goes on."""
+        """A save that fails keeps the previous checkpoint, says so in one line, and training goes
+        on."""
         try:
             self.save()
             return True
@@ -309,16 +335,17 @@ class Run:
             return False
 
     def kept(self) -> str:
-        return (f"the checkpoint of step {self.saved} is kept in {self.out}/checkpoint" if self.saved is not None
-                else "no checkpoint was written")
+        return (f"the checkpoint of step {self.saved} is kept in {self.out}/checkpoint"
+                if self.saved is not None else "no checkpoint was written")
 
     def go_on(self) -> str:
-        return f"continue with --resume {self.out}" if self.saved is not None else "run the same command again"
+        return (f"continue with --resume {self.out}" if self.saved is not None
+                else "run the same command again")
 
 
 def stopped(run: Run, fsdp: bool) -> str:
-    """What a stop saves: the state after run.step, written by process 0 (not under --fsdp: its save is a
-    collective the processes may not all reach), or else which checkpoint is kept."""
+    """What a stop saves: the state after run.step, written by process 0 (not under --fsdp: its save
+    is a collective the processes may not all reach), or else which checkpoint is kept."""
     rank, world = distributed.rank_and_world()
     if rank:
         later = f" (process 0, if alive, saves step {run.step})" if run.step != run.saved else ""
@@ -334,10 +361,11 @@ def stopped(run: Run, fsdp: bool) -> str:
 
 @contextlib.contextmanager
 def guard(run: Run, lr: float, fsdp: bool):
-    """The training loop of `run`, inside a main under cli.exits (where a stop signal raises Interrupted).
-    A signal saves the state after run.step steps (stopped) and exits with 128 + the signal; a lost process
-    of the run or running out of memory saves it too, then is an Error, as are divergence and a failed save
-    or write, saying which checkpoint is kept. Every process says one line. The lock is let go at the end."""
+    """The training loop of `run`, inside a main under cli.exits (where a stop signal raises
+    Interrupted). A signal saves the state after run.step steps (stopped) and exits with 128 + the
+    signal; a lost process of the run or running out of memory saves it too, then is an Error, as
+    are divergence and a failed save or write, saying which checkpoint is kept. Every process says
+    one line. The lock is let go at the end."""
     try:
         yield run
     except Interrupted as e:
@@ -346,25 +374,31 @@ def guard(run: Run, lr: float, fsdp: bool):
     except (RuntimeError, MemoryError) as e:
         if what := out_of_memory(e):
             traceback.clear_frames(e.__traceback__)  # the failed step's tensors go before the save
-            raise Error(f"out of memory in step {run.step + 1} ({what}); {stopped(run, fsdp)}; lower "
-                        f"--micro-batch (or --group, --max-new-tokens), then {run.go_on()}") from None
+            raise Error(f"out of memory in step {run.step + 1} ({what}); {stopped(run, fsdp)}; "
+                        f"lower --micro-batch (or --group, --max-new-tokens), then "
+                        f"{run.go_on()}") from None
         if not distributed.peer_lost(e):
             raise
-        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # the launcher's SIGTERM follows: held
-        raise Error(f"a process of this run is gone ({gist(e)}); {stopped(run, fsdp)}; {run.go_on()} "
-                    f"(on as many processes)") from None
+        # the launcher's SIGTERM follows: held
+        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+        raise Error(f"a process of this run is gone ({gist(e)}); {stopped(run, fsdp)}; "
+                    f"{run.go_on()} (on as many processes)") from None
     except Diverged as e:
-        raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr (now {lr:g})") from None
+        raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr "
+                    f"(now {lr:g})") from None
     except SaveFailed as e:
-        raise Error(f"{e}; {run.kept()}; make room (or fix the cause), then {run.go_on()}") from None
+        raise Error(f"{e}; {run.kept()}; make room (or fix the cause), then "
+                    f"{run.go_on()}") from None
     except OSError as e:  # the log
-        raise Error(f"could not write in {run.out} ({e}); {run.kept()}; fix the cause, then {run.go_on()}") from None
+        raise Error(f"could not write in {run.out} ({e}); {run.kept()}; fix the cause, then "
+                    f"{run.go_on()}") from None
     finally:
         release(run.out)
 
 
 def gist(e: BaseException) -> str:
-    """An exception in a few words: its type and its message's first sentence, less a source location."""
+    """An exception in a few words: its type and its message's first sentence, less a source
+    location."""
     text = re.sub(r"^\[[^\]]*\] ", "", first_line(e, 10 ** 6))
     return f"{type(e).__name__}: {text.split('. ')[0][:160]}"
 

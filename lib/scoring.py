@@ -1,5 +1,5 @@
-"""Held-out scoring: rollouts of a problem set and their rewards, the numbers train.py logs and ends with,
-scripts/eval.py's per-policy rows (paper §5.1)."""
+"""Held-out scoring: rollouts of a problem set and their rewards, the numbers train.py logs and ends
+with, scripts/eval.py's per-policy rows (paper §5.1)."""
 from dataclasses import replace
 
 import torch
@@ -9,33 +9,41 @@ import countdown
 from ngc import Eviction, Sampling, rollout
 from lib import distributed
 
-DRAW_SEED = 1_000_003  # the hindsight bound's eviction draws: a generator per (batch, draw) seeded from here
+# the hindsight bound's eviction draws: a generator per (batch, draw) seeded from here
+DRAW_SEED = 1_000_003
 
 
 @torch.no_grad()
-def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None, reward_fn=countdown.reward,
-                       generator=None, samples=1, batch_size=64, desc=None, compile=False, policy=None, draws=None):
-    """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each (problems, samples),
-    and the texts. policy: in place of eviction, policy(reference) -> each batch's Eviction, reference() rolling
-    out the batch's full cache from the same noise. draws (the hindsight bound): each batch rolls out `draws`
-    times from the same token noise, the evictions drawn from a generator of each draw's own; a rollout's reward
-    is 1 if any draw solved it (`draw_reward`: the mean over draws), the rest their means, the texts draw 0's.
-    Under torchrun each process rolls out every world-th job."""
+def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None,
+                       reward_fn=countdown.reward, generator=None, samples=1, batch_size=64,
+                       desc=None, compile=False, policy=None, draws=None):
+    """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each
+    (problems, samples), and the texts. policy: in place of eviction, policy(reference) -> each
+    batch's Eviction, reference() rolling out the batch's full cache from the same noise. draws (the
+    hindsight bound): each batch rolls out `draws` times from the same token noise, the evictions
+    drawn from a generator of each draw's own; a rollout's reward is 1 if any draw solved it
+    (`draw_reward`: the mean over draws), the rest their means, the texts draw 0's. Under torchrun
+    each process rolls out every world-th job."""
     encode = encode or countdown.encode
     rank, world = distributed.rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]
     mine = jobs[rank::world]
     results = []  # (reward, draw reward, length, rounds, peak KV, text) per job of this process
-    for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=desc is None):
+    for start in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False,
+                      disable=desc is None):
         chunk = mine[start:start + batch_size]
         prompts = [encode(tokenizer, p) for p in chunk]
 
-        def reference():  # called by policy, before the batch's rollout draws any noise: a copy of it
-            noise = None if generator is None else torch.Generator(generator.device).set_state(generator.get_state())
-            return rollout(model, prompts, sampling, None, eos_ids=model.config.eos_ids, generator=noise)
+        # called by policy, before the batch's rollout draws any noise: a copy of it
+        def reference():
+            noise = (None if generator is None
+                     else torch.Generator(generator.device).set_state(generator.get_state()))
+            return rollout(model, prompts, sampling, None, eos_ids=model.config.eos_ids,
+                           generator=noise)
 
         ev = eviction if policy is None else policy(reference)
-        outs = draw_rollouts(model, prompts, sampling, ev, generator, draws, rank * len(mine) + start, desc, compile)
+        outs = draw_rollouts(model, prompts, sampling, ev, generator, draws,
+                             rank * len(mine) + start, desc, compile)
         texts = tokenizer.decode_batch(outs[0].completions(), skip_special_tokens=True)
         rewards = torch.tensor([[reward_fn(t, p) for t, p in zip(tokenizer.decode_batch(
             ro.completions(), skip_special_tokens=True), chunk)] for ro in outs])  # (draws, batch)
@@ -51,19 +59,23 @@ def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, enco
     return out
 
 
-def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_job: int, desc, compile):
-    """`draws` rollouts of one batch from the token noise `generator` holds now, each draw's evictions from a
-    generator seeded by (the batch's first job, the draw), left where draw 0 left it, so that the next batch's
-    token noise does not depend on the draws. draws None: one rollout, its evictions from `generator` too."""
+def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_job: int, desc,
+                  compile):
+    """`draws` rollouts of one batch from the token noise `generator` holds now, each draw's
+    evictions from a generator seeded by (the batch's first job, the draw), left where draw 0 left
+    it, so that the next batch's token noise does not depend on the draws. draws None: one rollout,
+    its evictions from `generator` too."""
     device = model.lm_head.weight.device
     start = None if generator is None or draws is None else generator.get_state()
     outs, after_first = [], None
     for d in [None] if draws is None else range(draws):
         if start is not None:
             generator.set_state(start)
-        evictions = None if d is None else torch.Generator(device).manual_seed(DRAW_SEED + first_job * draws + d)
-        outs.append(rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids, generator=generator,
-                            progress=desc is not None, compile=compile, eviction_generator=evictions))
+        evictions = (None if d is None
+                     else torch.Generator(device).manual_seed(DRAW_SEED + first_job * draws + d))
+        outs.append(rollout(model, prompts, sampling, eviction, eos_ids=model.config.eos_ids,
+                            generator=generator, progress=desc is not None, compile=compile,
+                            eviction_generator=evictions))
         if d == 0 and start is not None:
             after_first = generator.get_state()
     if after_first is not None:
@@ -72,59 +84,69 @@ def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_jo
 
 
 def kv_reduction(ref_peak, peak) -> float:
-    """§5.1: mean over problems of peak(no eviction) / peak(policy), a problem's peak the mean over its samples."""
+    """§5.1: mean over problems of peak(no eviction) / peak(policy), a problem's peak the mean over
+    its samples."""
     return (ref_peak.mean(1) / peak.mean(1)).mean().item()
 
 
 def standard_error(reward) -> float:
     """1 SE of pass@1 over problems (the paper's error bars); reward: (problems, samples)."""
     per_problem = reward.mean(1)
-    return (per_problem.std(correction=1) / len(per_problem) ** 0.5).item() if len(per_problem) > 1 else 0.0
+    return ((per_problem.std(correction=1) / len(per_problem) ** 0.5).item()
+            if len(per_problem) > 1 else 0.0)
 
 
 def evaluate(model, tokenizer, problems, eviction: Eviction, sampling: Sampling, encode=None,
-             reward_fn=countdown.reward, batch_size=64, progress=False, meta_token=None, compile=False, samples=0,
-             seed=0):
-    """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and under `eviction`
-    (greedy top-K), and with `samples` pass@1 ± 1 SE at `sampling`, each within its max_new_tokens; meta_token:
-    g's id, forced before each round."""
+             reward_fn=countdown.reward, batch_size=64, progress=False, meta_token=None,
+             compile=False, samples=0, seed=0):
+    """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and
+    under `eviction` (greedy top-K), and with `samples` pass@1 ± 1 SE at `sampling`, each within
+    its max_new_tokens; meta_token: g's id, forced before each round."""
     greedy = replace(eviction, greedy=True)
 
     def score(s, ev, k, what):
         gen = None if s.greedy else torch.Generator(model.lm_head.weight.device).manual_seed(seed)
-        return roll_out_and_score(model, tokenizer, problems, replace(s, meta_token=meta_token), ev, encode, reward_fn,
-                                  gen, k, batch_size, desc=f"eval {what}" if progress else None, compile=compile)
+        return roll_out_and_score(model, tokenizer, problems, replace(s, meta_token=meta_token), ev,
+                                  encode, reward_fn, gen, k, batch_size,
+                                  desc=f"eval {what}" if progress else None, compile=compile)
 
     plain = Sampling(max_new_tokens=sampling.max_new_tokens, greedy=True)
-    full, pruned = score(plain, None, 1, "full cache"), score(plain, greedy, 1, f"ε={eviction.rate:g}")
+    full, pruned = (score(plain, None, 1, "full cache"),
+                    score(plain, greedy, 1, f"ε={eviction.rate:g}"))
     r = {"acc_full": full["reward"].mean().item(), "acc": pruned["reward"].mean().item(),
          "kv_reduction": kv_reduction(full["peak_kv"], pruned["peak_kv"]),
          "length": pruned["length"].mean().item(), "rounds": pruned["rounds"].mean().item()}
     if samples:
         s = replace(sampling, greedy=False)
-        full, pruned = score(s, None, samples, "full cache, sampled"), score(s, greedy, samples, "ε, sampled")
-        r |= {"samples": samples, "pass1_full": full["reward"].mean().item(), "pass1_full_se": standard_error(
-              full["reward"]), "pass1": pruned["reward"].mean().item(), "pass1_se": standard_error(pruned["reward"])}
+        full, pruned = (score(s, None, samples, "full cache, sampled"),
+                        score(s, greedy, samples, "ε, sampled"))
+        r |= {"samples": samples, "pass1_full": full["reward"].mean().item(),
+              "pass1_full_se": standard_error(full["reward"]),
+              "pass1": pruned["reward"].mean().item(), "pass1_se": standard_error(pruned["reward"])}
     return r
 
 
 def eval_line(step, r, rate) -> str:
     sampled = f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}" if "pass1" in r else ""
-    return (f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={rate:g} {r['acc']:.1%} (greedy "
-            f"tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
+    return (f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={rate:g} "
+            f"{r['acc']:.1%} (greedy tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
 
 def before_after(evals, rate, seconds, problems=None, split="held-out") -> str:
     """The table train.py ends with: its first and last evaluation, on `problems` of the `split`."""
     first, last = evals[0], evals[-1]
     pm = lambda r, k: f"{r[k]:6.1%} ± {100 * r[k + '_se']:.1f}" if k in r else f"{'':>12s}"
-    lines = [f"{f'{split} ({problems} problems)' if problems else split:32s} {'before':>12s} {'after':>12s}"]
+    lines = [f"{f'{split} ({problems} problems)' if problems else split:32s} "
+             f"{'before':>12s} {'after':>12s}"]
     if "pass1" in last:
         sampled = f"full cache, pass@1 ({last['samples']} samples)"
         lines += [f"{sampled:32s} {pm(first, 'pass1_full')} {pm(last, 'pass1_full')}",
-                  f"{f'ε = {rate:g}, pass@1 (greedy top-K)':32s} {pm(first, 'pass1')} {pm(last, 'pass1')}"]
-    lines += [f"{'full cache, greedy tokens':32s} {first['acc_full']:12.1%} {last['acc_full']:12.1%}",
+                  f"{f'ε = {rate:g}, pass@1 (greedy top-K)':32s} {pm(first, 'pass1')} "
+                  f"{pm(last, 'pass1')}"]
+    lines += [f"{'full cache, greedy tokens':32s} {first['acc_full']:12.1%} "
+              f"{last['acc_full']:12.1%}",
               f"{f'ε = {rate:g}, greedy tokens':32s} {first['acc']:12.1%} {last['acc']:12.1%}",
-              f"{'peak-KV reduction':32s} {first['kv_reduction']:11.2f}x {last['kv_reduction']:11.2f}x",
+              f"{'peak-KV reduction':32s} {first['kv_reduction']:11.2f}x "
+              f"{last['kv_reduction']:11.2f}x",
               f"{'wall time':32s} {'':>12s} {seconds / 60:9.1f} min"]
     return "\n".join(lines)
