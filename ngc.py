@@ -251,10 +251,10 @@ def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
     P, M, device = s.prompt_lens, new.shape[1], new.device
     lengths = P + n_new
     done = torch.arange(M, device=device) < n_new[:, None]  # (B, M)
-    at = P[:, None] + torch.arange(M, device=device)
-    tokens = s.tokens.scatter_(1, at, torch.where(done, new, 0))
+    slots = P[:, None] + torch.arange(M, device=device)  # (B, M): where the new tokens go
+    tokens = s.tokens.scatter_(1, slots, torch.where(done, new, 0))
     logprobs = torch.zeros_like(tokens, dtype=torch.float32)
-    logprobs.scatter_(1, at, torch.where(done, new_logprobs, 0.0))
+    logprobs.scatter_(1, slots, torch.where(done, new_logprobs, 0.0))
     kept, evict_logprobs, before = stack_rounds(s.rounds, s.n_rounds, len(s.cache.layers))
     alive = s.cache.alive_counts()  # (B', L)
     final = alive if s.live is None else s.final_alive.index_copy(0, s.live, alive)  # (B, L)
@@ -286,18 +286,20 @@ def fire_round(s: RolloutState, fired):
     """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
     rows = fired.nonzero().flatten()
     if len(rows):
-        at = s.eviction.score and Round(rows, None, None, None, s.tokens[rows], s.prompt_lens[rows])
+        context = s.eviction.score and Round(rows, None, None, None, s.tokens[rows],
+                                             s.prompt_lens[rows])
         decided = eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows],
-                                 s.eviction, s.eviction_generator, at)
+                                 s.eviction, s.eviction_generator, context)
         s.rounds.append((rows, s.n_rounds[rows].clone(), *decided))
         s.n_rounds[rows] += 1
 
 
 def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, rates, ev: Eviction,
-                   generator=None, at: Round | None = None):
+                   generator=None, context: Round | None = None):
     """One eviction round at every layer for cache rows in_cache (N,) at rates ε (N,) (§4.1-4.3);
-    at: their Round for a baseline's score (each layer fills in its layer and positions). Returns
-    σ of each layer [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round (N, L)."""
+    context: their Round for a baseline's score (each layer fills in its layer and positions);
+    returns σ of each layer [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round
+    (N, L)."""
     qpos, sigmas, logps, before = window.pos[in_cache], [], [], []  # qpos (N, w): all scored
     for layer, c in enumerate(layers):
         alive, kpos, keys = c.alive[in_cache], c.pos[in_cache], c.k.index_select(0, in_cache)
@@ -307,9 +309,11 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
         psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb), (N, nb)
         ranking = logits
         if ev.score is not None:  # a baseline: its own key score's block mean (may be < 0)
-            own = ev.score(psi, keys, alive, at._replace(layer=layer, key_pos=kpos, query_pos=qpos))
-            ranking = (log_block_logits(own, alive, ev.block)[0] / ev.temperature if ev.log_blocks
-                       else torch.where(exists, block_means(own, alive, ev.block)[0], MISSING))
+            at_layer = context._replace(layer=layer, key_pos=kpos, query_pos=qpos)
+            key_scores = ev.score(psi, keys, alive, at_layer)
+            ranking = (log_block_logits(key_scores, alive, ev.block)[0] / ev.temperature
+                       if ev.log_blocks else
+                       torch.where(exists, block_means(key_scores, alive, ev.block)[0], MISSING))
         K = keep_count(exists.sum(1), rates)  # K = max(1, ⌊(1-ε)N + ½⌋), N: blocks (§4.1)
         # σ (N, Kmax): the top K blocks, or a Gumbel-top-k sample (§4.3)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)

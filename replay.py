@@ -59,15 +59,15 @@ def replay(model, ro: Rollout, causal: bool = False):
     """Token log-probs (B, T) and eviction log-probs (B, R, L) of rollouts ro, on the graph, under
     the δ, b, w and temperature recorded; prompt tokens and forced meta-tokens get 0. causal=True
     (or no eviction): the plain causal mask, no eviction log-probs ("targeted dropout" ablation)."""
-    made = ro.eviction  # δ, b, w as the rollout was made
+    layout = ro.eviction  # δ, b, w as the rollout was made
     B, T = ro.tokens.shape
     pos = torch.arange(T, device=ro.tokens.device).expand(B, T)
     layer_mask, hook, per_layer = None, None, []  # per_layer: each layer's log p(σ) (B, R)
-    if made is not None and not causal and ro.kept.shape[1] > 0:
-        death = death_times(ro.kept, ro.n_rounds, T, made.delta, made.block)
+    if layout is not None and not causal and ro.kept.shape[1] > 0:
+        death = death_times(ro.kept, ro.n_rounds, T, layout.delta, layout.block)
 
         def score_rounds(layer, q, k, mask):
-            per_layer.append(round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, made))
+            per_layer.append(round_log_probs(q, k, mask, ro.kept[:, :, layer], ro.n_rounds, layout))
 
         layer_mask, hook = lambda layer: visibility(death[:, layer]), score_rounds
     h = model(ro.tokens, pos, layer_mask=layer_mask, qk_hook=hook)

@@ -619,7 +619,7 @@ def test_meta_token_is_forced_before_every_round_and_replays_exactly(model):
         rollout(model, prompts_of([5]), Sampling(max_new_tokens=4, meta_token=96), EV)
 
 
-def newest_first(psi, keys, alive, at=None):
+def newest_first(psi, keys, alive, context=None):
     """A per-key score that ranks the newest alive key highest (its rank among the alive keys)."""
     return alive.long().cumsum(1).float()
 

@@ -5,8 +5,8 @@ oracle that looks ahead, and the hindsight bound with its luck control.
 Each is a per-key score for the engine's eviction round, Eviction(score=...), in place of NGC's ψ:
 the round pools it to blocks by the mean and keeps the top K (greedy=True) or samples K by
 Gumbel-top-k with the block means as logits (greedy=False; with log_blocks, log s_j / τ as for ψ),
-with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D), alive (N, S), at:
-ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
+with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D), alive (N, S),
+context: ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
 and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every
 policy (Given).
 """
@@ -26,7 +26,7 @@ SINKS = 4
 TARGET_MARKER = "reach"  # the tiny prompt's word before the target
 
 
-def snapkv(psi, keys, alive, at=None):
+def snapkv(psi, keys, alive, context=None):
     """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order, cut
     short at the edges."""
     # alive slots first, in position order
@@ -38,7 +38,7 @@ def snapkv(psi, keys, alive, at=None):
     return torch.zeros_like(smooth).scatter(1, order, smooth).masked_fill(~alive, 0.0)
 
 
-def keydiff(psi, keys, alive, at=None):
+def keydiff(psi, keys, alive, context=None):
     """KeyDiff (Park et al. 2025): −cos(k_t, mean of the L2-normalised alive keys), averaged over
     KV heads."""
     k = keys.float()
@@ -47,13 +47,13 @@ def keydiff(psi, keys, alive, at=None):
     return -F.cosine_similarity(k, anchor, dim=-1).mean(1)
 
 
-def knorm(psi, keys, alive, at=None):
+def knorm(psi, keys, alive, context=None):
     """KNorm (Devoto et al. 2024): −‖k_t‖₂ averaged over KV heads: low-norm keys are
     kept."""
     return -keys.float().norm(dim=-1).mean(1)
 
 
-def streamingllm(psi, keys, alive, at=None):
+def streamingllm(psi, keys, alive, context=None):
     """StreamingLLM (Xiao et al. 2024): the blocks of the first 4 alive keys (attention sinks), then
     the newest."""
     return pinned_then_newest(alive, (alive.long().cumsum(1) - 1) < SINKS)
@@ -67,40 +67,40 @@ def pinned_then_newest(alive, pinned):
     return torch.where(pinned, float(S * S), (alive.long().cumsum(1) - 1).float())
 
 
-def uniform(psi, keys, alive, at=None):
+def uniform(psi, keys, alive, context=None):
     """Random (with greedy=False): every block scores the same, so Gumbel-top-k keeps K blocks
     uniformly."""
     return torch.zeros_like(psi)
 
 
-def random_prompt(psi, keys, alive, at):
+def random_prompt(psi, keys, alive, context):
     """Random Attention (2026; with greedy=False): a block scores 10⁶ × its share of prompt keys,
     so whole prompt blocks come first (K of them at random if they exceed K), then one shared with
     the completion, then random."""
     # 10⁶: far above any Gumbel noise
-    return torch.where(at.key_pos < at.prompt_lens[:, None], 1e6, 0.0)
+    return torch.where(context.key_pos < context.prompt_lens[:, None], 1e6, 0.0)
 
 
 def task_rule(marker: int):
     """Countdown's hand-written rule: the block holding the target (the token after token id
     `marker`), then the newest blocks (greedy=True)."""
-    def score(psi, keys, alive, at):
-        after = torch.cat([torch.zeros_like(at.prompts[:, :1], dtype=torch.bool),
-                           at.prompts[:, :-1] == marker], 1)
+    def score(psi, keys, alive, context):
+        after = torch.cat([torch.zeros_like(context.prompts[:, :1], dtype=torch.bool),
+                           context.prompts[:, :-1] == marker], 1)
         # (N,) the target's position, -1: none
         target_pos = torch.where(after.any(1), after.float().argmax(1), -1)
-        return pinned_then_newest(alive, alive & (at.key_pos == target_pos[:, None]))
+        return pinned_then_newest(alive, alive & (context.key_pos == target_pos[:, None]))
     return score
 
 
 def number_rule(is_number):
     """The blocks holding the prompt's numbers (the tokens where is_number (V,) is True), then the
     newest."""
-    def score(psi, keys, alive, at):
-        P = at.prompts.shape[1]
-        in_prompt = at.key_pos < at.prompt_lens[:, None]  # (N, S)
+    def score(psi, keys, alive, context):
+        P = context.prompts.shape[1]
+        in_prompt = context.key_pos < context.prompt_lens[:, None]  # (N, S)
         # (N, S): the key's token is a number
-        number = is_number[at.prompts].gather(1, at.key_pos.clamp(max=P - 1))
+        number = is_number[context.prompts].gather(1, context.key_pos.clamp(max=P - 1))
         return pinned_then_newest(alive, alive & in_prompt & number)
     return score
 
@@ -128,15 +128,15 @@ def lookahead(cumulative, delta: int):
     full-cache rollout's queries t+1..t+δ paid it (cumulative: its future_attention, made from the
     same noise), so while the evicting rollout follows it, the round keeps what the next δ tokens
     will read; ties go to the newer key."""
-    def score(psi, keys, alive, at):
-        c = cumulative[at.layer]  # (B, T + 1, T): the round's rows are read in place, never copied
+    def score(psi, keys, alive, context):
+        c = cumulative[context.layer]  # (B, T + 1, T): the round's rows read in place, not copied
         T = c.shape[2]
-        t = at.query_pos[:, -1].clamp(max=T - 1)  # (N,) the newest token
+        t = context.query_pos[:, -1].clamp(max=T - 1)  # (N,) the newest token
         ahead = (t + 1 + delta).clamp(max=T)
         # (N, T) attention of queries t+1..t+δ to each position
-        paid = c[at.rows, ahead] - c[at.rows, t + 1]
+        paid = c[context.rows, ahead] - c[context.rows, t + 1]
         rank = (alive.long().cumsum(1) - 1).float() / alive.shape[1]  # in [0, 1): newer higher
-        return paid.gather(1, at.key_pos.clamp(0, T - 1)) + 1e-6 * rank
+        return paid.gather(1, context.key_pos.clamp(0, T - 1)) + 1e-6 * rank
     return score
 
 

@@ -369,7 +369,7 @@ def guard(run: Run, lr: float, fsdp: bool):
     try:
         yield run
     except Interrupted as e:
-        tell(f"\n{e}: {stopped(run, fsdp)}; {run.go_on()}")
+        report_stop(f"\n{e}: {stopped(run, fsdp)}; {run.go_on()}")
         raise SystemExit(128 + e.signum) from None
     except (RuntimeError, MemoryError) as e:
         if what := out_of_memory(e):
@@ -381,7 +381,7 @@ def guard(run: Run, lr: float, fsdp: bool):
             raise
         # the launcher's SIGTERM follows: held
         signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
-        raise Error(f"a process of this run is gone ({gist(e)}); {stopped(run, fsdp)}; "
+        raise Error(f"a process of this run is gone ({short_error(e)}); {stopped(run, fsdp)}; "
                     f"{run.go_on()} (on as many processes)") from None
     except Diverged as e:
         raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr "
@@ -396,14 +396,14 @@ def guard(run: Run, lr: float, fsdp: bool):
         release(run.out)
 
 
-def gist(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     """An exception in a few words: its type and its message's first sentence, less a source
     location."""
     text = re.sub(r"^\[[^\]]*\] ", "", first_line(e, 10 ** 6))
     return f"{type(e).__name__}: {text.split('. ')[0][:160]}"
 
 
-def tell(line: str):
+def report_stop(line: str):
     """A stop's line: process 0's on stdout (tqdm's), each other process's on stderr."""
     if distributed.rank_and_world()[0] == 0:
         tqdm.write(line)

@@ -209,8 +209,9 @@ def rounds(c, block, rate, policy, n, prompt=None):
         else replace(layout, **policy)  # eval.py's construction by name; these policies read no model or tokenizer
     tokens, lengths = prompt or (kpos[:1, :2], torch.tensor([2]))
     row = torch.arange(n)
-    at = ngc.Round(row, None, None, None, tokens.expand(n, -1), lengths.expand(n))
-    (sigma,), logps, _ = ngc.eviction_round([layer], window, row, torch.full((n,), rate), e, at=at)
+    context = ngc.Round(row, None, None, None, tokens.expand(n, -1), lengths.expand(n))
+    (sigma,), logps, _ = ngc.eviction_round([layer], window, row, torch.full((n,), rate), e,
+                                            context=context)
     survivors = kept_keys(alive, sigma, block)  # the rest are gone, the survivors moved to the front
     assert torch.equal(layer.pos[layer.alive], kpos[survivors]) and torch.equal(layer.fill, survivors.sum(1))
     return sigma, logps
