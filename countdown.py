@@ -192,7 +192,8 @@ DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK, "tiny-de
 
 def prompt(tokenizer, problem, style="plain", eviction_rate=None, blind=False) -> str:
     """A problem's prompt text in a style (a ValueError where a tiny style's budget tag has a word
-    the tokenizer lacks and it has `<eviction_rate>`; one without the tag, a test's, is left alone)."""
+    the tokenizer lacks and it has `<eviction_rate>`; one without the tag, a test's, is left
+    alone)."""
     if style not in PROMPTS:
         raise ValueError(f"unknown prompt style {style!r}; choose one of {', '.join(PROMPTS)}")
     if style == "plain" or eviction_rate is None:

@@ -1,17 +1,19 @@
-"""Speed figures for the NGC engine and the replay pass. Prints numbers, asserts nothing (docs/speed.md).
+"""Speed figures for the NGC engine and the replay pass. Prints numbers, asserts nothing
+(docs/speed.md).
 
-    python scripts/bench.py              # a random tiny Qwen2 on the CPU (and on CUDA if present)
+    python scripts/bench.py        # a random tiny Qwen2 on the CPU (and on CUDA if present)
     python scripts/bench.py --model DIR --device cuda --dtype bf16 --batch 64 --new-tokens 1024
-    python scripts/bench.py --shape r1 --device cuda --batch 32 --new-tokens 1024 --delta 256 --block 32
-                                         # random weights in DeepSeek-R1-Distill-Qwen-1.5B's shape
-    python scripts/bench.py --model tiny --held-out --hf --batch 64 --delta 24 --block 4 --window 4 --threads 2
-                                         # the shipped model's rollouts as train.py makes them, beside
-                                         # Hugging Face generate (pip install transformers)
-    python scripts/bench.py --profile RUN_DIR    # where a training run's time went, from its log.jsonl
+    python scripts/bench.py --shape r1 --device cuda --batch 32 --new-tokens 1024 \\
+        --delta 256 --block 32     # random weights in DeepSeek-R1-Distill-Qwen-1.5B's shape
+    python scripts/bench.py --model tiny --held-out --hf --batch 64 --delta 24 --block 4 \\
+        --window 4 --threads 2     # the shipped model's rollouts as train.py makes them,
+                                   # beside Hugging Face generate (pip install transformers)
+    python scripts/bench.py --profile RUN_DIR   # where a training run's time went (log.jsonl)
 
-Decode: tokens/s and ms per step with eviction on and off at the same batch (no EOS unless --held-out), eager
-and, with --compile, compiled; on CUDA also the fraction of the memory-bandwidth bound. Replay: forward+backward
-of the replay pass against a plain causal forward+backward over the same tokens.
+Decode: tokens/s and ms per step with eviction on and off at the same batch (no EOS unless
+--held-out), eager and, with --compile, compiled; on CUDA also the fraction of the
+memory-bandwidth bound. Replay: forward+backward of the replay pass against a plain causal
+forward+backward over the same tokens.
 """
 import os
 import sys
@@ -20,7 +22,8 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
+# the repository root first
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
@@ -31,16 +34,19 @@ from lib.tasks import held_out, prompt_encoder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BENCH = replace(settings.COUNTDOWN, delta=64, block=8, window=5)  # bench.py's δ, b and w
-SHARED = ["device", "dtype", "threads", "compile", "delta", "block", "window"]  # flags from settings.py
+# flags from settings.py
+SHARED = ["device", "dtype", "threads", "compile", "delta", "block", "window"]
+# what these settings mean here
 HELPS = {"model": "Qwen2 checkpoint directory (default: a random Qwen2 of --shape)",
          "device": "cpu, cuda or cuda:N (default: the CPU, then CUDA too if present)",
          "dtype": "the weights' dtype (default: fp32 on the CPU, bf16 on CUDA)",
          "compile": "also time the compiled decode step beside eager (CUDA graphs on CUDA)",
-         "threads": "CPU threads for torch (default: torch's)"}  # what these settings mean here
+         "threads": "CPU threads for torch (default: torch's)"}
 
 
 def timed(fn, device, repeat):
-    """(seconds per call over `repeat` calls after a warm-up, the last output, on CUDA the peak memory's text)."""
+    """(seconds per call over `repeat` calls after a warm-up, the last output, on CUDA the peak
+    memory's text)."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
@@ -54,7 +60,8 @@ def timed(fn, device, repeat):
     if cuda:
         torch.cuda.synchronize()
     sec = (time.perf_counter() - t0) / repeat
-    return sec, out, f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda else ""
+    return sec, out, (f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda
+                      else "")
 
 
 def bench(model, args, device):
@@ -64,19 +71,26 @@ def bench(model, args, device):
     speed = {}
     for compile in (False, True) if args.compile else (False,):
         for name, e in (("off", None), ("on", ev)):
-            sec, ro, peak = timed(lambda: rollout(model, prompts, s, e, eos_ids=eos_ids, generator=g, compile=compile),
+            sec, ro, peak = timed(lambda: rollout(model, prompts, s, e, eos_ids=eos_ids,
+                                                  generator=g, compile=compile),
                                   device, args.repeat)
             decoded = ro.lengths - ro.prompt_lens
-            new, step = int(decoded.sum()), sec / int(decoded.max())  # a step's time: prefill and rounds included
+            # a step's time: prefill and rounds included
+            new, step = int(decoded.sum()), sec / int(decoded.max())
             speed[name, compile] = new / sec
-            print(f"decode, eviction {name:3s}, {'compiled' if compile else 'eager   '}: {new / sec:9.0f} tokens/s "
-                  f"{step * 1e3:8.2f} ms/step{bandwidth(model, ro, e, step, args)}   ({sec:.2f} s for {new} tokens "
-                  f"from {args.batch} prompts; peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}{peak})")
+            print(f"decode, eviction {name:3s}, "
+                  f"{'compiled' if compile else 'eager   '}: {new / sec:9.0f} tokens/s "
+                  f"{step * 1e3:8.2f} ms/step{bandwidth(model, ro, e, step, args)}   "
+                  f"({sec:.2f} s for {new} tokens from {args.batch} prompts; "
+                  f"peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}{peak})")
     if args.hf:
-        hf_speed = hf_generate(args.model, prompts, s, eos_ids, device, model.lm_head.weight.dtype, args.repeat)
-        print(f"eager rollout with eviction / Hugging Face generate: {speed['on', False] / hf_speed:.2f}x the tokens/s")
+        hf_speed = hf_generate(args.model, prompts, s, eos_ids, device, model.lm_head.weight.dtype,
+                               args.repeat)
+        print(f"eager rollout with eviction / Hugging Face generate: "
+              f"{speed['on', False] / hf_speed:.2f}x the tokens/s")
     ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g)
-    ro = ro.select(torch.arange(min(args.replay_batch, args.batch)))  # the replay's rollouts: every row decodes in full
+    # the replay's rollouts: every row decodes in full
+    ro = ro.select(torch.arange(min(args.replay_batch, args.batch)))
 
     def fwd_bwd(causal):
         model.zero_grad(set_to_none=True)
@@ -86,15 +100,17 @@ def bench(model, args, device):
     t_replay, _, replay_peak = timed(lambda: fwd_bwd(False), device, args.repeat)
     t_causal, _, causal_peak = timed(lambda: fwd_bwd(True), device, args.repeat)
     B, T = ro.tokens.shape
-    print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_peak}   causal fwd+bwd: {t_causal * 1e3:8.1f} ms"
-          f"{causal_peak}   ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
+    print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_peak}   "
+          f"causal fwd+bwd: {t_causal * 1e3:8.1f} ms{causal_peak}   "
+          f"ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
 
 
 def profile(run_dir):
     """Print where a run's time went (see --profile), from its log.jsonl."""
     path = os.path.join(run_dir, "log.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"--profile {run_dir}: no log.jsonl there; give a run directory train.py wrote")
+        raise ValueError(f"--profile {run_dir}: no log.jsonl there; "
+                         f"give a run directory train.py wrote")
     log = rundir.read_log(path)
     steps, evals = [r for r in log if "reward" in r], [r for r in log if "eval" in r]
     if not steps:
@@ -106,16 +122,18 @@ def profile(run_dir):
                       ("rest of the steps", total - rollouts - replays)]:
         print(f"  {name:30s} {sec:7.1f} s  {sec / len(steps):6.2f} s/step")
     for r in evals:
-        print(f"  evaluation at step {r['step']:<11d} {r['eval_time']:7.1f} s" if "eval_time" in r else
-              f"  evaluation at step {r['step']}: its time was not recorded")
+        print(f"  evaluation at step {r['step']:<11d} {r['eval_time']:7.1f} s" if "eval_time" in r
+              else f"  evaluation at step {r['step']}: its time was not recorded")
 
 
 def bench_prompts(model, args):
-    """(prompts, sampling, EOS ids): --model's held-out prompts (--held-out), or random ones that never end."""
+    """(prompts, sampling, EOS ids): --model's held-out prompts (--held-out), or random ones that
+    never end."""
     if not args.held_out:
         prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(0))
-        return prompts.tolist(), Sampling(max_new_tokens=args.new_tokens, temperature=1.0, top_k=50), []
+        return prompts.tolist(), Sampling(max_new_tokens=args.new_tokens, temperature=1.0,
+                                          top_k=50), []
     c = settings.run_defaults(args.model)
     encode, tokenizer = prompt_encoder(c.task, c.prompt), load_tokenizer(args.model)
     prompts = [encode(tokenizer, p) for p in held_out(c, args.batch)]
@@ -123,7 +141,8 @@ def bench_prompts(model, args):
 
 
 def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat) -> float:
-    """Hugging Face generate's tokens/s (the full cache) on the same prompts, sampling and cap, up to each EOS."""
+    """Hugging Face generate's tokens/s (the full cache) on the same prompts, sampling and cap, up
+    to each EOS."""
     transformers = need("transformers", "bench.py --hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     width = max(map(len, prompts))
@@ -134,51 +153,62 @@ def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat)
 
     def generate():  # Hugging Face's generate is itself no_grad
         torch.manual_seed(0)
-        return hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=s.temperature,
-                           top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens, pad_token_id=0,
-                           eos_token_id=eos, min_new_tokens=s.max_new_tokens if never_ends else 0)[:, width:]
+        return hf.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                           max_new_tokens=s.max_new_tokens, pad_token_id=0, eos_token_id=eos,
+                           min_new_tokens=s.max_new_tokens if never_ends else 0)[:, width:]
 
     sec, new, _ = timed(generate, device, repeat)
     ended = torch.isin(new, torch.tensor(eos, device=device)).long()
-    tokens = int(new.numel() if never_ends else ((ended.cumsum(1) - ended) == 0).sum())  # up to and with EOS
-    print(f"Hugging Face generate, full cache: {tokens / sec:9.0f} tokens/s {sec / new.shape[1] * 1e3:8.2f} ms/step   "
-          f"({sec:.2f} s for {tokens} tokens from {len(prompts)} prompts; transformers {transformers.__version__})")
+    # up to and with EOS
+    tokens = int(new.numel() if never_ends else ((ended.cumsum(1) - ended) == 0).sum())
+    print(f"Hugging Face generate, full cache: {tokens / sec:9.0f} tokens/s "
+          f"{sec / new.shape[1] * 1e3:8.2f} ms/step   "
+          f"({sec:.2f} s for {tokens} tokens from {len(prompts)} prompts; "
+          f"transformers {transformers.__version__})")
     return tokens / sec
 
 
 def bandwidth(model, ro, ev, step_s, args) -> str:
-    """On CUDA: the step time's fraction of the memory-bandwidth bound, the bytes a decode step must read
-    (every weight once, an untied embedding table's few rows left out; every alive KV entry once) / the
-    device's peak bandwidth. Alive entries per layer, averaged over the steps: prompt + half the completion
-    without eviction; with it the cache grows by one a step from (count before a round - δ) to the next
-    round's count, so its mean is the mean count before a round minus δ/2."""
+    """On CUDA: the step time's fraction of the memory-bandwidth bound, the bytes a decode step
+    must read (every weight once, an untied embedding table's few rows left out; every alive KV
+    entry once) / the device's peak bandwidth. Alive entries per layer, averaged over the steps:
+    prompt + half the completion without eviction; with it the cache grows by one a step from
+    (count before a round - δ) to the next round's count, so its mean is the mean count before a
+    round minus δ/2."""
     if ro.tokens.device.type != "cuda":
         return ""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters()
                   if cfg.tie_word_embeddings or p is not model.model.embed_tokens.weight)
     R = ro.kv_before_round.shape[1]
-    before = ro.kv_before_round[torch.arange(R, device=ro.n_rounds.device) < ro.n_rounds[:, None]]  # (rounds, L)
-    alive = (ro.prompt_lens.float().mean().item() + args.new_tokens / 2 if ev is None or len(before) == 0 else
-             before.float().mean().item() - ev.delta / 2)
-    entry = 2 * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()  # K and V
+    # (rounds, L)
+    before = ro.kv_before_round[torch.arange(R, device=ro.n_rounds.device) < ro.n_rounds[:, None]]
+    alive = (ro.prompt_lens.float().mean().item() + args.new_tokens / 2
+             if ev is None or len(before) == 0 else before.float().mean().item() - ev.delta / 2)
+    # K and V
+    entry = 2 * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()
     read = weights + alive * cfg.num_hidden_layers * entry * ro.tokens.shape[0]  # bytes per step
     return f" ({read / (args.peak_bandwidth * 1e12) / step_s:5.1%} of the bandwidth bound)"
 
 
 def check(args) -> list[str]:
     """The devices to run on, after every flag is checked."""
-    rules = {flag: at_least(1) for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")}
+    rules = {flag: at_least(1)
+             for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")}
     check_values(args, rules | {"peak_bandwidth": lambda v: v > 0 or "must be positive (TB/s)"})
-    settings.check(replace(BENCH, **{k: getattr(args, k) for k in SHARED}))  # --threads, by settings.py's rule
+    # --threads, by settings.py's rule
+    settings.check(replace(BENCH, **{k: getattr(args, k) for k in SHARED}))
     try:
         check_eviction(args.delta, args.block, args.window, args.rate)
     except ValueError as e:
-        raise ValueError(f"--delta {args.delta} --block {args.block} --window {args.window} --rate {args.rate}: {e}")
+        raise ValueError(f"--delta {args.delta} --block {args.block} --window {args.window} "
+                         f"--rate {args.rate}: {e}")
     if args.model:
         load_config(args.model)  # a missing or foreign checkpoint: one line, before any device work
     if (args.held_out or args.hf) and not args.model:
-        raise ValueError("--held-out and --hf read a checkpoint directory: give --model DIR (e.g. --model tiny)")
+        raise ValueError("--held-out and --hf read a checkpoint directory: "
+                         "give --model DIR (e.g. --model tiny)")
     if args.held_out:
         settings.run_defaults(args.model, "countdown")  # its held-out problems are Countdown's
     if args.hf:
@@ -192,22 +222,31 @@ def parse_args(argv=None):
     """bench.py's flags, those of settings.py (SHARED) filled from BENCH where not given."""
     p = parser(__doc__)
     p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
-                   help="random model without --model: tiny (0.9 M params) or r1 (R1-Distill-Qwen-1.5B's shape)")
+                   help="random model without --model: tiny (0.9 M params) or r1 "
+                        "(R1-Distill-Qwen-1.5B's shape)")
     settings.add_flags(p, None, ["model"], HELPS)  # None: a random model
     settings.add_flags(p, BENCH, SHARED, HELPS)
     p.add_argument("--batch", type=int, default=8, help="prompts rolled out together (default 8)")
-    p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt (default 32)")
+    p.add_argument("--prompt-len", type=int, default=32,
+                   help="tokens of each random prompt (default 32)")
     p.add_argument("--new-tokens", type=int, default=256,
                    help="tokens each row decodes (at most, with --held-out) (default 256)")
-    p.add_argument("--rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round (default 0.5)")
-    p.add_argument("--replay-batch", type=int, default=8, help="rollouts per replay forward+backward (default 8)")
-    p.add_argument("--repeat", type=int, default=2, help="timed runs of each, after one warm-up (default 2)")
-    p.add_argument("--held-out", action="store_true", help="--model's held-out prompts, ending at EOS, as train.py")
+    p.add_argument("--rate", type=float, default=0.5,
+                   help="ε: the fraction of blocks evicted per round (default 0.5)")
+    p.add_argument("--replay-batch", type=int, default=8,
+                   help="rollouts per replay forward+backward (default 8)")
+    p.add_argument("--repeat", type=int, default=2,
+                   help="timed runs of each, after one warm-up (default 2)")
+    p.add_argument("--held-out", action="store_true",
+                   help="--model's held-out prompts, ending at EOS, as train.py")
     p.add_argument("--hf", action="store_true",
-                   help="also time Hugging Face generate on the same prompts (needs transformers and --model)")
+                   help="also time Hugging Face generate on the same prompts "
+                        "(needs transformers and --model)")
     p.add_argument("--peak-bandwidth", type=float, default=3.35,
-                   help="the device's peak memory bandwidth in TB/s, for the bandwidth bound (default: H100 SXM)")
-    p.add_argument("--profile", metavar="RUN_DIR", help="print where a training run's time went and exit")
+                   help="the device's peak memory bandwidth in TB/s, for the bandwidth bound "
+                        "(default: H100 SXM)")
+    p.add_argument("--profile", metavar="RUN_DIR",
+                   help="print where a training run's time went and exit")
     args = p.parse_args(argv)
     vars(args).update({k: getattr(BENCH, k) for k in SHARED if getattr(args, k) is None})
     return args
@@ -242,7 +281,8 @@ def main(argv=None):
         model = bench_model(args, device, dtype)
         params = sum(p.numel() for p in model.parameters()) / 1e6
         print(f"== {device.type} {str(dtype).removeprefix('torch.')}, {params:.2f} M params, "
-              f"threads {torch.get_num_threads()}, δ={args.delta} b={args.block} w={args.window} ε={args.rate}")
+              f"threads {torch.get_num_threads()}, "
+              f"δ={args.delta} b={args.block} w={args.window} ε={args.rate}")
         bench(model, args, device)
 
 

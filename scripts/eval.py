@@ -1,17 +1,21 @@
-"""Held-out evaluation of a checkpoint: NGC against the baselines (paper §5.1, Figure 3; §5.4, pass@k).
+"""Held-out evaluation of a checkpoint: NGC against the baselines (paper §5.1, Figure 3; §5.4,
+pass@k).
 
-    python scripts/eval.py --model DIR --task countdown --policy ngc snapkv keydiff knorm streamingllm none \\
-        --eviction-rate 0.5 0.75 [--samples k] [--problems n] [--out results.jsonl] [--plot acc.png]
-    python scripts/eval.py --model DIR --task math --eval-data aime25.jsonl --policy none ngc snapkv keydiff \\
-        knorm streamingllm --eviction-rate 0.5      # pass@1..32 at T=0.6, top-p 0.95, 3850 new tokens
-    torchrun --nproc_per_node 8 scripts/eval.py --model DIR ...      # the problems split across 8 GPUs
+    python scripts/eval.py --model DIR --task countdown --eviction-rate 0.5 0.75 \\
+        --policy ngc snapkv keydiff knorm streamingllm none \\
+        [--samples k] [--problems n] [--out results.jsonl] [--plot acc.png]
+    python scripts/eval.py --model DIR --task math --eval-data aime25.jsonl \\
+        --policy none ngc snapkv keydiff knorm streamingllm --eviction-rate 0.5
+                                   # pass@1..32 at T=0.6, top-p 0.95, 3850 new tokens
+    torchrun --nproc_per_node 8 scripts/eval.py --model DIR ...   # the problems over 8 GPUs
 
-The problems are the held-out test split of the run's settings (its ngc.json, else the task's recipe; --split
-validation: the problems recipes are chosen on, which train.py evaluates on), whose values the flags shared with
-train.py replace. With --samples k: pass@1 = mean fraction correct (± 1 SE over
-problems) and the unbiased pass@j for j = 1, 2, 4, ..., k, every run drawing its noise from the same seed.
-The peak-KV reduction (§5.1) is, averaged over problems, the full cache's peak KV entries (of --base-model,
-the paper's c_base, else of --model) over the policy's. One JSONL line per policy x rate (docs/evaluation.md).
+The problems are the held-out test split of the run's settings (its ngc.json, else the task's
+recipe; --split validation: the problems recipes are chosen on, which train.py evaluates on),
+whose values the flags shared with train.py replace. With --samples k: pass@1 = mean fraction
+correct (± 1 SE over problems) and the unbiased pass@j for j = 1, 2, 4, ..., k, every run drawing
+its noise from the same seed. The peak-KV reduction (§5.1) is, averaged over problems, the full
+cache's peak KV entries (of --base-model, the paper's c_base, else of --model) over the policy's.
+One JSONL line per policy x rate (docs/evaluation.md).
 """
 import argparse
 import contextlib
@@ -22,34 +26,40 @@ from math import comb
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
+# the repository root first
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import countdown
 from ngc import Eviction
 from lib import baselines, distributed, settings
 from lib.checkpoint import META_TOKEN, load
-from lib.cli import (Error, at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot,
-                     writing)
+from lib.cli import (Error, at_least, check_output_file, check_values, exits, need, one_line_errors,
+                     parser, pyplot, writing)
 from lib.files import save_figure, write_jsonl
 from lib.scoring import kv_reduction, roll_out_and_score, standard_error
 from lib.settings import Settings, add_flags, run_defaults
 from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 
-POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},  # --policy name -> its --help line
-            "none": "the full cache: one row, reported at ε = 0 (reduction 1.0 without --base-model)"}
-RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta", "block",
-       "window"]  # settings.py's flags that replace the run's settings
-TASK_FLAGS = {"eval_data": "math", "question_field": "math", "answer_field": "math", "prompt": "countdown",
-              "difficulty": "countdown", "tag": "countdown"}  # the flags of one task
+# --policy name -> its --help line
+POLICIES = {**{name: p.help for name, p in baselines.POLICIES.items()},
+            "none": "the full cache: one row, reported at ε = 0 "
+                    "(reduction 1.0 without --base-model)"}
+RUN = ["task", "prompt", "difficulty", "eval_data", "question_field", "answer_field", "delta",
+       "block", "window"]  # settings.py's flags that replace the run's settings
+# the flags of one task
+TASK_FLAGS = {"eval_data": "math", "question_field": "math", "answer_field": "math",
+              "prompt": "countdown", "difficulty": "countdown", "tag": "countdown"}
+# what these settings mean here
 HELPS = {"model": "Qwen2 checkpoint directory (required)",
          "task": "countdown or math (default: the checkpoint's ngc.json, else countdown)",
          "question_field": "math: the question's field in --eval-data rows (a.b for nested)",
          "dtype": "compute dtype (default: bf16 on cuda, fp32 on cpu)",
-         "compile": "capture the decode step with torch.compile (CUDA graphs on CUDA): the same rollouts up to "
-                    "float rounding"}  # what these settings mean here
+         "compile": "capture the decode step with torch.compile (CUDA graphs on CUDA): "
+                    "the same rollouts up to float rounding"}
 
 
 def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction | None:
-    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line ValueError."""
+    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line
+    ValueError."""
     if name == "none":
         return None
     layout = settings.eviction(c, rate)
@@ -61,14 +71,16 @@ def pass_at_k(n: int, c, k: int) -> float:
     return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
 
 
-def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=None, progress=True,
-            compile=False, tag=None, base_model=None, draws=baselines.DRAWS):
-    """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None: `model`).
-    batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's noise depends on its size).
-    draws: the eviction draws of the hindsight bound and its luck control per problem and sample."""
+def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=None,
+            progress=True, compile=False, tag=None, base_model=None, draws=baselines.DRAWS):
+    """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None:
+    `model`). batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's
+    noise depends on its size). draws: the eviction draws of the hindsight bound and its luck
+    control per problem and sample."""
     n, batch_size = samples or 1, batch_size or c.eval_batch
     sampling = settings.sampling(c, held_out=True, greedy=samples is None,
-                                 meta_token=tokenizer.token_to_id(META_TOKEN) if c.meta_token else None)
+                                 meta_token=(tokenizer.token_to_id(META_TOKEN) if c.meta_token
+                                             else None))
     tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
 
     def run(name, rate, on=model):
@@ -79,9 +91,11 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
         kind = baselines.POLICIES[name].kind if evicts else None
         per_batch = kind in ("oracle", "bound")  # it reads each batch's reference rollout
         policy = lambda reference: make_eviction(name, c, rate, on, tokenizer, reference)
-        return roll_out_and_score(on, tokenizer, problems, sampling, None if per_batch else policy(None), encode,
+        return roll_out_and_score(on, tokenizer, problems, sampling,
+                                  None if per_batch else policy(None), encode,
                                   TASK_REWARD[c.task], gen, n, batch_size,
-                                  (f"{name} ε={rate:g}" if evicts else "no eviction") if progress else None, compile,
+                                  ((f"{name} ε={rate:g}" if evicts else "no eviction") if progress
+                                   else None), compile,
                                   policy if per_batch else None, draws if kind == "bound" else None)
 
     def row(name, rate):
@@ -89,12 +103,16 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
         r = {"policy": name, "eviction_rate": rate, "problems": len(problems), "samples": n,
              "accuracy": out["reward"].mean().item(), "se": standard_error(out["reward"]),
              "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
-             "peak_kv": out["peak_kv"].mean().item(), "kv_reduction": kv_reduction(base["peak_kv"], out["peak_kv"]),
+             "peak_kv": out["peak_kv"].mean().item(),
+             "kv_reduction": kv_reduction(base["peak_kv"], out["peak_kv"]),
              "base_length": base["length"].mean().item(), "rewards": out["reward"].tolist()}
-        if name != "none" and baselines.POLICIES[name].kind == "bound":  # any of `draws` solved; one draw
+        # any of `draws` solved; one draw
+        if name != "none" and baselines.POLICIES[name].kind == "bound":
             r |= {"draws": draws, "draw_accuracy": out["draw_reward"].mean().item()}
-        if name == "none":  # per problem, the entries one layer of the full cache held: peak(p, c, 0, δ) of §5.1
-            r["full_cache_entries"] = (out["peak_kv"].mean(1) / model.config.num_hidden_layers).tolist()
+        # per problem, the entries one layer of the full cache held: peak(p, c, 0, δ) of §5.1
+        if name == "none":
+            r["full_cache_entries"] = (out["peak_kv"].mean(1)
+                                       / model.config.num_hidden_layers).tolist()
         if samples:
             ks = sorted({min(2 ** i, n) for i in range(n.bit_length() + 1)})
             r["pass_at_k"] = {str(k): pass_at_k(n, out["reward"].sum(1), k) for k in ks}
@@ -108,20 +126,23 @@ def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_
 def table(rows) -> str:
     n = rows[0]["samples"]
     k = f" {f'pass@{n}':>8}" if n > 1 else ""
-    lines = [f"{'policy':<13} {'ε':>5} {'pass@1':>7}{k} {'length':>7} {'rounds':>6} {'peak KV':>8} "
-             f"{'KV reduction':>12}"]
+    lines = [f"{'policy':<13} {'ε':>5} {'pass@1':>7}{k} {'length':>7} {'rounds':>6} "
+             f"{'peak KV':>8} {'KV reduction':>12}"]
     for r in rows:
         k = f" {r['pass_at_k'][str(n)]:>8.1%}" if n > 1 else ""
-        lines.append(f"{r['policy']:<13} {r['eviction_rate']:>5.2f} {r['accuracy']:>7.1%}{k} {r['length']:>7.1f} "
-                     f"{r['rounds']:>6.2f} {r['peak_kv']:>8.0f} {r['kv_reduction']:>11.2f}x")
+        lines.append(f"{r['policy']:<13} {r['eviction_rate']:>5.2f} {r['accuracy']:>7.1%}{k} "
+                     f"{r['length']:>7.1f} {r['rounds']:>6.2f} {r['peak_kv']:>8.0f} "
+                     f"{r['kv_reduction']:>11.2f}x")
     return "\n".join(lines)
 
 
 def error_bar(r) -> float:
-    """The sd across seeds (reproduce.py's rows), else 1 SE over problems (older rows: the binomial one)."""
+    """The sd across seeds (reproduce.py's rows), else 1 SE over problems (older rows: the binomial
+    one)."""
     if r.get("seeds", 1) > 1:
         return r["accuracy_sd"]
-    return r["se"] if "se" in r else (r["accuracy"] * (1 - r["accuracy"]) / (r["problems"] * r["samples"])) ** 0.5
+    return r["se"] if "se" in r else (r["accuracy"] * (1 - r["accuracy"])
+                                      / (r["problems"] * r["samples"])) ** 0.5
 
 
 def error_bar_note(rows) -> str:
@@ -130,18 +151,23 @@ def error_bar_note(rows) -> str:
 
 
 def plot(rows, path):
-    """pass@1 (pass@k with k samples) against peak-KV reduction, a line per policy or "label" (Figure 3, right)."""
+    """pass@1 (pass@k with k samples) against peak-KV reduction, a line per policy or "label"
+    (Figure 3, right)."""
     plt = pyplot("--plot")
-    n = rows[0]["samples"] if "pass_at_k" in rows[0] else 1  # reproduce.py's rows over seeds: pass@1
+    # reproduce.py's rows over seeds: pass@1
+    n = rows[0]["samples"] if "pass_at_k" in rows[0] else 1
     score = (lambda r: r["pass_at_k"][str(n)]) if n > 1 else (lambda r: r["accuracy"])
     fig, ax = plt.subplots(figsize=(5.5, 4))
     label = lambda r: r.get("label", r["policy"])
     for name in dict.fromkeys(map(label, rows)):  # pass@k (k > 1) gets no error bar
-        pts = sorted((r["kv_reduction"], score(r), error_bar(r) if n == 1 else 0.0) for r in rows if label(r) == name)
+        pts = sorted((r["kv_reduction"], score(r), error_bar(r) if n == 1 else 0.0)
+                     for r in rows if label(r) == name)
         if name.startswith("none"):
-            ax.axhline(pts[0][1], color="gray", linestyle="--", label=name.replace("none", "full cache"))
+            ax.axhline(pts[0][1], color="gray", linestyle="--",
+                       label=name.replace("none", "full cache"))
         else:
-            ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3, label=name)
+            ax.errorbar(*list(zip(*pts))[:2], yerr=[p[2] for p in pts], marker="o", capsize=3,
+                        label=name)
     ax.set_xlabel("average peak KV cache reduction (x)")
     ax.set_ylabel(f"pass@{n}" if n > 1 else "accuracy (pass@1)")
     if n == 1:
@@ -163,25 +189,33 @@ def tag_flag(text: str):
 
 def flags(argv):
     p = parser(__doc__)
-    p.epilog = "policies (--policy):\n" + "\n".join(f"  {name:14s} {text}" for name, text in POLICIES.items())
+    p.epilog = "policies (--policy):\n" + "\n".join(f"  {name:14s} {text}"
+                                                    for name, text in POLICIES.items())
     p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(POLICIES) + " (below)")
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
-    p.add_argument("--samples", type=int, help="k sampled completions per problem; 0: greedy (default: the run's)")
-    p.add_argument("--tag", type=tag_flag, help="the budget tag in the evicting runs' prompts: rate, blind or a rate")
-    p.add_argument("--split", choices=countdown.SPLITS, default="test", help="Countdown's held-out split: test "
-                   "(default; claims report on it) or validation (train.py evaluates on it; recipes are chosen on it)")
-    p.add_argument("--problems", type=int, help="the first N problems of the split (default: the run's "
-                   "eval_problems, all if none)")
-    p.add_argument("--draws", type=int, default=baselines.DRAWS, help="eviction draws per problem and sample of "
-                   f"the policies bound and luck (default {baselines.DRAWS}); a draw costs one rollout")
-    p.add_argument("--base-model", help="the checkpoint whose full cache is the peak-KV reference (§5.1's c_base)")
-    p.add_argument("--run-settings", help="score --model under this checkpoint's ngc.json instead of its own (held-out "
-                   "problems, cap, prompt, sampling): a starting model on a trained run's problems")
+    p.add_argument("--samples", type=int,
+                   help="k sampled completions per problem; 0: greedy (default: the run's)")
+    p.add_argument("--tag", type=tag_flag,
+                   help="the budget tag in the evicting runs' prompts: rate, blind or a rate")
+    p.add_argument("--split", choices=countdown.SPLITS, default="test",
+                   help="Countdown's held-out split: test (default; claims report on it) or "
+                   "validation (train.py evaluates on it; recipes are chosen on it)")
+    p.add_argument("--problems", type=int, help="the first N problems of the split "
+                   "(default: the run's eval_problems, all if none)")
+    p.add_argument("--draws", type=int, default=baselines.DRAWS,
+                   help="eviction draws per problem and sample of the policies bound and luck "
+                   f"(default {baselines.DRAWS}); a draw costs one rollout")
+    p.add_argument("--base-model",
+                   help="the checkpoint whose full cache is the peak-KV reference (§5.1's c_base)")
+    p.add_argument("--run-settings", help="score --model under this checkpoint's ngc.json "
+                   "instead of its own (held-out problems, cap, prompt, sampling): "
+                   "a starting model on a trained run's problems")
     p.add_argument("--out", help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
-    p.add_argument("--batch-size", type=int, help="rollouts per batch (default: the run's eval_batch, so that a "
-                   "checkpoint draws the samples train.py's evaluation drew: the noise depends on the batch)")
+    p.add_argument("--batch-size", type=int, help="rollouts per batch (default: the run's "
+                   "eval_batch, so that a checkpoint draws the samples train.py's evaluation drew: "
+                   "the noise depends on the batch)")
     add_flags(p, None, ["model", "device", "dtype", "compile"] + RUN, HELPS, required=["model"])
     return p.parse_args(argv)
 
@@ -199,16 +233,20 @@ def run_settings(args) -> Settings:
         if getattr(args, flag) is not None:
             check_output_file(getattr(args, flag), f"--{flag}")
     args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
-    c = run_defaults(args.model, args.task)  # another task than ngc.json's: its recipe has no prompts for it
+    # another task than ngc.json's: its recipe has no prompts for it
+    c = run_defaults(args.model, args.task)
     if args.run_settings:
         if not os.path.isfile(os.path.join(args.run_settings, "ngc.json")):
-            raise ValueError(f"--run-settings {args.run_settings} has no ngc.json: give a run's checkpoint directory")
+            raise ValueError(f"--run-settings {args.run_settings} has no ngc.json: "
+                             f"give a run's checkpoint directory")
         c = replace(run_defaults(args.run_settings, c.task, "--run-settings"), model=args.model)
     for flag, task in TASK_FLAGS.items():
         if getattr(args, flag) is not None and c.task != task:
-            raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; this evaluation's task is {c.task}")
+            raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; "
+                             f"this evaluation's task is {c.task}")
     c = replace(c, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
-    args.samples = (c.eval_samples if args.samples is None else args.samples) or None  # 0: greedy tokens
+    # 0: greedy tokens
+    args.samples = (c.eval_samples if args.samples is None else args.samples) or None
     for rate in args.eviction_rate:
         settings.eviction(c, rate)  # one-line errors for bad ε, δ, b, w
     return c
@@ -219,12 +257,14 @@ def load_base_model(path, device, c, tokenizer):
     run_defaults(path, c.task, "--base-model")
     model, base_tokenizer = load(path, device)
     if base_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise Error(f"--base-model {path} has another tokenizer than --model: its completions cannot be compared")
+        raise Error(f"--base-model {path} has another tokenizer than --model: "
+                    f"its completions cannot be compared")
     return model
 
 
 def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
-    """compare() in --dtype, the problems split across torchrun's processes: the rows on the first, None elsewhere."""
+    """compare() in --dtype, the problems split across torchrun's processes: the rows on the first,
+    None elsewhere."""
     device = torch.device(args.device)
     distributed.start(device)  # after every check: no process fails alone after the rendezvous
     rank = distributed.rank_and_world()[0]
@@ -232,8 +272,8 @@ def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
-                       progress=rank == 0 and sys.stderr.isatty(), compile=bool(args.compile), tag=args.tag,
-                       base_model=base_model, draws=args.draws)
+                       progress=rank == 0 and sys.stderr.isatty(), compile=bool(args.compile),
+                       tag=args.tag, base_model=base_model, draws=args.draws)
     distributed.stop()
     return None if rank else rows
 
@@ -241,7 +281,8 @@ def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
 @exits(memory="lower --batch-size")  # bad input, out of memory, a signal: one line
 def main(argv=None):
     args = flags(argv)
-    with one_line_errors(ValueError, RuntimeError):  # every check (problems, device, load) before any rollout
+    # every check (problems, device, load) before any rollout
+    with one_line_errors(ValueError, RuntimeError):
         c = run_settings(args)
         problems = held_out(c, args.problems, args.split)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
@@ -249,14 +290,16 @@ def main(argv=None):
                       c.eval_max_new_tokens or c.max_new_tokens)
         base_model = args.base_model and load_base_model(args.base_model, args.device, c, tokenizer)
         for name in args.policy:
-            make_eviction(name, c, args.eviction_rate[0], model, tokenizer)  # the tokenizer has what the policy reads
+            # the tokenizer has what the policy reads
+            make_eviction(name, c, args.eviction_rate[0], model, tokenizer)
     rows = evaluate_policies(args, c, model, tokenizer, problems, base_model)
     if rows is None:
         return
     each = f"{args.samples} samples each" if args.samples else "greedy"
     base = f"{args.base_model}'s" if args.base_model else "its own"
     split = args.split if c.task == "countdown" else "held-out"
-    print(f"{args.model}: {len(problems)} {split} problems, {each}; peak-KV reduction against {base} full cache "
+    print(f"{args.model}: {len(problems)} {split} problems, {each}; "
+          f"peak-KV reduction against {base} full cache "
           f"(completions of {rows[0]['base_length']:.1f} tokens on average)")
     print(table(rows))
     with writing():

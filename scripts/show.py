@@ -1,18 +1,21 @@
-"""A picture of what the model forgets: every layer's KV cache over a greedy rollout, before and after training.
+"""A picture of what the model forgets: every layer's KV cache over a greedy rollout, before and
+after training.
 
-    python scripts/show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] [--eviction-rate 0.5] \\
-        --out forgets.html [--png forgets.png]
+    python scripts/show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] \\
+        [--eviction-rate 0.5] --out forgets.html [--png forgets.png]
     python scripts/show.py --model runs/ngc/checkpoint --problems 200 --survival survival.json
 
-The run's first N held-out problems (as eval.py prompts them) are completed greedily by the untrained model
-(--before) and by the checkpoint, under NGC's evaluation policy (greedy top-K blocks on ψ at ε). The page (self-
-contained HTML) shows each problem's two rollouts side by side as a grid, a row per layer and a cell per token,
-coloured by the round that evicted that token's key at that layer (the paper's Figure 2, top, for every
-layer): round k fires once the sequence holds kδ tokens, k = death // δ (replay.evicted_by).
+The run's first N held-out problems (as eval.py prompts them) are completed greedily by the
+untrained model (--before) and by the checkpoint, under NGC's evaluation policy (greedy top-K
+blocks on ψ at ε). The page (self-contained HTML) shows each problem's two rollouts side by side
+as a grid, a row per layer and a cell per token, coloured by the round that evicted that token's
+key at that layer (the paper's Figure 2, top, for every layer): round k fires once the sequence
+holds kδ tokens, k = death // δ (replay.evicted_by).
 
---survival FILE measures how often the target's key (which every verdict of a Countdown trace needs) survives
-round k against the other prompt keys, and, for each rollout that fails under eviction where the full cache
-succeeds, where the two greedy completions first differ and what the full cache wrote there (first_divergence).
+--survival FILE measures how often the target's key (which every verdict of a Countdown trace
+needs) survives round k against the other prompt keys, and, for each rollout that fails under
+eviction where the full cache succeeds, where the two greedy completions first differ and what the
+full cache wrote there (first_divergence).
 """
 import html
 import os
@@ -21,12 +24,14 @@ from collections import Counter
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root first
+# the repository root first
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ngc import Eviction, rollout
 from replay import death_times, evicted_by
 from lib import distributed, settings
 from lib.checkpoint import META_TOKEN, load, load_config
-from lib.cli import at_least, check_output_file, check_values, exits, need, one_line_errors, parser, pyplot, writing
+from lib.cli import (at_least, check_output_file, check_values, exits, need, one_line_errors,
+                     parser, pyplot, writing)
 from lib.files import save_figure, write_json, write_text
 from lib.settings import run_defaults
 from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
@@ -34,18 +39,21 @@ from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 BEFORE = settings.EXAMPLE  # --before's default: the model shipped for the task
 ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the end
 ALIVE_COLOUR = "#d9d9d9"
-VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]  # the rounds, first (dark) to last (yellow)
+# the rounds, first (dark) to last (yellow)
+VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]
 
 
 def fates(ro, row: int, tokenizer):
-    """Rollout row `row`'s token texts (prompt + completion) and death rounds (L, T): the 0-based round that
-    evicted key s at layer l, ALIVE (-1) where none did."""
+    """Rollout row `row`'s token texts (prompt + completion) and death rounds (L, T): the 0-based
+    round that evicted key s at layer l, ALIVE (-1) where none did."""
     one = ro.select([row])
     T = int(one.lengths[0])
-    texts = tokenizer.decode_batch([[t] for t in one.tokens[0, :T].tolist()], skip_special_tokens=False)
+    texts = tokenizer.decode_batch([[t] for t in one.tokens[0, :T].tolist()],
+                                   skip_special_tokens=False)
     if one.eviction is None:  # the full cache: nothing is ever evicted
         return texts, torch.full((one.kept.shape[2], T), ALIVE)
-    death = death_times(one.kept, one.n_rounds, T, one.eviction.delta, one.eviction.block)[0]  # (L, T)
+    # (L, T)
+    death = death_times(one.kept, one.n_rounds, T, one.eviction.delta, one.eviction.block)[0]
     return texts, evicted_by(death, one.eviction.delta)
 
 
@@ -58,7 +66,8 @@ def round_colour(r: int, n: int) -> str:
 
 
 def summary(run) -> str:
-    """The completion's length and the fractions of prompt and of completion keys never evicted, over layers."""
+    """The completion's length and the fractions of prompt and of completion keys never evicted,
+    over layers."""
     alive = (run["rounds"] == ALIVE).float()  # (L, T)
     P = run["prompt_len"]
     return (f"{alive.shape[1] - P} new tokens, not evicted: prompt {alive[:, :P].mean():.0%}, "
@@ -66,34 +75,42 @@ def summary(run) -> str:
 
 
 def trace_rollouts(model, tokenizer, c, problems, ev: Eviction | None):
-    """Per problem, its greedy rollout under ev (None: the full cache): verdict, token texts and death rounds."""
+    """Per problem, its greedy rollout under ev (None: the full cache): verdict, token texts and
+    death rounds."""
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None, c.blind_tag)
+    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None,
+                            c.blind_tag)
     sampling = settings.sampling(c, held_out=True, greedy=True, meta_token=meta)
-    ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev, eos_ids=model.config.eos_ids)
+    ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev,
+                 eos_ids=model.config.eos_ids)
     completions = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     runs = []
     for i, (problem, text) in enumerate(zip(problems, completions)):
         tokens, rounds = fates(ro, i, tokenizer)
-        runs.append(dict(correct=TASK_REWARD[c.task](text, problem) == 1.0, tokens=tokens, rounds=rounds,
-                         prompt_len=int(ro.prompt_lens[i]), n_rounds=int(ro.n_rounds[i])))
+        runs.append(dict(correct=TASK_REWARD[c.task](text, problem) == 1.0, tokens=tokens,
+                         rounds=rounds, prompt_len=int(ro.prompt_lens[i]),
+                         n_rounds=int(ro.n_rounds[i])))
     return runs
 
 
 def target_position(run, problem) -> int:
-    """The prompt position of a Countdown problem's target: its first token that reads the number."""
+    """The prompt position of a Countdown problem's target: its first token that reads the
+    number."""
     at = [t for t in range(run["prompt_len"]) if run["tokens"][t].strip() == str(problem.target)]
     if not at:
-        raise ValueError(f"the target {problem.target} is not one token of the prompt; --survival needs a "
-                         "tokenizer that writes a number as one word (the tiny models')")
+        raise ValueError(f"the target {problem.target} is not one token of the prompt; "
+                         "--survival needs a tokenizer that writes a number as one word "
+                         "(the tiny models')")
     return at[0]
 
 
 def survival(runs, problems, max_round: int = 3) -> dict:
-    """Per round k ≤ max_round, the mean fraction of layers holding the target's key after it (and the other
-    prompt keys'); the accuracy of the rollouts whose target outlived round 1 in some layer, and of the rest."""
+    """Per round k ≤ max_round, the mean fraction of layers holding the target's key after it (and
+    the other prompt keys'); the accuracy of the rollouts whose target outlived round 1 in some
+    layer, and of the rest."""
     mean = lambda xs: sum(xs) / len(xs) if xs else None
-    after = lambda run, k: (run["rounds"] == ALIVE) | (run["rounds"] >= k)  # (L, T): alive after round k
+    # (L, T): alive after round k
+    after = lambda run, k: (run["rounds"] == ALIVE) | (run["rounds"] >= k)
     per_round = []
     for k in range(1, max_round + 1):
         target, other = [], []
@@ -103,7 +120,8 @@ def survival(runs, problems, max_round: int = 3) -> dict:
             alive, t, P = after(run, k).float(), target_position(run, problem), run["prompt_len"]
             target.append(alive[:, t].mean().item())
             other.append(torch.cat([alive[:, :t], alive[:, t + 1:P]], 1).mean().item())
-        per_round.append(dict(round=k, rollouts=len(target), target=mean(target), other_prompt=mean(other)))
+        per_round.append(dict(round=k, rollouts=len(target), target=mean(target),
+                              other_prompt=mean(other)))
     kept = [run["n_rounds"] == 0 or bool(after(run, 1)[:, target_position(run, problem)].any())
             for run, problem in zip(runs, problems)]
     split = lambda flag: [r["correct"] for r, k in zip(runs, kept) if k == flag]
@@ -124,29 +142,35 @@ OPERATORS = {"+", "-", "*", "/", "="}
 
 
 def first_divergence(full, evicted, delta: int):
-    """Where the greedy rollout under eviction first leaves the full cache's: (the rounds fired before, the tokens
-    since the last of them, what the full cache wrote there), or None where one completion is a prefix of the
-    other. Token t is written by the query at t - 1, which sees every round k with kδ ≤ t - 1."""
+    """Where the greedy rollout under eviction first leaves the full cache's: (the rounds fired
+    before, the tokens since the last of them, what the full cache wrote there), or None where one
+    completion is a prefix of the other. Token t is written by the query at t - 1, which sees every
+    round k with kδ ≤ t - 1."""
     a, b, P = full["tokens"], evicted["tokens"], full["prompt_len"]
     t = next((i for i in range(P, min(len(a), len(b))) if a[i] != b[i]), None)
     if t is None:
         return None
     before, word = a[t - 1].strip(), a[t].strip()
-    kind = ("the answer" if "<answer>" in (w.strip() for w in a[P:t]) else  # it rewrites the moves that solved it
+    # it rewrites the moves that solved it
+    kind = ("the answer" if "<answer>" in (w.strip() for w in a[P:t]) else
             "a computed number" if before in OPERATORS and word.isdigit() else
             "a verdict" if word in ("yes", "no") else
-            "a move after `back`" if before == "back" else "another token")  # back's numbers are read from far back
+            # back's numbers are read from far back
+            "a move after `back`" if before == "back" else "another token")
     return (t - 1) // delta, (t - 1) % delta, kind
 
 
 def failures(full_runs, evicted_runs, delta: int) -> dict:
-    """Counts of the rollouts wrong under eviction: also wrong with the full cache, or their first_divergence."""
+    """Counts of the rollouts wrong under eviction: also wrong with the full cache, or their
+    first_divergence."""
     wrong = [(f, e) for f, e in zip(full_runs, evicted_runs) if not e["correct"]]
     found = [first_divergence(f, e, delta) for f, e in wrong if f["correct"]]
     diverged = [x for x in found if x is not None]
     count = lambda xs: {str(x): n for x, n in sorted(Counter(xs).items())}
-    after = Counter(k for r, k, _ in diverged if r > 0)  # before round 1 there is no round to count from
-    return dict(rollouts=len(evicted_runs), wrong=len(wrong), full_cache_wrong_too=len(wrong) - len(found),
+    # before round 1 there is no round to count from
+    after = Counter(k for r, k, _ in diverged if r > 0)
+    return dict(rollouts=len(evicted_runs), wrong=len(wrong),
+                full_cache_wrong_too=len(wrong) - len(found),
                 no_divergence=found.count(None), rounds_before=count(r for r, _, _ in diverged),
                 tokens_after_round=[after[k] for k in range(delta)],
                 full_cache_wrote=count(kind for _, _, kind in diverged))
@@ -156,12 +180,14 @@ def failure_line(f) -> str:
     """failures() in words, only the parts there is something to say about."""
     if not f["wrong"]:
         return "none wrong under eviction"
-    parts = [f"{f['wrong']} wrong under eviction, {f['full_cache_wrong_too']} of them also with the full cache"]
+    parts = [f"{f['wrong']} wrong under eviction, "
+             f"{f['full_cache_wrong_too']} of them also with the full cache"]
     if f["full_cache_wrote"]:
         parts.append("the rest first leave its completion at: " + ", ".join(
             f"{kind} {n}" for kind, n in f["full_cache_wrote"].items()))
     if f["no_divergence"]:
-        parts.append(f"{f['no_divergence']} with no differing token (one completion a prefix of the other)")
+        parts.append(f"{f['no_divergence']} with no differing token "
+                     f"(one completion a prefix of the other)")
     return "; ".join(parts)
 
 
@@ -190,36 +216,44 @@ def grid(run) -> str:
         head.append(f'<th{cls} title="token {t}">{shown}</th>')
     rows = []
     for layer, fate in enumerate(run["rounds"].tolist()):
-        cells = "".join(f'<td class="{"alive" if r == ALIVE else f"r{r}"}{" s" if t == P else ""}"></td>'
+        cells = "".join(f'<td class="{"alive" if r == ALIVE else f"r{r}"}'
+                        f'{" s" if t == P else ""}"></td>'
                         for t, r in enumerate(fate))
         rows.append(f'<tr><th class="l">layer {layer}</th>{cells}</tr>')
     return f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def render_html(problems, runs: dict, info: dict) -> str:
-    """The page: settings and legend, then per problem the runs ({name: [run per problem]}) side by side."""
-    n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)  # rounds that evicted anything
+    """The page: settings and legend, then per problem the runs ({name: [run per problem]}) side by
+    side."""
+    # rounds that evicted anything
+    n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)
     colours = "".join(f".r{r}{{background:{round_colour(r, n)}}}" for r in range(n))
     legend = '<span class="key alive"></span>not evicted (in the cache at the end)' + "".join(
         f'<span class="key r{r}"></span>round {r + 1}' for r in range(n))
     e = info["eviction"]
-    intro = (f"<p>Each grid is one greedy rollout: one row per layer, one cell per token, the prompt (grey "
-             f"text) then the completion (after the black line). A cell's colour is the fate of that token's "
-             f"key in that layer's KV cache: not evicted, or evicted at round k, which fires once the sequence "
-             f"holds kδ tokens and keeps the top K blocks of NGC's scores ψ (the paper's evaluation policy); "
-             f"an evicted key is gone from that layer for every later token. Settings: ε = {e.rate:g}, "
-             f"δ = {e.delta}, b = {e.block}, w = {e.window}, at most {info['max_new_tokens']} new tokens, task "
-             f"{html.escape(info['task'])}; " + ", ".join(f"{html.escape(name)}: <code>{html.escape(path)}</code>"
-                                                          for name, path in info["models"].items()) + ".</p>")
+    intro = (f"<p>Each grid is one greedy rollout: one row per layer, one cell per token, "
+             f"the prompt (grey text) then the completion (after the black line). "
+             f"A cell's colour is the fate of that token's key in that layer's KV cache: "
+             f"not evicted, or evicted at round k, which fires once the sequence holds kδ tokens "
+             f"and keeps the top K blocks of NGC's scores ψ (the paper's evaluation policy); "
+             f"an evicted key is gone from that layer for every later token. "
+             f"Settings: ε = {e.rate:g}, δ = {e.delta}, b = {e.block}, w = {e.window}, "
+             f"at most {info['max_new_tokens']} new tokens, task "
+             f"{html.escape(info['task'])}; "
+             + ", ".join(f"{html.escape(name)}: <code>{html.escape(path)}</code>"
+                         for name, path in info["models"].items()) + ".</p>")
     body = [f"<h1>What the model forgets</h1>{intro}<p>{legend}</p>"]
     for i, problem in enumerate(problems):
         body.append(f"<h2>problem {i + 1}: {html.escape(str(problem))}</h2><div class=\"pair\">")
         for name, rs in runs.items():
             verdict = "correct" if rs[i]["correct"] else "wrong"
-            body.append(f'<div class="run"><h3>{html.escape(name)}: <span class="{verdict}">{verdict}</span>; '
+            body.append(f'<div class="run"><h3>{html.escape(name)}: '
+                        f'<span class="{verdict}">{verdict}</span>; '
                         f'{html.escape(summary(rs[i]))}</h3>{grid(rs[i])}</div>')
         body.append("</div>")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>What the model forgets</title>'
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<title>What the model forgets</title>'
             f"<style>{CSS}\n.alive{{background:{ALIVE_COLOUR}}}{colours}</style></head>\n<body>\n"
             + "\n".join(body) + "\n</body></html>\n")
 
@@ -236,27 +270,33 @@ def render_png(problems, runs: dict, path: str):
                              figsize=(6 * len(runs), len(problems) * (1.2 + 0.18 * L) + 0.6))
     for i in range(len(problems)):
         for ax, (name, rs) in zip(axes[i], runs.items()):
-            ax.imshow((rs[i]["rounds"] + 1).numpy(), cmap=ListedColormap(colours), vmin=-0.5, vmax=n + 0.5,
-                      aspect="auto", interpolation="nearest")
+            ax.imshow((rs[i]["rounds"] + 1).numpy(), cmap=ListedColormap(colours), vmin=-0.5,
+                      vmax=n + 0.5, aspect="auto", interpolation="nearest")
             ax.axvline(rs[i]["prompt_len"] - 0.5, color="black", linewidth=1)
-            ax.set_title(f"problem {i + 1}, {name}: {'correct' if rs[i]['correct'] else 'wrong'}; {summary(rs[i])}",
+            ax.set_title(f"problem {i + 1}, {name}: "
+                         f"{'correct' if rs[i]['correct'] else 'wrong'}; {summary(rs[i])}",
                          fontsize=8)
             ax.set_ylabel("layer", fontsize=8)
             ax.tick_params(labelsize=7)
         axes[i][0].set_xlabel("token (prompt | completion)", fontsize=8)
-    handles = [Patch(color=ALIVE_COLOUR, label="not evicted")] + [Patch(color=colours[r + 1], label=f"round {r + 1}")
-                                                                   for r in range(n)]
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 12), fontsize=8, frameon=False)
+    handles = ([Patch(color=ALIVE_COLOUR, label="not evicted")]
+               + [Patch(color=colours[r + 1], label=f"round {r + 1}") for r in range(n)])
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 12), fontsize=8,
+               frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     save_figure(fig, path, dpi=150)
 
 
 def parse_args(argv=None):
     p = parser(__doc__)
-    settings.add_flags(p, None, ["model"], {"model": "the trained checkpoint (required)"}, required=["model"])
-    p.add_argument("--before", help="the untrained model of the same task (default: tiny/, or tiny-math/)")
-    p.add_argument("--problems", type=int, default=4, help="the first N held-out problems of the run (default 4)")
-    p.add_argument("--eviction-rate", type=float, default=0.5, help="ε: the fraction of blocks evicted per round")
+    settings.add_flags(p, None, ["model"], {"model": "the trained checkpoint (required)"},
+                       required=["model"])
+    p.add_argument("--before",
+                   help="the untrained model of the same task (default: tiny/, or tiny-math/)")
+    p.add_argument("--problems", type=int, default=4,
+                   help="the first N held-out problems of the run (default 4)")
+    p.add_argument("--eviction-rate", type=float, default=0.5,
+                   help="ε: the fraction of blocks evicted per round")
     p.add_argument("--out", help="the HTML page to write")
     p.add_argument("--png", help="also a PNG of the same grids (needs matplotlib)")
     p.add_argument("--survival", help="a JSON file of the target's survival per round (Countdown)")
@@ -265,7 +305,8 @@ def parse_args(argv=None):
 
 
 def check(args):
-    """(the run's settings, NGC's evaluation policy, the problems), every flag and both checkpoints checked first."""
+    """(the run's settings, NGC's evaluation policy, the problems), every flag and both checkpoints
+    checked first."""
     check_values(args, {"problems": at_least(1)})
     if args.out is None and args.survival is None:
         raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
@@ -291,11 +332,13 @@ def trace_models(args, c, problems, ev):
     runs, measures = {}, {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
         model, tokenizer = load(path, args.device, c.meta_token)
-        check_prompts(c, tokenizer, path, problems)  # words the model cannot read: one line, not a page
+        # words the model cannot read: one line, not a page
+        check_prompts(c, tokenizer, path, problems)
         runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
         if args.survival:
             full = trace_rollouts(model, tokenizer, c, problems, None)
-            measures[name] = dict(survival(runs[name], problems), failures=failures(full, runs[name], ev.delta))
+            measures[name] = dict(survival(runs[name], problems),
+                                  failures=failures(full, runs[name], ev.delta))
     return runs, measures
 
 
@@ -303,7 +346,8 @@ def print_lines(problems, runs, measures, page: bool):
     if page:
         for i in range(len(problems)):
             for name, rs in runs.items():
-                print(f"problem {i + 1} {name:>9}: {'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
+                print(f"problem {i + 1} {name:>9}: "
+                      f"{'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
     for name, k in measures.items():
         print(f"{name:>9}: accuracy {k['accuracy']:.1%}; the target's key after round " + ", ".join(
             f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
@@ -318,11 +362,14 @@ def main(argv=None):
         c, ev, problems = check(args)
         runs, measures = trace_models(args, c, problems, ev)
     print_lines(problems, runs, measures, page=bool(args.out))
-    info = {"eviction": ev, "task": c.task, "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
-            "models": {"untrained": os.path.relpath(args.before), "trained": os.path.relpath(args.model)}}
+    info = {"eviction": ev, "task": c.task,
+            "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
+            "models": {"untrained": os.path.relpath(args.before),
+                       "trained": os.path.relpath(args.model)}}
     with writing():
         if args.survival:
-            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems), **measures))
+            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems),
+                                           **measures))
             print(f"wrote {args.survival}")
         if args.out:
             write_text(args.out, render_html(problems, runs, info))
