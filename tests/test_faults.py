@@ -401,7 +401,8 @@ def test_a_study_stopped_by_a_signal_continues_with_the_same_command(tmp_path):
     command = [sys.executable, "-u", "scripts/reproduce.py", "--no-interoception", "--no-ablations", "--model", TINY,
                "--out", str(out),
                "--jobs", "2", "--problems", "1", "--samples", "1", "--draws", "2", "--curve", "0.5", "--train-args", "--steps 16 --eval-every 8 "
-               "--eval-samples 0 --save-every 0 --prompts 2 --group 2 --max-new-tokens 32 --eval-problems 1"]
+               "--eval-samples 0 --save-every 0 --prompts 2 --group 2 --max-new-tokens 32 --eval-problems 1 "
+               "--train-problems 64"]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     runs = [out / "runs" / name for name in ("ngc", "no-evict")]  # the first two of the plan, trained together
     try:
