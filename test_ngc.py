@@ -503,7 +503,7 @@ def rollouts(model):
         if policy in own:  # these bind a tokenizer's words; the random model's have no meaning
             e = replace(layout, greedy=True, score=own[policy])
         else:  # the oracle's reference: the full cache from the same noise
-            e = baselines.build(policy, baselines.Given(layout, model, None, "countdown", reference=lambda: roll(None)))
+            e = baselines.build(policy, baselines.PolicyInputs(layout, model, None, "countdown", reference=lambda: roll(None)))
         runs[policy] = e, roll(e)
     return runs
 

@@ -8,7 +8,7 @@ Gumbel-top-k with the block means as logits (greedy=False; with log_blocks, log 
 with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D), alive (N, S),
 context: ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
 and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every
-policy (Given).
+policy (PolicyInputs).
 """
 from dataclasses import replace
 from functools import partial
@@ -140,7 +140,7 @@ def lookahead(cumulative, delta: int):
     return score
 
 
-class Given(NamedTuple):  # what eval.py hands every policy it builds
+class PolicyInputs(NamedTuple):  # what eval.py hands every policy it builds
     layout: Eviction  # the run's δ, b and w, and the ε evaluated
     model: object
     tokenizer: object
@@ -153,7 +153,7 @@ class Policy(NamedTuple):
     greedy: bool  # keep the top K blocks; False: Gumbel-top-k with the block means as logits
     score: Callable | None  # the per-key score; None: NGC's ψ, or the one bind makes
     help: str  # its line in eval.py --help
-    # bind(given) -> the score bound to what it reads (raises a one-line ValueError)
+    # bind(inputs) -> the score bound to what it reads (raises a one-line ValueError)
     bind: Callable | None = None
     # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle, bound (not a
     # policy: a problem counts as solved if any of eval.py's --draws eviction draws solves it)
@@ -162,41 +162,41 @@ class Policy(NamedTuple):
     temperature: float | None = None
 
 
-def build(name: str, given: Given) -> Eviction:
+def build(name: str, inputs: PolicyInputs) -> Eviction:
     p = POLICIES[name]
-    if p.kind == "rule" and given.task != "countdown":
+    if p.kind == "rule" and inputs.task != "countdown":
         raise ValueError(f"--policy {name} keeps the block of a Countdown prompt's target; this "
-                         f"evaluation's task is {given.task}: leave {name} out")
+                         f"evaluation's task is {inputs.task}: leave {name} out")
     logs = {} if p.temperature is None else dict(log_blocks=True, temperature=p.temperature)
-    return replace(given.layout, greedy=p.greedy, score=p.bind(given) if p.bind else p.score,
+    return replace(inputs.layout, greedy=p.greedy, score=p.bind(inputs) if p.bind else p.score,
                    **logs)
 
 
-def target_marker(given: Given) -> int:
-    marker = given.tokenizer.token_to_id(TARGET_MARKER)
+def target_marker(inputs: PolicyInputs) -> int:
+    marker = inputs.tokenizer.token_to_id(TARGET_MARKER)
     if marker is None:
         raise ValueError(f"--policy task-rule keeps the token after '{TARGET_MARKER}' (the tiny "
                          f"prompt's target); this tokenizer has no such token")
     return marker
 
 
-def number_tokens(given: Given):
+def number_tokens(inputs: PolicyInputs):
     """(V,) bool on the model's device: True for the tokenizer's tokens that are a number."""
-    vocab = given.tokenizer.get_vocab()
+    vocab = inputs.tokenizer.get_vocab()
     is_number = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
     is_number[[i for text, i in vocab.items() if text.isdigit()]] = True
-    return is_number.to(given.model.lm_head.weight.device)
+    return is_number.to(inputs.model.lm_head.weight.device)
 
 
-def oracle(given: Given):
+def oracle(inputs: PolicyInputs):
     """lookahead on the batch's full-cache rollout; without one, a score that refuses to run (never
     ψ)."""
-    if given.reference is None:
+    if inputs.reference is None:
         def unbound(*args):
             raise ValueError("the oracle reads the batch's full-cache rollout: build it with "
-                             "Given.reference")
+                             "PolicyInputs.reference")
         return unbound
-    return lookahead(future_attention(given.model, given.reference()), given.layout.delta)
+    return lookahead(future_attention(inputs.model, inputs.reference()), inputs.layout.delta)
 
 
 POLICIES = {  # --policy name -> Policy, in eval.py --help's order
@@ -213,11 +213,11 @@ POLICIES = {  # --policy name -> Policy, in eval.py --help's order
     "random-prompt": Policy(False, random_prompt, "the prompt's blocks, then random completion "
                             "blocks (Random Attention, 2026)"),
     "task-rule": Policy(True, None, "Countdown's hand-written rule: the block holding the target, "
-                        "then the newest", bind=lambda given: task_rule(target_marker(given)),
+                        "then the newest", bind=lambda inputs: task_rule(target_marker(inputs)),
                         kind="rule"),
     "number-rule": Policy(True, None, "the same with the numbers: the blocks holding the prompt's "
                           "target and numbers, then the newest",
-                          bind=lambda given: number_rule(number_tokens(given)), kind="rule"),
+                          bind=lambda inputs: number_rule(number_tokens(inputs)), kind="rule"),
     "oracle": Policy(True, None, "the blocks the full-cache rollout's next δ tokens attend to "
                      "most (a heuristic that sees the future, not an optimum)", bind=oracle,
                      kind="oracle"),

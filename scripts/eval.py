@@ -63,7 +63,8 @@ def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction |
     if name == "none":
         return None
     layout = settings.eviction(c, rate)
-    return baselines.build(name, baselines.Given(layout, model, tokenizer, c.task, reference))
+    inputs = baselines.PolicyInputs(layout, model, tokenizer, c.task, reference)
+    return baselines.build(name, inputs)
 
 
 def pass_at_k(n: int, c, k: int) -> float:

@@ -205,7 +205,7 @@ def rounds(c, block, rate, policy, n, prompt=None):
     window = ngc.QueryWindow(1, n, q.shape[2], q.shape[1], q.shape[3], torch.float32, "cpu")
     window.q[0], window.pos, window.valid = q, qpos, torch.ones(qpos.shape, dtype=torch.bool)
     layout = Eviction(delta=64, block=block, window=q.shape[2], rate=rate)
-    e = baselines.build(policy, baselines.Given(layout, None, None, "countdown")) if isinstance(policy, str) \
+    e = baselines.build(policy, baselines.PolicyInputs(layout, None, None, "countdown")) if isinstance(policy, str) \
         else replace(layout, **policy)  # eval.py's construction by name; these policies read no model or tokenizer
     tokens, lengths = prompt or (kpos[:1, :2], torch.tensor([2]))
     row = torch.arange(n)

@@ -18,7 +18,7 @@ SAMPLING = Sampling(max_new_tokens=16, temperature=1.0, top_k=0)
 
 def policy(name, model):
     """eval.py's construction of --policy `name` for each batch, from that batch's reference rollout."""
-    return lambda reference: baselines.build(name, baselines.Given(LAYOUT, model, None, "countdown", reference))
+    return lambda reference: baselines.build(name, baselines.PolicyInputs(LAYOUT, model, None, "countdown", reference))
 
 
 def score(model, ckpt, name, reward_fn, draws=None, seed=0):
@@ -55,7 +55,7 @@ def test_draws_share_their_token_noise_and_differ_in_their_evictions(model):
     batch's tokens do not depend on the draws. The control: one generator for both (draws=None, twice in a row)
     gives other tokens from the first one on."""
     prompts = prompts_of([3, 3, 3, 3])  # the first round after 3 new tokens
-    luck = baselines.build("luck", baselines.Given(LAYOUT, model, None, "countdown"))
+    luck = baselines.build("luck", baselines.PolicyInputs(LAYOUT, model, None, "countdown"))
     gen = torch.Generator().manual_seed(0)
     outs = scoring.draw_rollouts(model, prompts, SAMPLING, luck, gen, 3, 0, None, False)
     after = gen.get_state()
@@ -76,7 +76,7 @@ def test_a_problem_counts_as_solved_if_any_draw_solves_it(model, ckpt):
     solution: that problem-sample is solved and every other one is not; its draw_reward is the share of draws
     that wrote it. The control: a rule that counts the last draw (or the first) misses it."""
     tokenizer = load_tokenizer(ckpt)
-    luck = baselines.build("luck", baselines.Given(LAYOUT, model, None, "countdown"))
+    luck = baselines.build("luck", baselines.PolicyInputs(LAYOUT, model, None, "countdown"))
     problems = prompts_of([4, 7, 5, 9])
     jobs = [p for p in problems for _ in range(2)]
     outs = scoring.draw_rollouts(model, jobs, SAMPLING, luck, torch.Generator().manual_seed(0), 6, 0, None, False)
