@@ -4,7 +4,8 @@
 set -u
 export PYTHONUNBUFFERED=1
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0) + ', torch ' + torch.__version__)")
-head="# one $gpu, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%F)"
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  # a copied tree: give COMMIT
+head="# one $gpu, commit $commit, $(date -u +%F)"
 record() {  # record FILE CMD...: run CMD, write its command, the machine, its console and rc to FILE
     local file=$1; shift
     { echo "# $*"; echo "$head"; "$@" 2>&1; echo "rc $?"; } > "$OUT/$file"
