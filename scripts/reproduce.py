@@ -83,8 +83,8 @@ def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_
                steps=None) -> dict:
     """{dir under out: train.py flags} of ngc and no-evict, the ablations, the interoception pair
     (0: none). With start_steps, first a no-evict run of that many steps per seed, and every run of
-    the seed trains `steps` from its checkpoint (checkpoint_of's path, relative to out:
-    train_command makes it the run's --model)."""
+    the seed trains `steps` from its checkpoint (a path under out, which train_command makes the
+    run's --model)."""
     groups = [(["ngc", "no-evict"], seeds), (["token-only", "targeted-dropout"], ablation_seeds),
               (["interoception", "interoception-blind"], interoception_seeds)]
     runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
