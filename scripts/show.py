@@ -3,7 +3,6 @@ after training.
 
     python scripts/show.py --model runs/ngc/checkpoint [--before tiny] [--problems 4] \\
         [--eviction-rate 0.5] --out forgets.html [--png forgets.png]
-    python scripts/show.py --model runs/ngc/checkpoint --problems 200 --survival survival.json
 
 The run's first N held-out problems (as eval.py prompts them) are completed greedily by the
 untrained model (--before) and by the checkpoint, under NGC's evaluation policy (greedy top-K
@@ -11,16 +10,10 @@ blocks on ψ at ε). The page (self-contained HTML) shows each problem's two rol
 as a grid, a row per layer and a cell per token, coloured by the round that evicted that token's
 key at that layer (the paper's Figure 2, top, for every layer): round k fires once the sequence
 holds kδ tokens, k = death // δ (replay.evicted_by).
-
---survival FILE measures how often the target's key (which every verdict of a Countdown trace
-needs) survives round k against the other prompt keys, and, for each rollout that fails under
-eviction where the full cache succeeds, where the two greedy completions first differ and what the
-full cache wrote there (first_divergence).
 """
 import html
 import os
 import sys
-from collections import Counter
 
 import torch
 
@@ -32,7 +25,7 @@ from lib import distributed, settings
 from lib.checkpoint import META_TOKEN, load, load_config
 from lib.cli import (at_least, check_output_file, check_values, exits, need, one_line_errors,
                      parser, pyplot, writing)
-from lib.files import save_figure, write_json, write_text
+from lib.files import save_figure, write_text
 from lib.settings import run_defaults
 from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 
@@ -91,104 +84,6 @@ def trace_rollouts(model, tokenizer, c, problems, ev: Eviction | None):
                          rounds=rounds, prompt_len=int(ro.prompt_lens[i]),
                          n_rounds=int(ro.n_rounds[i])))
     return runs
-
-
-def target_position(run, problem) -> int:
-    """The prompt position of a Countdown problem's target: its first token that reads the
-    number."""
-    at = [t for t in range(run["prompt_len"]) if run["tokens"][t].strip() == str(problem.target)]
-    if not at:
-        raise ValueError(f"the target {problem.target} is not one token of the prompt; "
-                         "--survival needs a tokenizer that writes a number as one word "
-                         "(the tiny models')")
-    return at[0]
-
-
-def survival(runs, problems, max_round: int = 3) -> dict:
-    """Per round k ≤ max_round, the mean fraction of layers holding the target's key after it (and
-    the other prompt keys'); the accuracy of the rollouts whose target outlived round 1 in some
-    layer, and of the rest."""
-    mean = lambda xs: sum(xs) / len(xs) if xs else None
-    # (L, T): alive after round k
-    after = lambda run, k: (run["rounds"] == ALIVE) | (run["rounds"] >= k)
-    per_round = []
-    for k in range(1, max_round + 1):
-        target, other = [], []
-        for run, problem in zip(runs, problems):
-            if run["n_rounds"] < k:
-                continue
-            alive, t, P = after(run, k).float(), target_position(run, problem), run["prompt_len"]
-            target.append(alive[:, t].mean().item())
-            other.append(torch.cat([alive[:, :t], alive[:, t + 1:P]], 1).mean().item())
-        per_round.append(dict(round=k, rollouts=len(target), target=mean(target),
-                              other_prompt=mean(other)))
-    kept = [run["n_rounds"] == 0 or bool(after(run, 1)[:, target_position(run, problem)].any())
-            for run, problem in zip(runs, problems)]
-    split = lambda flag: [r["correct"] for r, k in zip(runs, kept) if k == flag]
-    restated = [restatements(run, problem) for run, problem in zip(runs, problems)]
-    return dict(rounds=per_round, accuracy=mean([r["correct"] for r in runs]),
-                kept_target=dict(rollouts=len(split(True)), accuracy=mean(split(True))),
-                lost_target=dict(rollouts=len(split(False)), accuracy=mean(split(False))),
-                restated=dict(rollouts=mean([n > 0 for n in restated]), per_rollout=mean(restated)))
-
-
-def restatements(run, problem) -> int:
-    """How often the completion writes `reach <target>` (as countdown.trace's restatements)."""
-    words = [w.strip() for w in run["tokens"][run["prompt_len"]:]]
-    return sum(a == "reach" and b == str(problem.target) for a, b in zip(words, words[1:]))
-
-
-OPERATORS = {"+", "-", "*", "/", "="}
-
-
-def first_divergence(full, evicted, delta: int):
-    """Where the greedy rollout under eviction first leaves the full cache's: (the rounds fired
-    before, the tokens since the last of them, what the full cache wrote there), or None where one
-    completion is a prefix of the other. Token t is written by the query at t - 1, which sees every
-    round k with kδ ≤ t - 1."""
-    a, b, P = full["tokens"], evicted["tokens"], full["prompt_len"]
-    t = next((i for i in range(P, min(len(a), len(b))) if a[i] != b[i]), None)
-    if t is None:
-        return None
-    before, word = a[t - 1].strip(), a[t].strip()
-    # it rewrites the moves that solved it
-    kind = ("the answer" if "<answer>" in (w.strip() for w in a[P:t]) else
-            "a computed number" if before in OPERATORS and word.isdigit() else
-            "a verdict" if word in ("yes", "no") else
-            # back's numbers are read from far back
-            "a move after `back`" if before == "back" else "another token")
-    return (t - 1) // delta, (t - 1) % delta, kind
-
-
-def failures(full_runs, evicted_runs, delta: int) -> dict:
-    """Counts of the rollouts wrong under eviction: also wrong with the full cache, or their
-    first_divergence."""
-    wrong = [(f, e) for f, e in zip(full_runs, evicted_runs) if not e["correct"]]
-    found = [first_divergence(f, e, delta) for f, e in wrong if f["correct"]]
-    diverged = [x for x in found if x is not None]
-    count = lambda xs: {str(x): n for x, n in sorted(Counter(xs).items())}
-    # before round 1 there is no round to count from
-    after = Counter(k for r, k, _ in diverged if r > 0)
-    return dict(rollouts=len(evicted_runs), wrong=len(wrong),
-                full_cache_wrong_too=len(wrong) - len(found),
-                no_divergence=found.count(None), rounds_before=count(r for r, _, _ in diverged),
-                tokens_after_round=[after[k] for k in range(delta)],
-                full_cache_wrote=count(kind for _, _, kind in diverged))
-
-
-def failure_line(f) -> str:
-    """failures() in words, only the parts there is something to say about."""
-    if not f["wrong"]:
-        return "none wrong under eviction"
-    parts = [f"{f['wrong']} wrong under eviction, "
-             f"{f['full_cache_wrong_too']} of them also with the full cache"]
-    if f["full_cache_wrote"]:
-        parts.append("the rest first leave its completion at: " + ", ".join(
-            f"{kind} {n}" for kind, n in f["full_cache_wrote"].items()))
-    if f["no_divergence"]:
-        parts.append(f"{f['no_divergence']} with no differing token "
-                     f"(one completion a prefix of the other)")
-    return "; ".join(parts)
 
 
 CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}
@@ -297,9 +192,8 @@ def parse_args(argv=None):
                    help="the first N held-out problems of the run (default 4)")
     p.add_argument("--eviction-rate", type=float, default=0.5,
                    help="ε: the fraction of blocks evicted per round")
-    p.add_argument("--out", help="the HTML page to write")
+    p.add_argument("--out", required=True, help="the HTML page to write")
     p.add_argument("--png", help="also a PNG of the same grids (needs matplotlib)")
-    p.add_argument("--survival", help="a JSON file of the target's survival per round (Countdown)")
     settings.add_flags(p, None, ["device"])
     return p.parse_args(argv)
 
@@ -308,9 +202,7 @@ def check(args):
     """(the run's settings, NGC's evaluation policy, the problems), every flag and both checkpoints
     checked first."""
     check_values(args, {"problems": at_least(1)})
-    if args.out is None and args.survival is None:
-        raise ValueError("nothing to write: give --out PAGE.html, --survival FILE.json or both")
-    for flag in ("out", "png", "survival"):
+    for flag in ("out", "png"):
         if getattr(args, flag) is not None:
             check_output_file(getattr(args, flag), f"--{flag}")
     if args.png:
@@ -318,8 +210,6 @@ def check(args):
     args.device = distributed.pick_device(args.device)
     load_config(args.model)  # a missing or foreign checkpoint fails here, before anything is loaded
     c = run_defaults(args.model)
-    if args.survival and c.task != "countdown":
-        raise ValueError("--survival measures a Countdown target; this run's task is " + c.task)
     args.before = args.before or BEFORE[c.task]
     load_config(args.before)
     run_defaults(args.before, c.task, "--before")  # a model of --model's task
@@ -328,31 +218,21 @@ def check(args):
 
 
 def trace_models(args, c, problems, ev):
-    """Both models' rollouts and, with --survival, their survival and failures."""
-    runs, measures = {}, {}
+    """Both models' rollouts."""
+    runs = {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
         model, tokenizer = load(path, args.device, c.meta_token)
         # words the model cannot read: one line, not a page
         check_prompts(c, tokenizer, path, problems)
         runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
-        if args.survival:
-            full = trace_rollouts(model, tokenizer, c, problems, None)
-            measures[name] = dict(survival(runs[name], problems),
-                                  failures=failures(full, runs[name], ev.delta))
-    return runs, measures
+    return runs
 
 
-def print_lines(problems, runs, measures, page: bool):
-    if page:
-        for i in range(len(problems)):
-            for name, rs in runs.items():
-                print(f"problem {i + 1} {name:>9}: "
-                      f"{'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
-    for name, k in measures.items():
-        print(f"{name:>9}: accuracy {k['accuracy']:.1%}; the target's key after round " + ", ".join(
-            f"{r['round']}: {r['target']:.0%} of layers (other prompt keys {r['other_prompt']:.0%})"
-            for r in k["rounds"] if r["rollouts"]))
-        print(f"{'':>9}  {failure_line(k['failures'])}")
+def print_lines(problems, runs):
+    for i in range(len(problems)):
+        for name, rs in runs.items():
+            print(f"problem {i + 1} {name:>9}: "
+                  f"{'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
 
 
 @exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
@@ -360,23 +240,18 @@ def main(argv=None):
     args = parse_args(argv)
     with one_line_errors():
         c, ev, problems = check(args)
-        runs, measures = trace_models(args, c, problems, ev)
-    print_lines(problems, runs, measures, page=bool(args.out))
+        runs = trace_models(args, c, problems, ev)
+    print_lines(problems, runs)
     info = {"eviction": ev, "task": c.task,
             "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
             "models": {"untrained": os.path.relpath(args.before),
                        "trained": os.path.relpath(args.model)}}
     with writing():
-        if args.survival:
-            write_json(args.survival, dict(info, eviction=vars(ev), problems=len(problems),
-                                           **measures))
-            print(f"wrote {args.survival}")
-        if args.out:
-            write_text(args.out, render_html(problems, runs, info))
-            print(f"wrote {args.out}")
-            if args.png:
-                render_png(problems, runs, args.png)
-                print(f"wrote {args.png}")
+        write_text(args.out, render_html(problems, runs, info))
+        print(f"wrote {args.out}")
+        if args.png:
+            render_png(problems, runs, args.png)
+            print(f"wrote {args.png}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
-"""show.py: which keys each layer evicted and when, the page, the survival study."""
+"""show.py: which keys each layer evicted and when, and the page."""
 import json
 import os
 import shutil
 import sys
 from dataclasses import replace
 from html.parser import HTMLParser
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -165,60 +164,6 @@ def test_show_png(ckpt, train_ckpt, tmp_path):
     assert not list(png.parent.glob(png.name + ".*.tmp"))
 
 
-def test_target_survival_by_hand():
-    prompt = ["<bos>", "reach", "7", "with", "1"]
-    a = dict(tokens=prompt + ["x"], prompt_len=5, n_rounds=2, correct=True,  # death rounds (L=2, T=6), 0-based
-             rounds=torch.tensor([[-1, 0, -1, 1, 0, -1], [0, 0, 1, -1, -1, -1]]))
-    b = dict(tokens=prompt + ["reach", "7", "reach", "8", " reach", "7"], prompt_len=5, n_rounds=1, correct=False,
-             rounds=torch.zeros(2, 11, dtype=torch.long))
-    s = show.survival([a, b], [SimpleNamespace(target=7)] * 2, max_round=3)
-    assert s["rounds"][0] == dict(round=1, rollouts=2, target=0.5, other_prompt=0.25)  # a: 1 and 4/8; b: 0 and 0
-    assert s["rounds"][1] == dict(round=2, rollouts=1, target=0.5, other_prompt=0.375)  # b never reached round 2
-    assert s["rounds"][2] == dict(round=3, rollouts=0, target=None, other_prompt=None)
-    assert s["kept_target"] == dict(rollouts=1, accuracy=1.0) and s["lost_target"] == dict(rollouts=1, accuracy=0.0)
-    assert s["restated"] == dict(rollouts=0.5, per_rollout=1.0)  # b writes `reach 7` twice (not the prompt's)
-    with pytest.raises(ValueError, match="not one token"):
-        show.survival([a], [SimpleNamespace(target=8)])
-
-
-def test_failures_find_where_eviction_first_changes_the_completion():
-    def run(completion, correct, prompt=("<bos>", "reach", "7")):  # δ = 4: rounds at 4, 8, 12 tokens
-        return dict(tokens=list(prompt) + completion.split(), prompt_len=len(prompt), correct=correct)
-    full = [run("5 + 2 = 7 yes", True), run("5 * 2 = 10 no back", True), run("5 + 2 = 9 no back", True),
-            run("5 + 2", False), run("5 + 2 = 7 yes", True), run("5 + 2 = 9 no back 5 * 2 = 10", True),
-            run("5 + 2 = 7 yes <answer> 5 + 2", True)]
-    evicted = [run("5 + 2 = 7 yes", True), run("5 * 2 = 11 no back", False),  # token 7: a computed number
-               run("5 + 2 = 9 yes", False),  # token 8, a verdict, written by the query at 7: 3 tokens after round 1
-               run("5 + 2", False),  # the full cache fails too
-               run("6 + 2 = 8 no", False),  # token 3, an operand (a number, not after an operator): before round 1
-               run("5 + 2 = 9 no back 4 * 2 = 8", False),  # token 10, after `back`: 1 token after round 2
-               run("5 + 2 = 7 yes <answer> 5 * 2", False)]  # token 11, an operator of the answer: 2 after round 2
-    assert show.first_divergence(full[1], evicted[1], 4) == (1, 2, "a computed number")
-    assert show.first_divergence(full[2], evicted[2], 4) == (1, 3, "a verdict")
-    assert show.first_divergence(full[4], evicted[4], 4) == (0, 2, "another token")
-    assert show.first_divergence(full[5], evicted[5], 4) == (2, 1, "a move after `back`")
-    assert show.first_divergence(full[6], evicted[6], 4) == (2, 2, "the answer")
-    assert show.first_divergence(full[0], evicted[0], 4) is None
-    f = show.failures(full, evicted, delta=4)
-    assert f == dict(rollouts=7, wrong=6, full_cache_wrong_too=1, no_divergence=0,
-                     rounds_before={"0": 1, "1": 2, "2": 2}, tokens_after_round=[0, 1, 2, 1],
-                     full_cache_wrote={"a computed number": 1, "a move after `back`": 1, "a verdict": 1,
-                                       "another token": 1, "the answer": 1})
-
-
-def test_show_writes_the_survival_file_alone(train_ckpt, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(show, "target_position", lambda run, problem: 1)  # the test tokenizer splits numbers
-    out = tmp_path / "s.json"
-    show.main(["--model", train_ckpt, "--before", train_ckpt, "--problems", "2", "--survival", str(out)])
-    assert not [line for line in capsys.readouterr().out.splitlines() if line.rstrip().endswith(":")]  # nothing empty
-    s = json.loads(out.read_text())
-    assert s["untrained"] == s["trained"] and s["problems"] == 2 and list(tmp_path.iterdir()) == [out]
-    assert s["untrained"]["kept_target"]["rollouts"] + s["untrained"]["lost_target"]["rollouts"] == 2
-    f = s["trained"]["failures"]  # the full cache rolled out beside: every failure is counted once
-    assert f["rollouts"] == 2
-    assert f["full_cache_wrong_too"] + f["no_divergence"] + sum(f["full_cache_wrote"].values()) == f["wrong"]
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--eviction-rate", "1.5"], "must lie in (0, 1]"), (["--problems", "0"], "--problems 0 must be at least 1"),
     (["--problems", "167"], "held-out validation split has 166 problems"), (["--out", "/no/such/dir/f.html"], "does not exist"),
@@ -239,14 +184,3 @@ def test_show_png_without_matplotlib_fails_early(train_ckpt, tmp_path, monkeypat
     with pytest.raises(SystemExit) as err:
         show.main(["--model", train_ckpt, "--out", str(tmp_path / "f.html"), "--png", str(tmp_path / "f.png")])
     assert str(err.value) == "error: --png needs matplotlib: pip install matplotlib"
-
-
-def test_show_says_only_what_there_is_about_the_failures():
-    f = dict(rollouts=4, wrong=0, full_cache_wrong_too=0, no_divergence=0, full_cache_wrote={})
-    assert show.failure_line(f) == "none wrong under eviction"
-    f = dict(f, wrong=3, full_cache_wrong_too=2, no_divergence=1)
-    assert show.failure_line(f) == ("3 wrong under eviction, 2 of them also with the full cache; 1 with no differing "
-                                    "token (one completion a prefix of the other)")
-    f = dict(f, wrong=4, no_divergence=0, full_cache_wrote={"a verdict": 2})
-    assert show.failure_line(f) == ("4 wrong under eviction, 2 of them also with the full cache; the rest first leave "
-                                    "its completion at: a verdict 2")
