@@ -288,9 +288,11 @@ def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, m
     (["--seeds", "1", "--ablation-seeds", "2"], "--ablation-seeds 2 is more than --seeds 1"),
     (["--seeds", "2", "--interoception-seeds", "3"], "--interoception-seeds 3 is more than --seeds 2"),
     (["--curve", "0.5", "1.5"], "--curve 1.5: an eviction rate lies between 0 and 1")])
-def test_reproduce_refuses_more_seeds_of_a_study_than_of_ngc(tmp_path, monkeypatch, flags, message):
+def test_reproduce_refuses_more_seeds_of_a_study_than_of_ngc_or_a_rate_off_the_unit(tmp_path, monkeypatch, flags,
+                                                                                  message):
     """The ablations and interoception are compared with ngc's runs of the same seeds (Figure 5 draws their
-    means): more seeds than ngc has would read runs that are never trained."""
+    means): more seeds than ngc has would read runs that are never trained. A curve rate outside (0, 1) is
+    refused as early."""
     monkeypatch.setattr(reproduce.subprocess, "Popen", reached)
     assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), *flags])).startswith(
         f"error: {message}")
