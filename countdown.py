@@ -130,8 +130,7 @@ def splits(seed=0, n_train=327_680, n_test=1_024, difficulty=PAPER, unique=True,
     whatever the seed, and n_train from the seed's own stream, none of the held-out set's, distinct
     when unique (SMALL has only a few thousand distinct problems: unique=False). With seed
     HELD_OUT_SEED, train is the stream after the held-out set."""
-    pool = held_out(difficulty)
-    test = _split(pool, split)
+    test = held_out(difficulty, split)
     if n_test is not None and n_test > len(test):
         raise ValueError(f"--eval-problems {n_test}: the held-out {split or 'set'} has {len(test)} "
                          "problems")

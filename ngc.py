@@ -142,8 +142,7 @@ class RolloutState:
             cache_bound(eviction.delta, eviction.block, r, T - 1) for r in set(self.rates.tolist()))
         state = (B, capacity, eviction.window if eviction else 0, self.dtype, device)
         if compile:  # captured_decode, below: buffers kept for the next rollout
-            self.cache, self.window, self.step = captured_decode(
-                model, decode_one_token, functools.partial(decode_state, model), state)
+            self.cache, self.window, self.step = captured_decode(model, state)
         else:  # eager: attention reads only the slots some row has filled (a tight cache)
             self.cache, self.window = decode_state(model, *state, tight=True)
             self.step = decode_one_token
@@ -507,16 +506,15 @@ def compiled_step(step, cuda: bool, sdpa_math: bool):
 CAPTURED = weakref.WeakKeyDictionary()
 
 
-def captured_decode(model, step, new_state, state_args: tuple):
-    """(cache, window, compiled step) for a rollout whose state_args = (batch, capacity, w, dtype,
-    device): new_state(*state_args, tight=False) makes them, or the model's last ones are handed
-    back, zeroed, so that CUDA graphs captured on their addresses replay instead of being captured
-    again."""
+def captured_decode(model, state_args: tuple):
+    """(cache, window, compiled decode_one_token) for a rollout whose state_args = (batch, capacity,
+    w, dtype, device): decode_state makes them, or the model's last ones are handed back, zeroed,
+    so that CUDA graphs captured on their addresses replay instead of being captured again."""
     batch, capacity, w, dtype, device = state_args
     key = (batch, capacity, w, dtype, str(device))
     reused = model in CAPTURED and CAPTURED[model][0] == key
     if not reused:
-        CAPTURED[model] = key, new_state(*state_args, tight=False)  # captured: reads all slots
+        CAPTURED[model] = key, decode_state(model, *state_args, tight=False)  # reads all slots
     cache, window = CAPTURED[model][1]
     for t in cache.buffers() + (window.buffers() if window is not None else []):
         if reused:
@@ -524,4 +522,5 @@ def captured_decode(model, step, new_state, state_args: tuple):
         else:
             torch._dynamo.mark_static_address(t)  # CUDA graphs read and write them in place
     cuda = torch.device(device).type == "cuda"
-    return cache, window, compiled_step(step, cuda, not cuda and capacity <= SDPA_MATH_MAX_SLOTS)
+    sdpa_math = not cuda and capacity <= SDPA_MATH_MAX_SLOTS
+    return cache, window, compiled_step(decode_one_token, cuda, sdpa_math)

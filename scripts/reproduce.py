@@ -142,15 +142,14 @@ def check_runs(out, model, runs, jobs, extra):
             run_dir, checkpoint = (os.path.join(out, name),
                                    os.path.join(out, name, "checkpoint"))
             start = start_of(flags)
-            # checked on --model: the start's recipe
-            if start and not finished(os.path.join(out, start)):
+            unstarted = bool(start) and not finished(os.path.join(out, start))
+            if unstarted:  # checked on --model, whose recipe the start trains with
                 flags = flags[2:]
             cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)
             argv = cmd[2:]  # after python and train.py
             # bad values: train.py's one-line errors
             now = settings.saved(train.resolve(train.parse_args(argv)))
-            unread = ("threads", "eval_problems",
-                      *(("model",) if start and start_of(flags) is None else ()))
+            unread = ("threads", "eval_problems") + (("model",) if unstarted else ())
             now = {k: v for k, v in now.items() if k not in unread}  # not what it trains on
             # a save cut short by a crash: its whole copy back in place, as a resume would
             recover_swap(checkpoint)

@@ -67,12 +67,10 @@ def summary(run) -> str:
             f"completion {alive[:, P:].mean():.0%}")
 
 
-def trace_rollouts(model, tokenizer, c, problems, ev: Eviction | None):
-    """Per problem, its greedy rollout under ev (None: the full cache): verdict, token texts and
-    death rounds."""
+def trace_rollouts(model, tokenizer, c, problems, ev: Eviction):
+    """Per problem, its greedy rollout under ev: verdict, token texts and death rounds."""
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception and ev else None,
-                            c.blind_tag)
+    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
     sampling = settings.sampling(c, held_out=True, greedy=True, meta_token=meta)
     ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev,
                  eos_ids=model.config.eos_ids)
