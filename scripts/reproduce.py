@@ -14,17 +14,15 @@
                                                 # 120 no-evict steps per seed, then every run 240
                                                 # steps from there (about 4 hours)
 
-It trains the runs of RUNS from --model (seeds 0..N-1, into OUT/runs/<name>[-seed<k>], each unless
-finished; with --start-steps from OUT/runs/start[-seed<k>], a no-evict run of those steps from
---model), scores them with eval.py on the test split into OUT/evals/, and writes OUT/<study>.jsonl
-and .png, claims.md, summary.md, the figures and forgets.html. Every study is measured at ε*, the
-rate at which §5.1's peak formula gives a 2.4× reduction on the no-evict model's full-cache
-completions (OUT/budget.json), each peak-KV reduction against the same seed's no-evict model's full
-cache (§5.1's c_base). The studies (studies_of): 0. the claims; 1. the baselines, the oracle and the
-hindsight bound on both models (Figure 3, left); 2. the curve over ε (Figure 3, right; a rate is
-testable where the hindsight bound on NGC's model solves at least 20%); 3. the ablations (Figure 5);
-4. interoception against its blind-tag control and plain NGC (Figure 6); 6. prompt layouts never
-trained on.
+It trains the runs of RUNS from --model (into OUT/runs/<name>[-seed<k>], each unless finished; with
+--start-steps from a no-evict run of those steps, OUT/runs/start[-seed<k>]), scores them with
+eval.py on the test split (OUT/evals/) and writes claims.md, summary.md, curve.md, the figures,
+forgets.html and each study's OUT/<study>.jsonl and .png: 0. the claims; 1. the baselines, the
+oracle and the hindsight bound on both models (Figure 3, left); 2. the curve over ε (Figure 3,
+right); 3. the ablations (Figure 5); 4. interoception against its blind-tag control and plain NGC
+(Figure 6); 6. prompt layouts never trained on. Every study is measured at ε*, where §5.1's peak
+formula gives a 2.4× reduction on the no-evict model's full-cache completions (OUT/budget.json),
+each peak-KV reduction against the same seed's no-evict model's full cache (§5.1's c_base).
 """
 import contextlib
 import json
@@ -48,23 +46,19 @@ from lib.cli import (Error, FlagError, Interrupted, at_least, check_values, exit
 from lib.files import recover_swap, save_figure, write_jsonl, write_text
 import eval as evaluation  # scripts/, beside this file
 import show
-from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown, testable
+from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown, table, testable
 
 # each names its mode: a start
 RUNS = {"ngc": ["--mode", "ngc"], "no-evict": ["--mode", "no-evict"],
         "token-only": ["--mode", "token-only"], "targeted-dropout": ["--mode", "targeted-dropout"],
         "interoception": ["--mode", "ngc", "--interoception"],
         "interoception-blind": ["--mode", "ngc", "--interoception", "--blind-tag"]}
-# --start-steps: the no-evict run of each seed that every other run of the seed starts from
-START = "start"
+START = "start"  # --start-steps: each seed's no-evict run that the seed's other runs start from
 CURVE = [0.5, 0.6, 0.7, 0.8, 0.9]  # the curve's rates by default (--curve), with ε* among them
 TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
-# the strongest task-agnostic baselines on tiny/ (results/deep/baselines.jsonl)
-STRONGEST = ["keydiff", "snapkv"]
-# the pseudo-run of studies that evaluate --model itself, before any training
-UNTRAINED = "untrained"
-# reproduce.py sets these per run
-NOT_IN_TRAIN_ARGS = ("model", "out", "resume", "overwrite", "seed")
+STRONGEST = ["keydiff", "snapkv"]  # the strongest task-agnostic baselines on tiny/ (results/deep)
+UNTRAINED = "untrained"  # the pseudo-run of studies that evaluate --model itself, untrained
+NOT_IN_TRAIN_ARGS = ("model", "out", "resume", "overwrite", "seed")  # reproduce.py sets them
 STOP_WAIT = 300  # seconds a stopped train.py may take to save its step
 
 
@@ -82,30 +76,24 @@ def run_name(name: str, seed: int) -> str:
 def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_steps=0,
                steps=None) -> dict:
     """{dir under out: train.py flags} of ngc and no-evict, the ablations, the interoception pair
-    (0: none). With start_steps, first a no-evict run of that many steps per seed, and every run of
-    the seed trains `steps` from its checkpoint (a path under out, which train_command makes the
-    run's --model)."""
+    (0: none); with start_steps, each seed's runs train `steps` from a no-evict run of those."""
     groups = [(["ngc", "no-evict"], seeds), (["token-only", "targeted-dropout"], ablation_seeds),
               (["interoception", "interoception-blind"], interoception_seeds)]
-    runs = {os.path.join("runs", run_name(name, k)): RUNS[name] + ["--seed", str(k)]
+    runs = {os.path.join("runs", run_name(name, k)): [*RUNS[name], "--seed", str(k)]
             for names, n in groups for k in range(n) for name in names}
     if not start_steps:
         return runs
-    first = {start_dir(k): RUNS["no-evict"] + ["--seed", str(k), "--steps", str(start_steps)]
+    start = lambda seed: os.path.join("runs", run_name(START, int(seed)))
+    first = {start(k): [*RUNS["no-evict"], "--seed", str(k), "--steps", str(start_steps)]
              for k in range(seeds)}
-    seed = lambda flags: int(flags[flags.index("--seed") + 1])
-    return first | {name: ["--model", os.path.join(start_dir(seed(flags)), "checkpoint"),
+    # each run's flags end with its seed
+    return first | {name: ["--model", os.path.join(start(flags[-1]), "checkpoint"),
                            "--steps", str(steps), *flags] for name, flags in runs.items()}
 
 
-def start_dir(seed: int) -> str:
-    return os.path.join("runs", run_name(START, seed))
-
-
 def start_of(flags) -> str | None:
-    """The run directory (under out) whose checkpoint a run starts from, if it starts from another
-    run's."""
-    return os.path.dirname(flags[flags.index("--model") + 1]) if "--model" in flags else None
+    """The run directory (under out) whose checkpoint a run starts from, if any."""
+    return os.path.dirname(flags[1]) if flags[:1] == ["--model"] else None
 
 
 def finished(run_dir) -> bool:
@@ -123,59 +111,57 @@ def threads_per_run(jobs: int) -> int:
     return max(1, (os.cpu_count() or 1) // jobs)
 
 
-def check_runs(out, model, runs, jobs, extra):
-    """Before anything is created: a one-line ValueError for a bad --model or --train-args, or a run
-    directory whose saved settings (its ngc.json) are not those train.py would run now."""
+def parse_train_args(model, extra):
+    """--train-args as train.py parses them, once --model is a Countdown checkpoint; a one-line
+    ValueError for a flag train.py cannot take or one that reproduce.py sets itself."""
     from_pretrained(model)  # a missing or foreign checkpoint, weights that are not finite
     settings.run_defaults(model, "countdown")  # reproduce.py's studies are Countdown's
-    try:  # a flag train.py cannot take: its parser's message, naming --train-args
+    try:
         given = train.parse_args(extra)
-        fixed = [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]
-        if fixed:
-            raise ValueError(f"--train-args cannot set --{fixed[0]}: reproduce.py chooses it for "
-                             f"every run (give its own --model, --out or --seeds; to train every "
-                             f"seed on the same problems, --data-seed)")
-        if given.task not in (None, "countdown"):
-            raise ValueError(f"--train-args sets --task {given.task}; "
-                             f"reproduce.py's studies are Countdown's")
-        for name, flags in runs.items():
-            run_dir, checkpoint = (os.path.join(out, name),
-                                   os.path.join(out, name, "checkpoint"))
-            start = start_of(flags)
-            unstarted = bool(start) and not finished(os.path.join(out, start))
-            if unstarted:  # checked on --model, whose recipe the start trains with
-                flags = flags[2:]
-            cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra, resume=False)
-            argv = cmd[2:]  # after python and train.py
-            # bad values: train.py's one-line errors
-            now = settings.saved(train.resolve(train.parse_args(argv)))
-            unread = ("threads", "eval_problems") + (("model",) if unstarted else ())
-            now = {k: v for k, v in now.items() if k not in unread}  # not what it trains on
-            # a save cut short by a crash: its whole copy back in place, as a resume would
-            recover_swap(checkpoint)
-            changed = (os.path.isdir(checkpoint)
-                       and rundir.changed_settings(settings.read_ngc_json(checkpoint), now))
-            if changed:
-                raise ValueError(f"{run_dir} holds a run with other settings than this command "
-                                 f"asks for ({', '.join(changed[:3])}"
-                                 f"{', ...' if len(changed) > 3 else ''}); to keep it, give this "
-                                 f"command another --out; to train it again, delete {run_dir}")
-    except FlagError as e:
+    except FlagError as e:  # its parser's message, naming --train-args
         raise ValueError(f"--train-args: {e}") from None
+    if fixed := [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]:
+        raise ValueError(f"--train-args cannot set --{fixed[0]}: reproduce.py chooses it for "
+                         f"every run (give its own --model, --out or --seeds; to train every "
+                         f"seed on the same problems, --data-seed)")
+    if given.task not in (None, "countdown"):
+        raise ValueError(f"--train-args sets --task {given.task}; "
+                         f"reproduce.py's studies are Countdown's")
+    return given
+
+
+def check_runs(out, model, runs, extra):
+    """Before anything is created: train.py's one-line errors for each run's settings, or one for a
+    run directory whose saved settings (its ngc.json) are not those train.py would run now."""
+    for name, flags in runs.items():
+        run_dir, checkpoint = os.path.join(out, name), os.path.join(out, name, "checkpoint")
+        # a run whose start has not finished is checked on --model, the start's own recipe
+        unstarted = start_of(flags) and not finished(os.path.join(out, start_of(flags)))
+        argv = train_command(out, name, model, 1, flags[2:] if unstarted else flags, extra,
+                             resume=False)[2:]  # after python and train.py
+        unread = ("threads", "eval_problems", *(["model"] if unstarted else []))
+        now = {k: v for k, v in settings.saved(train.resolve(train.parse_args(argv))).items()
+               if k not in unread}  # not what it trains on
+        recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back, as on resume
+        changed = (os.path.isdir(checkpoint)
+                   and rundir.changed_settings(settings.read_ngc_json(checkpoint), now))
+        if changed:
+            raise ValueError(f"{run_dir} holds a run with other settings than this command asks "
+                             f"for ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+                             f"; to keep it, give this command another --out; to train it again, "
+                             f"delete {run_dir}")
 
 
 def train_all(out, model, jobs, runs, extra):
-    """Train the unfinished runs {dir under out: train.py flags}, `jobs` at a time, each in a
-    process group of its own, its console appended to <out>/<dir>.log. A signal or a failed run
-    stops the others, each saving its step."""
+    """Train the unfinished runs, `jobs` at a time, each in a process group of its own, its console
+    appended to <out>/<dir>.log; a signal or a failed run stops the others, each saving its step."""
     todo = [(name, flags) for name, flags in runs.items() if not finished(os.path.join(out, name))]
-    running = []
     ready = lambda flags: not start_of(flags) or finished(os.path.join(out, start_of(flags)))
+    running = []
     try:
         while todo or running:
-            while len(running) < jobs and (now := [run for run in todo if ready(run[1])]):
-                name, flags = now[0]
-                todo.remove(now[0])
+            for name, flags in [run for run in todo if ready(run[1])][:jobs - len(running)]:
+                todo.remove((name, flags))
                 cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra)
                 os.makedirs(os.path.join(out, name), exist_ok=True)
                 log = open(os.path.join(out, name) + ".log", "a")
@@ -185,11 +171,11 @@ def train_all(out, model, jobs, runs, extra):
                 running.append((name, proc, log, time.time()))
             time.sleep(1)
             for run in [r for r in running if r[1].poll() is not None]:
+                running.remove(run)
                 name, proc, log, t0 = run
                 log.close()
-                running.remove(run)
-                status = ("done" if proc.returncode == 0
-                          else f"FAILED (exit {proc.returncode}, see {log.name})")
+                status = (f"FAILED (exit {proc.returncode}, see {log.name})" if proc.returncode
+                          else "done")
                 say(f"{name} {status} in {(time.time() - t0) / 60:.1f} min")
                 if proc.returncode:
                     raise Error(f"training run {name} failed; see {log.name}")
@@ -200,14 +186,12 @@ def train_all(out, model, jobs, runs, extra):
 
 def train_command(out, name, model, threads, flags, extra, resume=True) -> list[str]:
     """train.py's command line: a resume if the run saved a checkpoint (its settings are its own),
-    else afresh from `model` or the run's start (study_runs), the run's own flags after
-    --train-args'."""
+    else afresh from `model` or the run's start, the run's own flags after --train-args'."""
     run_dir = os.path.join(out, name)
     if resume and os.path.exists(os.path.join(run_dir, "checkpoint")):
         argv = ["--resume", run_dir, "--threads", str(threads)]
     else:
         if start := start_of(flags):
-            # study_runs puts --model first
             model, flags = os.path.join(out, start, "checkpoint"), flags[2:]
         argv = ["--model", model, "--out", run_dir, "--threads", str(threads), *extra, *flags,
                 "--overwrite"]
@@ -215,8 +199,7 @@ def train_command(out, name, model, threads, flags, extra, resume=True) -> list[
 
 
 def stop_runs(running, signum):
-    """Signal each running train.py's process group; wait for each to save its step (SIGKILL after
-    STOP_WAIT s)."""
+    """Signal each train.py's process group; wait for each to save its step (else SIGKILL)."""
     with rundir.signals_held():
         for _, proc, _, _ in running:
             with contextlib.suppress(ProcessLookupError):
@@ -249,9 +232,7 @@ def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
 
 def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
     """eval.py's rows of the run's checkpoint at one seed against the same seed's no-evict model
-    (reused where the same argv was evaluated after the checkpoints were written). The untrained
-    rows score --model under that no-evict model's settings, so that --train-args' problems and cap
-    hold for them too."""
+    (reused where `evaluated`); the untrained rows under that model's settings (--train-args')."""
     os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
     path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
     model, base = checkpoint_of(args, run, seed), checkpoint_of(args, "no-evict", seed)
@@ -259,8 +240,7 @@ def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
             "--eviction-rate", *map(str, rates), "--out", path, "--samples", str(args.samples),
             *flags]
     argv += ["--base-model", base] if base != model else []
-    # the trained runs' problems, cap and prompt
-    argv += ["--run-settings", base] if run == UNTRAINED else []
+    argv += ["--run-settings", base] if run == UNTRAINED else []  # the runs' problems, cap, prompt
     argv += ["--problems", str(args.problems)] if args.problems else []
     if not evaluated(path, argv, [model, base]):
         say(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")
@@ -271,15 +251,14 @@ def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
 
 
 def peak_reduction(entries, rate, delta, block) -> float:
-    """§5.1's peak formula: the mean over problems of peak(p, c, 0, δ) = p + c (`entries`, the full
-    cache's per layer) over peak(p, c, ε, δ), that of a policy keeping K whole blocks a round
-    (ngc.cache_bound)."""
+    """§5.1's peak formula: the mean over problems of p + c (`entries`, the full cache's per layer)
+    over peak(p, c, ε, δ), that of a policy keeping K whole blocks a round (ngc.cache_bound)."""
     return statistics.fmean(n / ngc.cache_bound(delta, block, rate, round(n)) for n in entries)
 
 
 def budget_rate(entries, delta, block, target=TARGET) -> float:
-    """ε*: the mildest rate (steps of 0.01) at which peak_reduction reaches `target`, else the one
-    of its maximum."""
+    """ε*: the mildest rate (steps of 0.01) whose peak_reduction reaches `target`, else the
+    largest's."""
     rates = [k / 100 for k in range(1, 100)]
     reductions = [peak_reduction(entries, rate, delta, block) for rate in rates]
     reached = [rate for rate, r in zip(rates, reductions) if r >= target]
@@ -287,27 +266,23 @@ def budget_rate(entries, delta, block, target=TARGET) -> float:
 
 
 def budget(args) -> float:
-    """ε* on the seed-0 no-evict model's full-cache completions of the held-out problems, into
-    OUT/budget.json."""
+    """ε* on the seed-0 no-evict model's full-cache completions, into OUT/budget.json."""
     full = eval_seed(args, "reference", "no-evict", ["none"], [0.5], [], 0)[0]
-    c = settings.run_defaults(checkpoint_of(args, "no-evict", 0))
-    rate = budget_rate(full["full_cache_entries"], c.delta, c.block)
-    reduction = peak_reduction(full["full_cache_entries"], rate, c.delta, c.block)
+    recipe = settings.run_defaults(checkpoint_of(args, "no-evict", 0))
+    rate = budget_rate(full["full_cache_entries"], recipe.delta, recipe.block)
+    reduction = peak_reduction(full["full_cache_entries"], rate, recipe.delta, recipe.block)
     write_text(os.path.join(args.out, "budget.json"), json.dumps({
-        "rate": rate, "target": TARGET, "formula_reduction": reduction, "delta": c.delta,
-        "block": c.block, "reference_length": full["length"],
-        "reference": "the no-evict model's full cache (seed 0), "
-                     "evals/reference-seed0.jsonl"}, indent=1) + "\n")
-    short = ("" if reduction >= TARGET
-             else f" (the most these completions allow; the target is {TARGET:g}x)")
+        "rate": rate, "target": TARGET, "formula_reduction": reduction, "delta": recipe.delta,
+        "block": recipe.block, "reference_length": full["length"], "reference":
+        "the no-evict model's full cache (seed 0), evals/reference-seed0.jsonl"}, indent=1) + "\n")
+    short = reduction < TARGET and f" (the most these completions allow; the target is {TARGET:g}x)"
     say(f"budget: ε* = {rate:g}, {reduction:.2f}x by §5.1's peak formula on no-evict's "
-        f"completions{short}")
+        f"completions{short or ''}")
     return rate
 
 
 def evaluated(path, argv, models) -> bool:
-    """Whether path holds eval.py's rows for exactly argv (path.argv), written after the models'
-    checkpoints."""
+    """Whether path holds eval.py's rows for argv (path.argv), written after the models' weights."""
     weights = [os.path.join(m, "model.safetensors") for m in models]
     if not all(map(os.path.exists, [path, path + ".argv", *weights])):
         return False
@@ -317,9 +292,8 @@ def evaluated(path, argv, models) -> bool:
 
 
 def over_seeds(rows):
-    """One row per (run, policy, ε): the means over seeds, accuracy_sd across seeds, accuracy_se
-    (eval.error_bar) and the rewards of each seed (seeds, problems, samples), which claims.py's
-    intervals resample."""
+    """A row per (run, policy, ε): means over seeds, accuracy_sd across them, accuracy_se
+    (eval.error_bar), each seed's rewards (seeds, problems, samples) for claims.py's intervals."""
     groups = {}
     for r in rows:
         groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
@@ -336,32 +310,29 @@ def over_seeds(rows):
 
 
 def markdown(rows) -> str:
-    head = ["| run | policy | ε | pass@1 | SE | length | no-evict length | rounds | "
-            "peak-KV reduction |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    base = lambda r: f"{r['base_length']:.0f}" if "base_length" in r else "-"
-    return "\n".join(head + [f"| {r['run']} | {r['policy']} | {r['eviction_rate']:g} | {cell(r)} | "
-                             f"{100 * r['accuracy_se']:.1f} | {r['length']:.0f} | {base(r)} | "
-                             f"{r['rounds']:.2f} | {r['kv_reduction']:.2f}x |" for r in rows])
+    return table(["run", "policy", "ε", "pass@1", "SE", "length", "no-evict length", "rounds",
+                  "peak-KV reduction"],
+                 [(r["run"], r["policy"], f"{r['eviction_rate']:g}", cell(r),
+                   f"{100 * r['accuracy_se']:.1f}", f"{r['length']:.0f}",
+                   f"{r['base_length']:.0f}" if "base_length" in r else "-", f"{r['rounds']:.2f}",
+                   f"{r['kv_reduction']:.2f}x") for r in rows])
 
 
 def curve_markdown(rows, bound) -> str:
     """A line per (model, policy), a column per ε; the first line marks where `bound` (its rows) is
     testable."""
-    rates = sorted({r["eviction_rate"] for r in rows if r["policy"] != "none"})
+    lines = {}
+    for r in rows:
+        if r["policy"] != "none":
+            lines.setdefault((r["run"], r["policy"]), {})[r["eviction_rate"]] = (
+                f"{cell(r)} ({r['kv_reduction']:.2f}×)")
+    rates = sorted({e for line in lines.values() for e in line})
     mark = {r["eviction_rate"]: "testable" if testable(r) else f"untestable ({r['accuracy']:.0%})"
             for r in bound}
-    lines = ["| model | policy | " + " | ".join(f"ε = {e:g}" for e in rates) + " |",
-             "|---|---|" + "---|" * len(rates),
-             f"| | hindsight bound on NGC's model ≥ {TESTABLE:.0%}? | "
-             + " | ".join(mark[e] for e in rates) + " |"]
-    for run, policy in dict.fromkeys((r["run"], r["policy"]) for r in rows
-                                     if r["policy"] != "none"):
-        at = {r["eviction_rate"]: r for r in rows if (r["run"], r["policy"]) == (run, policy)}
-        lines.append(f"| {run} | {policy} | "
-                     + " | ".join(f"{cell(at[e])} ({at[e]['kv_reduction']:.2f}×)"
-                                  if e in at else "-" for e in rates) + " |")
-    return "\n".join(lines)
+    return table(["model", "policy", *(f"ε = {e:g}" for e in rates)],
+                 [("", f"hindsight bound on NGC's model ≥ {TESTABLE:.0%}?", *map(mark.get, rates))]
+                 + [(run, policy, *(line.get(e, "-") for e in rates))
+                    for (run, policy), line in lines.items()])
 
 
 # Figures 5 and 6 (Figure 3's are eval.plot's)
@@ -370,14 +341,13 @@ def curves(out, names, seeds, path):
     fig, ax = pyplot("plots").subplots(figsize=(5.5, 3.6))
     for name in names:
         paths = [os.path.join(out, "runs", run_name(name, k), "log.jsonl") for k in range(seeds)]
-        # a mean over fewer seeds than asked
-        if missing := [p for p in paths if not os.path.exists(p)]:
+        if missing := [p for p in paths if not os.path.exists(p)]:  # no mean over fewer seeds
             raise FileNotFoundError(f"no log {missing[0]} to draw Figure 5 from")
         logs = [{s["step"]: s for s in rundir.read_log(p) if "reward" in s} for p in paths]
-        x = sorted(set.intersection(*(set(log) for log in logs)))
-        reward = [statistics.fmean(log[i]["reward"] for log in logs) for i in x]
-        ax.plot(x, [sum(reward[max(0, i - 4): i + 1]) / min(i + 1, 5) for i in range(len(x))],
-                label=name)
+        steps = sorted(set.intersection(*(set(log) for log in logs)))
+        reward = [statistics.fmean(log[i]["reward"] for log in logs) for i in steps]
+        ax.plot(steps, [sum(reward[max(0, i - 4): i + 1]) / min(i + 1, 5)
+                        for i in range(len(steps))], label=name)
     ax.set(title=f"reward (moving mean of 5{f', mean of {seeds} seeds' if seeds > 1 else ''})",
            xlabel="step")
     ax.legend()
@@ -391,7 +361,7 @@ def figures(out, studies, ablation_seeds):
              for r in studies["baselines"][:1] + studies["curve"] + studies["curve-bound"]
              + studies["curve-baselines"]]
     evaluation.plot(curve, os.path.join(out, "curve.png"))
-    if "token-only" in studies:
+    if "ablation-token-only" in studies:
         curves(out, ["ngc", "token-only", "targeted-dropout"], ablation_seeds,
                os.path.join(out, "ablations.png"))
     if "interoception" not in studies:
@@ -411,81 +381,65 @@ def figures(out, studies, ablation_seeds):
 
 # The command: train, evaluate each study, write the tables and figures
 def studies_of(args, budget, below, beyond) -> list[tuple]:
-    """(key in claims_markdown, file name, run, policies, ε, eval.py flags, seeds, title); below:
-    the rate just under ε*; beyond: the curve's rates stricter than the interoception run's. Every
-    study reads the test split."""
-    full, few, pair, both = (args.seeds, args.ablation_seeds, args.interoception_seeds,
-                             ["none", "ngc"])
-    curve, bounds = sorted({*args.curve, budget}), ["oracle", "bound", "luck"]
-    draws, curve_draws = (["--draws", str(n)] for n in (args.draws, max(1, args.draws // 2)))
-    table = [("untrained", "untrained", UNTRAINED, both, [budget], [], 1,
-              "0. Before training: the starting model's full cache, and NGC's scores untrained"),
-             ("baselines", "baselines", "no-evict", ["none", *BASELINES, *bounds], [budget],
-              draws, full,
-              f"1. The baselines at ε* = {budget:g} on the no-evict model (the paper's "
-              "heuristics, random, random-prompt, the task rules), the oracle, the hindsight bound "
-              "and its luck control"),
-             ("ngc", "baselines-ngc", "ngc", ["none", "ngc", *BASELINES, *bounds], [budget],
-              draws, full,
-              "1. NGC on its own model, with every baseline, the oracle and the bound there"),
-             ("below", "below", "ngc", ["ngc"], [below], [], full,
-              f"1. NGC at ε = {below:g}, just under ε* (whole blocks: the reduction jumps between "
-              f"the two)"),
-             ("greedy", "greedy", "ngc", both, [budget], ["--samples", "0"], 1,
-              "1. Greedy tokens: NGC on its model (seed 0)"),
-             ("greedy-no-evict", "greedy-no-evict", "no-evict", ["none", "bound"], [budget],
-              ["--samples", "0", *draws], 1,
-              "1. Greedy tokens: the no-evict model's full cache and the bound on it (seed 0)"),
-             ("curve", "curve", "ngc", ["ngc", "oracle"], curve, [], 1,
-              "2. The curve over ε: NGC and the oracle on "
-              "NGC's model (seed 0)"),
-             ("curve-bound", "curve-bound", "ngc", ["bound"], curve, curve_draws, 1,
-              f"2. The curve over ε: the hindsight bound on NGC's model ({curve_draws[1]} draws, "
-              "seed 0; a rate is testable where it solves 20%)"),
-             ("curve-luck", "curve-luck", "ngc", ["luck"], curve, curve_draws, 1,
-              f"2. The curve over ε: the bound's luck control on NGC's model ({curve_draws[1]} "
-              f"draws, seed 0)"),
-             ("curve-greedy", "curve-greedy", "ngc", ["none", "ngc", "bound", "luck"], curve,
-              ["--samples", "0", *curve_draws], 1,
-              "2. The curve over ε with greedy tokens: NGC, the bound and "
-              f"its luck control on NGC's model ({curve_draws[1]} draws, seed 0)"),
-             ("curve-baselines", "curve-baselines", "no-evict", [*STRONGEST, *RULES], curve, [], 1,
-              "2. The curve over ε: the strongest task-agnostic baselines and the task rules on "
-              "the no-evict model (seed 0)")]
-    table += [(run, f"ablation-{run}", run, both, [budget], [], few, f"3. Ablation: {run}")
-              for run in ("token-only", "targeted-dropout") if not args.no_ablations]
+    """(name, run, policies, ε, eval.py flags, seeds, title) of each study, on the test split;
+    below: the rate just under ε*; beyond: the curve's rates stricter than interoception's."""
+    full, few, pair = args.seeds, args.ablation_seeds, args.interoception_seeds
+    both, bounds, greedy = ["none", "ngc"], ["oracle", "bound", "luck"], ["--samples", "0"]
+    curve = sorted({*args.curve, budget})
+    draws, half = (["--draws", str(n)] for n in (args.draws, max(1, args.draws // 2)))
+    on_ngc = f"on NGC's model ({half[1]} draws, seed 0"
+    plan = [("untrained", UNTRAINED, both, [budget], [], 1,
+             "0. Before training: the starting model's full cache, and NGC's scores untrained"),
+            ("baselines", "no-evict", ["none", *BASELINES, *bounds], [budget], draws, full,
+             f"1. The baselines at ε* = {budget:g} on the no-evict model (the paper's heuristics, "
+             "random, random-prompt, the task rules), the oracle, the hindsight bound and its luck "
+             "control"),
+            ("baselines-ngc", "ngc", ["none", "ngc", *BASELINES, *bounds], [budget], draws, full,
+             "1. NGC on its own model, with every baseline, the oracle and the bound there"),
+            ("below", "ngc", ["ngc"], [below], [], full, f"1. NGC at ε = {below:g}, just under ε* "
+             "(whole blocks: the reduction jumps between the two)"),
+            ("greedy", "ngc", both, [budget], greedy, 1,
+             "1. Greedy tokens: NGC on its model (seed 0)"),
+            ("greedy-no-evict", "no-evict", ["none", "bound"], [budget], [*greedy, *draws], 1,
+             "1. Greedy tokens: the no-evict model's full cache and the bound on it (seed 0)"),
+            ("curve", "ngc", ["ngc", "oracle"], curve, [], 1,
+             "2. The curve over ε: NGC and the oracle on NGC's model (seed 0)"),
+            ("curve-bound", "ngc", ["bound"], curve, half, 1, "2. The curve over ε: the hindsight "
+             f"bound {on_ngc}; a rate is testable where it solves 20%)"),
+            ("curve-luck", "ngc", ["luck"], curve, half, 1,
+             f"2. The curve over ε: the bound's luck control {on_ngc})"),
+            ("curve-greedy", "ngc", ["none", "ngc", "bound", "luck"], curve, [*greedy, *half], 1,
+             f"2. The curve over ε with greedy tokens: NGC, the bound and its luck control "
+             f"{on_ngc})"),
+            ("curve-baselines", "no-evict", [*STRONGEST, *RULES], curve, [], 1, "2. The curve over "
+             "ε: the strongest task-agnostic baselines and the task rules on the no-evict model "
+             "(seed 0)")]
+    plan += [(f"ablation-{run}", run, both, [budget], [], few, f"3. Ablation: {run}")
+             for run in ("token-only", "targeted-dropout") if not args.no_ablations]
     if not args.no_interoception:
-        # TAG_CHECK: the tag check compares with its row
-        intero = sorted({budget, *beyond, TAG_CHECK})
-        table += [("interoception-ngc", "interoception-ngc", "ngc", ["ngc"], intero, [], pair,
-                   "4. Plain NGC at the interoception rates"),
-                  ("interoception", "interoception", "interoception", ["ngc"], intero, [], pair,
-                   "4. Budget-aware interoception across ε"),
-                  ("interoception-blind", "interoception-blind", "interoception-blind", ["ngc"],
-                   intero, [], pair,
-                   "4. Its control: the same per-group ε, the tag without the rate")]
+        intero = sorted({budget, *beyond, TAG_CHECK})  # the tag check compares with its row
+        plan += [("interoception-ngc", "ngc", ["ngc"], intero, [], pair,
+                  "4. Plain NGC at the interoception rates"),
+                 ("interoception", "interoception", ["ngc"], intero, [], pair,
+                  "4. Budget-aware interoception across ε"),
+                 ("interoception-blind", "interoception-blind", ["ngc"], intero, [], pair,
+                  "4. Its control: the same per-group ε, the tag without the rate")]
         # does the model read the tag? The same ε, another tag
-        table += [(f"tag-{tag}", f"tag-{tag}", "interoception", ["ngc"], [TAG_CHECK],
-                   ["--tag", tag], pair,
-                   f"4. The interoception model at ε = {TAG_CHECK:g} with the tag {tag}")
-                  for tag in ("0.25", "blind")]
-    # None: a prompt of one layout
-    unseen = countdown.SHIFTED.get(settings.run_defaults(args.model).prompt)
-    if unseen:
-        table += [("shifted-ngc", "shifted-ngc", "ngc", [*both, "oracle"], [budget],
-                   ["--prompt", unseen], full,
-                   f"6. Prompt layouts never used in training ({unseen}): NGC and the oracle"),
-                  ("shifted-no-evict", "shifted-no-evict", "no-evict", ["none"], [budget],
-                   ["--prompt", unseen], full,
-                   "6. The same layouts: the no-evict model's full cache, every share's "
-                   "denominator there"),
-                  ("shifted-untrained", "shifted-untrained", UNTRAINED, both, [budget],
-                   ["--prompt", unseen], 1,
-                   "6. The same layouts: the starting model"),
-                  ("shifted-baselines", "shifted-baselines", "no-evict",
-                   ["none", *STRONGEST, *RULES], [budget], ["--prompt", unseen], 1,
-                   "6. The same layouts: the strongest baselines on the no-evict model (seed 0)")]
-    return table
+        plan += [(f"tag-{tag}", "interoception", ["ngc"], [TAG_CHECK], ["--tag", tag], pair,
+                  f"4. The interoception model at ε = {TAG_CHECK:g} with the tag {tag}")
+                 for tag in ("0.25", "blind")]
+    # none where the prompt has one layout
+    if unseen := countdown.SHIFTED.get(settings.run_defaults(args.model).prompt):
+        shifted, same = ["--prompt", unseen], "6. The same layouts:"
+        plan += [("shifted-ngc", "ngc", [*both, "oracle"], [budget], shifted, full,
+                  f"6. Prompt layouts never used in training ({unseen}): NGC and the oracle"),
+                 ("shifted-no-evict", "no-evict", ["none"], [budget], shifted, full, f"{same} the "
+                  "no-evict model's full cache, every share's denominator there"),
+                 ("shifted-untrained", UNTRAINED, both, [budget], shifted, 1,
+                  f"{same} the starting model"),
+                 ("shifted-baselines", "no-evict", ["none", *STRONGEST, *RULES], [budget], shifted,
+                  1, f"{same} the strongest baselines on the no-evict model (seed 0)")]
+    return plan
 
 
 def run_studies(args):
@@ -493,35 +447,23 @@ def run_studies(args):
     summary.md."""
     extra = args.train_args.split()
     with one_line_errors():
-        steps = args.start_steps and (train.parse_args(extra).steps
-                                      or settings.run_defaults(args.model).steps)
+        steps = parse_train_args(args.model, extra).steps or settings.run_defaults(args.model).steps
         runs = study_runs(args.seeds, 0 if args.no_ablations else args.ablation_seeds,
                           0 if args.no_interoception else args.interoception_seeds,
                           args.start_steps, steps)
-        check_runs(args.out, args.model, runs, args.jobs, extra)
+        check_runs(args.out, args.model, runs, extra)
         make_output_dir(args.out)
     t0 = time.time()
     train_all(args.out, args.model, args.jobs, runs, extra)
     rate = budget(args)
-    # the ngc run's ε
+    # the ngc run's ε; the rates the interoception run trained on, at the end
     trained = train.final_eviction_rate(settings.run_defaults(checkpoint_of(args, "ngc", 0)))
-    below = round(rate - 0.01, 2)  # budget_rate's step
-    tagged = (None if args.no_interoception
-              else settings.run_defaults(checkpoint_of(args, "interoception", 0)))
-    # the rates it trained on, at the end
-    training_rates = tagged and list(tagged.interoception_rates)
+    training_rates = not args.no_interoception and list(settings.run_defaults(
+        checkpoint_of(args, "interoception", 0)).interoception_rates)
     beyond = [e for e in args.curve if e > max(training_rates or [1.0]) + 1e-9]
-    studies, sections = {}, []
-    for key, name, *study, title in studies_of(args, rate, below, beyond):
-        studies[key] = evaluate(args, name, *study)
-        sections.append(f"## {title}\n\n{markdown(studies[key])}\n")
-    curve = curve_markdown(studies["curve"] + studies["curve-bound"] + studies["curve-luck"]
-                           + studies["curve-baselines"], studies["curve-bound"])
-    greedy = curve_markdown(studies["curve-greedy"], studies["curve-bound"])
-    curve += f"\n\nWith greedy tokens (one completion per problem):\n\n{greedy}"
-    write_text(os.path.join(args.out, "curve.md"),
-               f"# pass@1 (peak-KV reduction) over ε\n\n{curve}\n")
-    sections.insert(0, f"## 2. The curve over ε (curve.md)\n\n{curve}\n")
+    below = round(rate - 0.01, 2)  # budget_rate's step
+    plan = studies_of(args, rate, below, beyond)
+    studies = {name: evaluate(args, name, *study) for name, *study, _ in plan}
     if have("matplotlib"):
         figures(args.out, studies, args.ablation_seeds)
     claims = claims_markdown(studies, rate, trained, below, training_rates)
@@ -533,8 +475,20 @@ def run_studies(args):
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"),
                "--before", args.model, "--out", forgets + ".html"]
               + (["--png", forgets + ".png"] if have("matplotlib") else []))
-    # how pass@1 was measured
-    row, summary = studies["ngc"][0], os.path.join(args.out, "summary.md")
+    write_summary(args, studies, plan, claims, (time.time() - t0) / 60)
+
+
+def write_summary(args, studies, plan, claims, minutes):
+    """curve.md, and summary.md: the claims, the curve, every study's table."""
+    curve = curve_markdown(studies["curve"] + studies["curve-bound"] + studies["curve-luck"]
+                           + studies["curve-baselines"], studies["curve-bound"])
+    greedy = curve_markdown(studies["curve-greedy"], studies["curve-bound"])
+    curve += f"\n\nWith greedy tokens (one completion per problem):\n\n{greedy}"
+    write_text(os.path.join(args.out, "curve.md"),
+               f"# pass@1 (peak-KV reduction) over ε\n\n{curve}\n")
+    sections = [f"## 2. The curve over ε (curve.md)\n\n{curve}\n"]
+    sections += [f"## {title}\n\n{markdown(studies[name])}\n" for name, *_, title in plan]
+    row, summary = studies["baselines-ngc"][0], os.path.join(args.out, "summary.md")  # how measured
     seeds = (f"seeds 0..{args.seeds - 1}, accuracy as mean ± standard deviation across seeds; "
              if args.seeds > 1 else "")
     write_text(summary, f"# Reproduction on {os.path.relpath(args.model)}\n\n({seeds}pass@1 over "
@@ -542,54 +496,46 @@ def run_studies(args):
                f"evictions greedy top-K, {row['problems']} test problems; SE: one evaluation's "
                f"standard error over problems, in points)"
                f"\n\n## 0. The paper's claims\n\n{claims}\n\n" + "\n".join(sections)
-               + "\n![what ngc forgets]"
-               f"(forgets.png)\n\nTotal wall time of this command "
-               f"{(time.time() - t0) / 60:.1f} min (runs already trained are not retrained).\n")
+               + f"\n![what ngc forgets](forgets.png)\n\nTotal wall time of this command "
+               f"{minutes:.1f} min (runs already trained are not retrained).\n")
     print(f"wrote {summary}")
 
 
 def parse_args(argv):
-    p = parser(__doc__)
-    p.add_argument("--out", default=os.path.join("results", "deep"),
-                   help="output directory (default results/deep)")
-    settings.add_flags(p, None, ["model"], {"model": "the starting checkpoint (default: tiny/)"})
-    p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 of every run (default 1)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="training runs at a time (CPU threads are shared out)")
-    p.add_argument("--train-args", default="",
-                   help="extra train.py flags for every run, e.g. '--steps 60'")
-    p.add_argument("--start-steps", type=int, default=0,
-                   help="N: first a no-evict run of N steps per seed (runs/start), then every run "
-                   "of the seed from its checkpoint (default 0: from --model)")
-    p.add_argument("--no-interoception", action="store_true",
-                   help="leave out the interoception runs (section 4)")
-    p.add_argument("--no-ablations", action="store_true",
-                   help="leave out the ablation runs (section 3)")
-    p.add_argument("--ablation-seeds", type=int,
-                   help="seeds of the ablation runs (default: --seeds)")
-    p.add_argument("--interoception-seeds", type=int,
-                   help="seeds of the interoception pair (default: ablation's)")
-    p.add_argument("--samples", type=int, default=2,
-                   help="sampled completions per problem for pass@1 (default 2)")
-    p.add_argument("--draws", type=int, default=baselines.DRAWS,
-                   help=f"the hindsight bound's eviction draws at ε* "
-                   f"(default {baselines.DRAWS}; over the curve half as many)")
-    p.add_argument("--curve", type=float, nargs="+", default=CURVE, metavar="ε",
-                   help="the curve's eviction rates "
-                   f"(default {' '.join(map(str, CURVE))}; ε* is added)")
-    p.add_argument("--problems", type=int,
-                   help="test problems per evaluation (default: the run's eval_problems, "
-                   "all if none)")
-    args = p.parse_args(argv)
+    cli = parser(__doc__)
+    cli.add_argument("--out", default=os.path.join("results", "deep"),
+                     help="output directory (default results/deep)")
+    settings.add_flags(cli, None, ["model"], {"model": "the starting checkpoint (default: tiny/)"})
+    cli.add_argument("--train-args", default="",
+                     help="extra train.py flags for every run, e.g. '--steps 60'")
+    counts = [  # whole numbers: (flag, default, help)
+        ("seeds", 1, "seeds 0..N-1 of every run (default 1)"),
+        ("jobs", 1, "training runs at a time (CPU threads are shared out)"),
+        ("start-steps", 0, "N: first a no-evict run of N steps per seed (runs/start), then "
+         "every run of the seed from its checkpoint (default 0: from --model)"),
+        ("ablation-seeds", None, "seeds of the ablation runs (default: --seeds)"),
+        ("interoception-seeds", None, "seeds of the interoception pair (default: ablation's)"),
+        ("samples", 2, "sampled completions per problem for pass@1 (default 2)"),
+        ("draws", baselines.DRAWS, f"the hindsight bound's eviction draws at ε* (default "
+         f"{baselines.DRAWS}; over the curve half as many)"),
+        ("problems", None, "test problems per evaluation (default: the run's eval_problems, "
+         "all if none)")]
+    for flag, default, text in counts:
+        cli.add_argument(f"--{flag}", type=int, default=default, help=text)
+    cli.add_argument("--curve", type=float, nargs="+", default=CURVE, metavar="ε", help="the "
+                     f"curve's eviction rates (default {' '.join(map(str, CURVE))}; ε* is added)")
+    for flag, runs, part in (("interoception", "interoception", 4), ("ablations", "ablation", 3)):
+        cli.add_argument(f"--no-{flag}", action="store_true",
+                         help=f"leave out the {runs} runs (section {part})")
+    args = cli.parse_args(argv)
     args.model = settings.COUNTDOWN.model if args.model is None else args.model
     args.ablation_seeds = args.ablation_seeds or args.seeds
     args.interoception_seeds = args.interoception_seeds or args.ablation_seeds
     with one_line_errors():
-        check_values(args, dict.fromkeys(["jobs", "seeds", "ablation_seeds", "interoception_seeds",
-                                          "problems", "samples", "draws"], at_least(1))
-                     | {"start_steps": at_least(0)})
-        within = lambda n: n <= args.seeds or f"is more than --seeds {args.seeds}: the studies " \
-            "compare these runs with ngc's"
+        check_values(args, {flag.replace("-", "_"): at_least(0 if flag == "start-steps" else 1)
+                            for flag, *_ in counts})
+        within = lambda n: n <= args.seeds or (f"is more than --seeds {args.seeds}: the studies "
+                                               "compare these runs with ngc's")
         check_values(args, dict.fromkeys(["ablation_seeds", "interoception_seeds"], within))
         if bad := [e for e in args.curve if not 0 < e < 1]:
             raise ValueError(f"--curve {bad[0]:g}: an eviction rate lies between 0 and 1")

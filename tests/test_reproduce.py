@@ -69,6 +69,12 @@ def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
     assert one["accuracy_sd"] == 0.0 and abs(one["accuracy_se"] - (0.09 / 200) ** 0.5) < 1e-12
     table = reproduce.markdown([two, one])
     assert "| 40.0% ± 14.1 | 2.4 |" in table and "| 10.0% | 2.1 |" in table
+    # the curve: a column per ε, the bound's testable line first, "-" where a policy has no row
+    bound = [dict(two, policy="bound", accuracy=0.5), dict(one, policy="bound", accuracy=0.1)]
+    assert reproduce.curve_markdown([two, one, dict(two, policy="oracle")], bound).splitlines() == [
+        "| model | policy | ε = 0.5 | ε = 0.7 |", "|---|---|---|---|",
+        "| | hindsight bound on NGC's model ≥ 20%? | testable | untestable (10%) |",
+        "| ngc | ngc | 40.0% ± 14.1 (2.50×) | 10.0% (2.00×) |", "| ngc | oracle | 40.0% ± 14.1 (2.50×) | - |"]
     assert [reproduce.run_name("ngc", k) for k in range(3)] == ["ngc", "ngc-seed1", "ngc-seed2"]
     # the plots' error bars: the spread across seeds, else one evaluation's binomial standard error
     assert evaluation.error_bar(two) == two["accuracy_sd"] and evaluation.error_bar(one) == one["accuracy_se"]
@@ -94,12 +100,13 @@ def claims_studies(budget, below, stricter):
         "untrained": [row("u", "none", 0.6, 0.0), row("u", "ngc", 0.1)],
         "baselines": [row("no-evict", "none", 0.96, 0.0, 70.0), *bounds("no-evict", 1.0),
                       *both("no-evict", lambda p: 0.4 if p == "task-rule" else 0.05)],
-        "ngc": [row("ngc", "none", 0.75, 0.0), row("ngc", "ngc", 0.6, length=90.0), *bounds("ngc", 0.9),
-                *both("ngc", lambda p: 0.45 if p == "task-rule" else 0.1 if p == "random" else 0.03)],
+        "baselines-ngc": [row("ngc", "none", 0.75, 0.0), row("ngc", "ngc", 0.6, length=90.0), *bounds("ngc", 0.9),
+                          *both("ngc", lambda p: 0.45 if p == "task-rule" else 0.1 if p == "random" else 0.03)],
         "below": [dict(row("ngc", "ngc", 0.7, below), kv_reduction=2.1)],
         "greedy": [row("ngc", "ngc", 0.55)],
         "greedy-no-evict": [row("no-evict", "none", 0.9, 0.0), row("no-evict", "bound", 0.8)],
-        "token-only": [row("t", "ngc", 0.3)], "targeted-dropout": [row("d", "ngc", 0.02)], "curve": curve,
+        "ablation-token-only": [row("t", "ngc", 0.3)], "ablation-targeted-dropout": [row("d", "ngc", 0.02)],
+        "curve": curve,
         "curve-bound": bound,
         "curve-baselines": [row("no-evict", "task-rule", 0.45 if e == 0.8 else 0.2, e) for e in stricter]
         + [row("no-evict", "oracle", 0.95, e) for e in stricter],  # the oracle is no rival
@@ -155,7 +162,7 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     assert "on NGC's own model task-rule 45.0% ± 1.0: NGC +15.0 points | yes |" in rule
     assert "token-only 30.0% ± 1.0: 50% of NGC, 15.0× targeted dropout | yes" in text
     assert "targeted dropout 2.0% ± 1.0 (7% of token-only) | yes" in text
-    none = dict(studies, **{"targeted-dropout": [row("d", "ngc", 0.0)]})
+    none = dict(studies, **{"ablation-targeted-dropout": [row("d", "ngc", 0.0)]})
     assert "15.0× targeted dropout" in text and "∞× (it solves none) targeted dropout" in claimed(none)[0]
     intero = lines["interoception helps beyond the training budgets"]
     assert "at a testable ε beyond training's (its rates reach 0.75)" in intero
@@ -170,7 +177,8 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
             "untrained 10.0% ± 1.0") in layout and layout.endswith("| **no** |")
     # One denominator, the controls: NGC's own full cache in place of the no-evict model's reads 80%, not 62%;
     # on the unseen layouts 60%, not 37%.
-    own = dict(studies, baselines=[r if r["policy"] != "none" else studies["ngc"][0] for r in studies["baselines"]])
+    own = dict(studies, baselines=[r if r["policy"] != "none" else studies["baselines-ngc"][0]
+                                   for r in studies["baselines"]])
     assert "| 60.0% ± 1.0 (80%) at 2.20×" in claimed(own)[0]
     shifted_own = dict(studies, **{"shifted-no-evict": [studies["shifted-ngc"][0]]})
     assert "NGC 30.0% ± 1.0 (60% of the no-evict model's 50.0%" in claimed(shifted_own)[0]
@@ -198,12 +206,12 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     # Negative controls: a rule whose interval reaches 0, interoception within 5 points of plain NGC, token-only
     # above NGC, a full cache below the start's and a layout score no better than untrained each fail their goals.
     mixed = [[[float(i % 2 == k % 2)] for i in range(100)] for k in range(3)]  # 50%, but other problems each seed
-    closer = dict(studies, ngc=[r if r["policy"] != "task-rule" else dict(row("ngc", "task-rule", 0.5),
-                                                                           rewards=mixed) for r in studies["ngc"]])
+    closer = dict(studies, **{"baselines-ngc": [r if r["policy"] != "task-rule" else dict(
+        row("ngc", "task-rule", 0.5), rewards=mixed) for r in studies["baselines-ngc"]]})
     assert claimed(closer)[1]["NGC beats a hand-written rule"].endswith("| **no** |")
     plain = dict(studies, **{"interoception-ngc": [row("ngc", "ngc", 0.26, e) for e in [budget, 0.8, 0.75]]})
     assert claimed(plain)[1]["interoception helps beyond the training budgets"].endswith("| **no** |")
-    above = dict(studies, **{"token-only": [row("t", "ngc", 0.65)]})
+    above = dict(studies, **{"ablation-token-only": [row("t", "ngc", 0.65)]})
     assert claimed(above)[1]["the token policy learns to write for eviction"].endswith("| **no** |")
     fell = dict(studies, untrained=[row("u", "none", 0.99, 0.0), row("u", "ngc", 0.1)])
     assert claimed(fell)[1]["training NGC keeps the full cache's reasoning"].endswith("| **no** |")
@@ -211,7 +219,7 @@ def test_reproduce_claims_compare_ngc_with_the_bound_and_the_baselines_on_one_de
     assert claimed(kept)[1]["what NGC keeps, not where it sits"].endswith("| yes |")  # 75% of 40%, above 10%
     unlearned = dict(kept, **{"shifted-untrained": [row("u", "none", 0.95, 0.0), row("u", "ngc", 0.3)]})
     assert claimed(unlearned)[1]["what NGC keeps, not where it sits"].endswith("| **no** |")
-    no_ablations = {k: v for k, v in studies.items() if k not in ("token-only", "targeted-dropout")}
+    no_ablations = {k: v for k, v in studies.items() if not k.startswith("ablation-")}
     assert claimed(no_ablations)[1]["off-policy training fails"].endswith("not measured (--no-ablations) | - |")
     without = {k: v for k, v in studies.items() if not k.startswith(("interoception", "tag-"))}  # --no-interoception
     assert "not measured (--no-interoception) | - |" in claims.claims_markdown(without, budget, trained, below)
@@ -267,7 +275,7 @@ def test_reproduce_reuses_a_run_only_with_the_settings_it_would_train(train_ckpt
     assert files_under(tmp_path) == before  # nothing created, nothing lost
     # the control: the settings it was trained with (threads aside) reuse it, and nothing trains
     runs = {os.path.join("runs", "ngc"): ["--seed", "0"]}
-    reproduce.check_runs(str(out), train_ckpt, runs, 1, ["--steps", "2", "--lr", "0.5"])
+    reproduce.check_runs(str(out), train_ckpt, runs, ["--steps", "2", "--lr", "0.5"])
     reproduce.train_all(str(out), train_ckpt, 1, runs, ["--steps", "2", "--lr", "0.5"])
     assert files_under(tmp_path) == before
 
@@ -333,7 +341,7 @@ def test_reproduce_trains_every_run_of_a_seed_from_that_seeds_no_evict_start(tra
     monkeypatch.setattr(reproduce, "stop_runs", lambda running, signum: None)  # no process group to signal
     extra = ["--steps", "5"]
     runs = reproduce.study_runs(2, 1, 0, start_steps=3, steps=5)
-    reproduce.check_runs(out, train_ckpt, runs, 3, extra)  # the starts' checkpoints are not there yet
+    reproduce.check_runs(out, train_ckpt, runs, extra)  # the starts' checkpoints are not there yet
     assert not os.path.exists(out)
     reproduce.train_all(out, train_ckpt, 3, runs, extra)
     last = lambda cmd, flag: cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1]  # what train.py reads
