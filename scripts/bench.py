@@ -8,12 +8,11 @@
     python scripts/bench.py --model tiny --held-out --hf --batch 64 --delta 24 --block 4 \\
         --window 4 --threads 2     # the shipped model's rollouts as train.py makes them,
                                    # beside Hugging Face generate (pip install transformers)
-    python scripts/bench.py --profile RUN_DIR   # where a training run's time went (log.jsonl)
 
 Decode: tokens/s and ms per step with eviction on and off at the same batch (no EOS unless
 --held-out), eager and, with --compile, compiled; on CUDA also the fraction of the
 memory-bandwidth bound. Replay: forward+backward of the replay pass against a plain causal
-forward+backward over the same tokens.
+forward+backward over the same tokens. Where a training run's time went: results/speed/.
 """
 import os
 import sys
@@ -27,103 +26,94 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Qwen2, Qwen2Config, init_weights
 from ngc import Eviction, Sampling, check_eviction, rollout
 from replay import replay
-from lib import distributed, rundir, settings
+from lib import distributed, settings
 from lib.checkpoint import from_pretrained, load_config, load_tokenizer
-from lib.cli import at_least, check_values, exits, need, one_line_errors, parser
+from lib.cli import at_least, check_values, exits, need, one_line_errors, parser, positive
 from lib.tasks import held_out, prompt_encoder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BENCH = replace(settings.COUNTDOWN, delta=64, block=8, window=5)  # bench.py's δ, b and w
-# flags from settings.py
-SHARED = ["device", "dtype", "threads", "compile", "delta", "block", "window"]
-# what these settings mean here
+SHARED = ["device", "dtype", "threads", "compile", "delta", "block", "window"]  # settings.py's
 HELPS = {"model": "Qwen2 checkpoint directory (default: a random Qwen2 of --shape)",
          "device": "cpu, cuda or cuda:N (default: the CPU, then CUDA too if present)",
          "dtype": "the weights' dtype (default: fp32 on the CPU, bf16 on CUDA)",
          "compile": "also time the compiled decode step beside eager (CUDA graphs on CUDA)",
          "threads": "CPU threads for torch (default: torch's)"}
+FLAGS = {  # bench.py's own: type, default, rule, help
+    "batch": (int, 8, at_least(1), "prompts rolled out together"),
+    "prompt_len": (int, 32, at_least(1), "tokens of each random prompt"),
+    "new_tokens": (int, 256, at_least(1), "tokens each row decodes (at most, with --held-out)"),
+    "rate": (float, 0.5, None, "ε: the fraction of blocks evicted per round"),
+    "replay_batch": (int, 8, at_least(1), "rollouts per replay forward+backward"),
+    "repeat": (int, 2, at_least(1), "timed runs of each, after one warm-up"),
+    "peak_bandwidth": (float, 3.35, positive, "the device's peak memory bandwidth in TB/s (H100 "
+                       "SXM's), for the bandwidth bound")}
+SHAPES = {"tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+          "r1": {}}  # Qwen2Config's defaults are DeepSeek-R1-Distill-Qwen-1.5B's shape
 
 
 def timed(fn, device, repeat):
     """(seconds per call over `repeat` calls after a warm-up, the last output, on CUDA the peak
     memory's text)."""
     cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     fn()  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    sync()
+    start = time.perf_counter()
     for _ in range(repeat):
         out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    sec = (time.perf_counter() - t0) / repeat
-    return sec, out, (f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda
-                      else "")
+    sync()
+    peak = f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda else ""
+    return (time.perf_counter() - start) / repeat, out, peak
 
 
 def bench(model, args, device):
-    ev = Eviction(delta=args.delta, block=args.block, window=args.window, rate=args.rate)
-    prompts, s, eos_ids = bench_prompts(model, args)
-    g = torch.Generator(device=device).manual_seed(0)
+    eviction = Eviction(args.delta, args.block, args.window, args.rate)
+    prompts, sampling, eos_ids = bench_prompts(model, args)
+    generator = torch.Generator(device=device).manual_seed(0)
     speed = {}
     for compile in (False, True) if args.compile else (False,):
-        for name, e in (("off", None), ("on", ev)):
-            sec, ro, peak = timed(lambda: rollout(model, prompts, s, e, eos_ids=eos_ids,
-                                                  generator=g, compile=compile),
-                                  device, args.repeat)
-            decoded = ro.lengths - ro.prompt_lens
+        for name, evicting in (("off", None), ("on", eviction)):
+            sec, rolled, peak = timed(lambda: rollout(model, prompts, sampling, evicting,
+                                                      eos_ids=eos_ids, generator=generator,
+                                                      compile=compile), device, args.repeat)
+            decoded = rolled.lengths - rolled.prompt_lens
             # a step's time: prefill and rounds included
             new, step = int(decoded.sum()), sec / int(decoded.max())
             speed[name, compile] = new / sec
             print(f"decode, eviction {name:3s}, "
                   f"{'compiled' if compile else 'eager   '}: {new / sec:9.0f} tokens/s "
-                  f"{step * 1e3:8.2f} ms/step{bandwidth(model, ro, e, step, args)}   "
-                  f"({sec:.2f} s for {new} tokens from {args.batch} prompts; "
-                  f"peak KV/seq {ro.peak_kv.float().mean():.0f}, slots {ro.kv_slots}{peak})")
+                  f"{step * 1e3:8.2f} ms/step{bandwidth(model, rolled, evicting, step, args)}   "
+                  f"({sec:.2f} s for {new} tokens from {args.batch} prompts; peak KV/seq "
+                  f"{rolled.peak_kv.float().mean():.0f}, slots {rolled.kv_slots}{peak})")
     if args.hf:
-        hf_speed = hf_generate(args.model, prompts, s, eos_ids, device, model.lm_head.weight.dtype,
-                               args.repeat)
+        hf_speed = hf_generate(args.model, prompts, sampling, eos_ids, device,
+                               model.lm_head.weight.dtype, args.repeat)
         print(f"eager rollout with eviction / Hugging Face generate: "
               f"{speed['on', False] / hf_speed:.2f}x the tokens/s")
-    ro = rollout(model, prompts, s, ev, eos_ids=[], generator=g)
-    # the replay's rollouts: every row decodes in full
-    ro = ro.select(torch.arange(min(args.replay_batch, args.batch)))
+    rolled = rollout(model, prompts, sampling, eviction, eos_ids=[], generator=generator)
+    bench_replay(model, rolled.select(torch.arange(min(args.replay_batch, args.batch))), device,
+                 args.repeat)
 
+
+def bench_replay(model, rolled, device, repeat):
+    """The replay's forward+backward over full-length rollouts, beside a plain causal one."""
     def fwd_bwd(causal):
         model.zero_grad(set_to_none=True)
-        tok, evict = replay(model, ro, causal=causal)
+        tok, evict = replay(model, rolled, causal=causal)
         (tok.sum() + (0 if evict is None else evict.sum())).backward()
 
-    t_replay, _, replay_peak = timed(lambda: fwd_bwd(False), device, args.repeat)
-    t_causal, _, causal_peak = timed(lambda: fwd_bwd(True), device, args.repeat)
-    B, T = ro.tokens.shape
+    t_replay, _, replay_peak = timed(lambda: fwd_bwd(False), device, repeat)
+    t_causal, _, causal_peak = timed(lambda: fwd_bwd(True), device, repeat)
+    rows, length = rolled.tokens.shape
     print(f"replay fwd+bwd: {t_replay * 1e3:8.1f} ms{replay_peak}   "
           f"causal fwd+bwd: {t_causal * 1e3:8.1f} ms{causal_peak}   "
-          f"ratio {t_replay / t_causal:.2f}   ({B} x {T} tokens, {int(ro.n_rounds.max())} rounds)")
-
-
-def profile(run_dir):
-    """Print where a run's time went (see --profile), from its log.jsonl."""
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.isfile(path):
-        raise ValueError(f"--profile {run_dir}: no log.jsonl there; "
-                         f"give a run directory train.py wrote")
-    log = rundir.read_log(path)
-    steps, evals = [r for r in log if "reward" in r], [r for r in log if "eval" in r]
-    if not steps:
-        raise ValueError(f"{run_dir}/log.jsonl has no step records to profile")
-    total = sum(r["step_time"] for r in steps)
-    rollouts, replays = sum(r["rollout_time"] for r in steps), sum(r["replay_time"] for r in steps)
-    print(f"{run_dir}: {len(steps)} steps ({total:.1f} s), {len(evals)} evaluations")
-    for name, sec in [("rollouts", rollouts), ("replay fwd+bwd", replays),
-                      ("rest of the steps", total - rollouts - replays)]:
-        print(f"  {name:30s} {sec:7.1f} s  {sec / len(steps):6.2f} s/step")
-    for r in evals:
-        print(f"  evaluation at step {r['step']:<11d} {r['eval_time']:7.1f} s" if "eval_time" in r
-              else f"  evaluation at step {r['step']}: its time was not recorded")
+          f"ratio {t_replay / t_causal:.2f}   ({rows} x {length} tokens, "
+          f"{int(rolled.n_rounds.max())} rounds)")
 
 
 def bench_prompts(model, args):
@@ -132,15 +122,15 @@ def bench_prompts(model, args):
     if not args.held_out:
         prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(0))
-        return prompts.tolist(), Sampling(max_new_tokens=args.new_tokens, temperature=1.0,
-                                          top_k=50), []
+        return prompts.tolist(), Sampling(args.new_tokens, temperature=1.0), []
     c = settings.run_defaults(args.model)
     encode, tokenizer = prompt_encoder(c.task, c.prompt), load_tokenizer(args.model)
-    prompts = [encode(tokenizer, p) for p in held_out(c, args.batch)]
-    return prompts, Sampling(args.new_tokens, c.temperature, c.top_k, c.top_p), model.config.eos_ids
+    prompts = [encode(tokenizer, problem) for problem in held_out(c, args.batch)]
+    sampling = replace(settings.sampling(c), max_new_tokens=args.new_tokens)
+    return prompts, sampling, model.config.eos_ids
 
 
-def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat) -> float:
+def hf_generate(model_dir, prompts, sampling: Sampling, eos_ids, device, dtype, repeat) -> float:
     """Hugging Face generate's tokens/s (the full cache) on the same prompts, sampling and cap, up
     to each EOS."""
     transformers = need("transformers", "bench.py --hf")
@@ -154,9 +144,10 @@ def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat)
     def generate():  # Hugging Face's generate is itself no_grad
         torch.manual_seed(0)
         return hf.generate(input_ids=ids, attention_mask=mask, do_sample=True,
-                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                           max_new_tokens=s.max_new_tokens, pad_token_id=0, eos_token_id=eos,
-                           min_new_tokens=s.max_new_tokens if never_ends else 0)[:, width:]
+                           temperature=sampling.temperature, top_k=sampling.top_k,
+                           top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
+                           pad_token_id=0, eos_token_id=eos,
+                           min_new_tokens=sampling.max_new_tokens if never_ends else 0)[:, width:]
 
     sec, new, _ = timed(generate, device, repeat)
     ended = torch.isin(new, torch.tensor(eos, device=device)).long()
@@ -169,36 +160,31 @@ def hf_generate(model_dir, prompts, s: Sampling, eos_ids, device, dtype, repeat)
     return tokens / sec
 
 
-def bandwidth(model, ro, ev, step_s, args) -> str:
+def bandwidth(model, rolled, eviction, step_s, args) -> str:
     """On CUDA: the step time's fraction of the memory-bandwidth bound, the bytes a decode step
-    must read (every weight once, an untied embedding table's few rows left out; every alive KV
-    entry once) / the device's peak bandwidth. Alive entries per layer, averaged over the steps:
-    prompt + half the completion without eviction; with it the cache grows by one a step from
-    (count before a round - δ) to the next round's count, so its mean is the mean count before a
-    round minus δ/2."""
-    if ro.tokens.device.type != "cuda":
+    must read (every weight, an untied embedding table left out, and every alive KV entry once) /
+    the peak bandwidth. Alive entries per layer, over the steps: prompt + half the completion; with
+    eviction the mean count before a round - δ/2 (the cache grows by one a step from count - δ)."""
+    if rolled.tokens.device.type != "cuda":
         return ""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters()
                   if cfg.tie_word_embeddings or p is not model.model.embed_tokens.weight)
-    R = ro.kv_before_round.shape[1]
-    # (rounds, L)
-    before = ro.kv_before_round[torch.arange(R, device=ro.n_rounds.device) < ro.n_rounds[:, None]]
-    alive = (ro.prompt_lens.float().mean().item() + args.new_tokens / 2
-             if ev is None or len(before) == 0 else before.float().mean().item() - ev.delta / 2)
+    rounds = torch.arange(rolled.kv_before_round.shape[1], device=rolled.n_rounds.device)
+    before = rolled.kv_before_round[rounds < rolled.n_rounds[:, None]]  # (rounds, L)
+    alive = (rolled.prompt_lens.float().mean().item() + args.new_tokens / 2
+             if eviction is None or len(before) == 0
+             else before.float().mean().item() - eviction.delta / 2)
     # K and V
     entry = 2 * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()
-    read = weights + alive * cfg.num_hidden_layers * entry * ro.tokens.shape[0]  # bytes per step
+    read = weights + alive * cfg.num_hidden_layers * entry * rolled.tokens.shape[0]  # bytes a step
     return f" ({read / (args.peak_bandwidth * 1e12) / step_s:5.1%} of the bandwidth bound)"
 
 
 def check(args) -> list[str]:
     """The devices to run on, after every flag is checked."""
-    rules = {flag: at_least(1)
-             for flag in ("batch", "prompt_len", "new_tokens", "replay_batch", "repeat")}
-    check_values(args, rules | {"peak_bandwidth": lambda v: v > 0 or "must be positive (TB/s)"})
-    # --threads, by settings.py's rule
-    settings.check(replace(BENCH, **{k: getattr(args, k) for k in SHARED}))
+    check_values(args, {name: rule for name, (_, _, rule, _) in FLAGS.items() if rule}
+                 | {"threads": at_least(1)})
     try:
         check_eviction(args.delta, args.block, args.window, args.rate)
     except ValueError as e:
@@ -221,32 +207,18 @@ def check(args) -> list[str]:
 def parse_args(argv=None):
     """bench.py's flags, those of settings.py (SHARED) filled from BENCH where not given."""
     p = parser(__doc__)
-    p.add_argument("--shape", choices=["tiny", "r1"], default="tiny",
+    p.add_argument("--shape", choices=list(SHAPES), default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 "
                         "(R1-Distill-Qwen-1.5B's shape)")
     settings.add_flags(p, None, ["model"], HELPS)  # None: a random model
     settings.add_flags(p, BENCH, SHARED, HELPS)
-    p.add_argument("--batch", type=int, default=8, help="prompts rolled out together (default 8)")
-    p.add_argument("--prompt-len", type=int, default=32,
-                   help="tokens of each random prompt (default 32)")
-    p.add_argument("--new-tokens", type=int, default=256,
-                   help="tokens each row decodes (at most, with --held-out) (default 256)")
-    p.add_argument("--rate", type=float, default=0.5,
-                   help="ε: the fraction of blocks evicted per round (default 0.5)")
-    p.add_argument("--replay-batch", type=int, default=8,
-                   help="rollouts per replay forward+backward (default 8)")
-    p.add_argument("--repeat", type=int, default=2,
-                   help="timed runs of each, after one warm-up (default 2)")
+    for name, (kind, default, _, text) in FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
+                       help=f"{text} (default {default})")
     p.add_argument("--held-out", action="store_true",
                    help="--model's held-out prompts, ending at EOS, as train.py")
-    p.add_argument("--hf", action="store_true",
-                   help="also time Hugging Face generate on the same prompts "
-                        "(needs transformers and --model)")
-    p.add_argument("--peak-bandwidth", type=float, default=3.35,
-                   help="the device's peak memory bandwidth in TB/s, for the bandwidth bound "
-                        "(default: H100 SXM)")
-    p.add_argument("--profile", metavar="RUN_DIR",
-                   help="print where a training run's time went and exit")
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the "
+                   "same prompts (needs transformers and --model)")
     args = p.parse_args(argv)
     vars(args).update({k: getattr(BENCH, k) for k in SHARED if getattr(args, k) is None})
     return args
@@ -257,21 +229,15 @@ def bench_model(args, device, dtype):
     if args.model:
         with one_line_errors():
             return from_pretrained(args.model, dtype=dtype, device=device)
-    if args.shape == "r1":  # Qwen2Config's defaults are DeepSeek-R1-Distill-Qwen-1.5B's shape
-        with torch.device(device):
-            model = Qwen2(Qwen2Config()).to(dtype)
-        return init_weights(model)
-    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2)
-    return init_weights(Qwen2(cfg)).to(device=device, dtype=dtype)
+    with torch.device(device):
+        model = Qwen2(Qwen2Config(**SHAPES[args.shape])).to(dtype)
+    return init_weights(model)
 
 
 @exits(memory="lower --batch")  # bad input, out of memory, a signal: one line
 def main(argv=None):
     args = parse_args(argv)
     with one_line_errors():
-        if args.profile:
-            return profile(args.profile)
         devices = check(args)
     if args.threads:
         torch.set_num_threads(args.threads)

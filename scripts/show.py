@@ -34,37 +34,45 @@ ALIVE = -1  # a key's fate when no round evicted it: still in the cache at the e
 ALIVE_COLOUR = "#d9d9d9"
 # the rounds, first (dark) to last (yellow)
 VIRIDIS = ["#440154", "#3b528b", "#21918c", "#5ec962", "#fde725"]
+CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em} h3{font-size:14px;margin:.4em 0}
+.pair{display:flex;gap:2em;flex-wrap:wrap;margin-bottom:2em}
+.run{flex:1 1 0;min-width:24em;overflow-x:auto} .correct{color:#1a7f37} .wrong{color:#c62828}
+table{border-collapse:collapse} td{width:9px;height:10px;padding:0;border:1px solid #fff}
+th{font:10px monospace;font-weight:normal;padding:0 1px 3px;vertical-align:bottom;white-space:pre}
+thead th{writing-mode:vertical-rl} thead th.p{color:#888} th.l{text-align:right;padding-right:4px}
+.s{border-left:2px solid #000}
+.key{display:inline-block;width:1em;height:1em;vertical-align:middle;margin:0 .3em 0 .8em}"""
 
 
-def fates(ro, row: int, tokenizer):
+def fates(rolled, row: int, tokenizer):
     """Rollout row `row`'s token texts (prompt + completion) and death rounds (L, T): the 0-based
     round that evicted key s at layer l, ALIVE (-1) where none did."""
-    one = ro.select([row])
-    T = int(one.lengths[0])
-    texts = tokenizer.decode_batch([[t] for t in one.tokens[0, :T].tolist()],
+    one = rolled.select([row])
+    length = int(one.lengths[0])
+    texts = tokenizer.decode_batch([[t] for t in one.tokens[0, :length].tolist()],
                                    skip_special_tokens=False)
     if one.eviction is None:  # the full cache: nothing is ever evicted
-        return texts, torch.full((one.kept.shape[2], T), ALIVE)
+        return texts, torch.full((one.kept.shape[2], length), ALIVE)
     # (L, T)
-    death = death_times(one.kept, one.n_rounds, T, one.eviction.delta, one.eviction.block)[0]
+    death = death_times(one.kept, one.n_rounds, length, one.eviction.delta, one.eviction.block)[0]
     return texts, evicted_by(death, one.eviction.delta)
 
 
-def round_colour(r: int, n: int) -> str:
-    """Round r of n (0-based) on the viridis scale."""
-    x = r / max(n - 1, 1) * (len(VIRIDIS) - 1)
-    i = min(int(x), len(VIRIDIS) - 2)
-    a, b = (bytes.fromhex(VIRIDIS[j][1:]) for j in (i, i + 1))
-    return "#" + bytes(round(u + (x - i) * (v - u)) for u, v in zip(a, b)).hex()
+def round_colour(index: int, count: int) -> str:
+    """Round `index` of `count` (0-based) on the viridis scale."""
+    position = index / max(count - 1, 1) * (len(VIRIDIS) - 1)
+    low = min(int(position), len(VIRIDIS) - 2)
+    below, above = (bytes.fromhex(VIRIDIS[j][1:]) for j in (low, low + 1))
+    return "#" + bytes(round(u + (position - low) * (v - u)) for u, v in zip(below, above)).hex()
 
 
 def summary(run) -> str:
     """The completion's length and the fractions of prompt and of completion keys never evicted,
     over layers."""
     alive = (run["rounds"] == ALIVE).float()  # (L, T)
-    P = run["prompt_len"]
-    return (f"{alive.shape[1] - P} new tokens, not evicted: prompt {alive[:, :P].mean():.0%}, "
-            f"completion {alive[:, P:].mean():.0%}")
+    prompt_len = run["prompt_len"]
+    return (f"{alive.shape[1] - prompt_len} new tokens, not evicted: prompt "
+            f"{alive[:, :prompt_len].mean():.0%}, completion {alive[:, prompt_len:].mean():.0%}")
 
 
 def trace_rollouts(model, tokenizer, c, problems, ev: Eviction):
@@ -72,77 +80,55 @@ def trace_rollouts(model, tokenizer, c, problems, ev: Eviction):
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
     sampling = settings.sampling(c, held_out=True, greedy=True, meta_token=meta)
-    ro = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev,
-                 eos_ids=model.config.eos_ids)
-    completions = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
+    rolled = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev,
+                     eos_ids=model.config.eos_ids)
+    completions = tokenizer.decode_batch(rolled.completions(), skip_special_tokens=True)
     runs = []
-    for i, (problem, text) in enumerate(zip(problems, completions)):
-        tokens, rounds = fates(ro, i, tokenizer)
-        runs.append(dict(correct=TASK_REWARD[c.task](text, problem) == 1.0, tokens=tokens,
-                         rounds=rounds, prompt_len=int(ro.prompt_lens[i]),
-                         n_rounds=int(ro.n_rounds[i])))
+    for row, (problem, text) in enumerate(zip(problems, completions)):
+        tokens, rounds = fates(rolled, row, tokenizer)
+        correct = TASK_REWARD[c.task](text, problem) == 1.0
+        runs.append(dict(verdict="correct" if correct else "wrong", tokens=tokens, rounds=rounds,
+                         prompt_len=int(rolled.prompt_lens[row])))
     return runs
-
-
-CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5em}
-.pair{display:flex;gap:2em;flex-wrap:wrap;margin-bottom:2em}
-.run{flex:1 1 0;min-width:24em;overflow-x:auto}
-h3{font-size:14px;margin:.4em 0}
-.correct{color:#1a7f37}.wrong{color:#c62828}
-table{border-collapse:collapse}
-td{width:9px;height:10px;padding:0;border:1px solid #fff}
-th{font:10px monospace;font-weight:normal;padding:0 1px 3px;vertical-align:bottom;white-space:pre}
-thead th{writing-mode:vertical-rl}
-thead th.p{color:#888}
-th.l{text-align:right;padding-right:4px}
-.s{border-left:2px solid #000}
-.key{display:inline-block;width:1em;height:1em;vertical-align:middle;margin:0 .3em 0 .8em}"""
 
 
 def grid(run) -> str:
     """A header row of token texts, then a row of fate-coloured cells per layer."""
-    P = run["prompt_len"]
+    prompt_len = run["prompt_len"]
     head = ["<th></th>"]
-    for t, text in enumerate(run["tokens"]):
-        cls = ' class="p"' if t < P else ' class="s"' if t == P else ""
+    for index, text in enumerate(run["tokens"]):
+        cls = ' class="p"' if index < prompt_len else ' class="s"' if index == prompt_len else ""
         shown = html.escape(text.replace("\n", "⏎").replace("\t", "⇥"))
-        head.append(f'<th{cls} title="token {t}">{shown}</th>')
+        head.append(f'<th{cls} title="token {index}">{shown}</th>')
     rows = []
     for layer, fate in enumerate(run["rounds"].tolist()):
         cells = "".join(f'<td class="{"alive" if r == ALIVE else f"r{r}"}'
-                        f'{" s" if t == P else ""}"></td>'
-                        for t, r in enumerate(fate))
+                        f'{" s" if t == prompt_len else ""}"></td>' for t, r in enumerate(fate))
         rows.append(f'<tr><th class="l">layer {layer}</th>{cells}</tr>')
     return f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def render_html(problems, runs: dict, info: dict) -> str:
+def render_html(problems, runs: dict, c, ev: Eviction, models: dict) -> str:
     """The page: settings and legend, then per problem the runs ({name: [run per problem]}) side by
     side."""
-    # rounds that evicted anything
-    n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)
-    colours = "".join(f".r{r}{{background:{round_colour(r, n)}}}" for r in range(n))
+    count = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)  # rounds that ran
+    colours = "".join(f".r{r}{{background:{round_colour(r, count)}}}" for r in range(count))
     legend = '<span class="key alive"></span>not evicted (in the cache at the end)' + "".join(
-        f'<span class="key r{r}"></span>round {r + 1}' for r in range(n))
-    e = info["eviction"]
-    intro = (f"<p>Each grid is one greedy rollout: one row per layer, one cell per token, "
-             f"the prompt (grey text) then the completion (after the black line). "
-             f"A cell's colour is the fate of that token's key in that layer's KV cache: "
-             f"not evicted, or evicted at round k, which fires once the sequence holds kδ tokens "
-             f"and keeps the top K blocks of NGC's scores ψ (the paper's evaluation policy); "
-             f"an evicted key is gone from that layer for every later token. "
-             f"Settings: ε = {e.rate:g}, δ = {e.delta}, b = {e.block}, w = {e.window}, "
-             f"at most {info['max_new_tokens']} new tokens, task "
-             f"{html.escape(info['task'])}; "
-             + ", ".join(f"{html.escape(name)}: <code>{html.escape(path)}</code>"
-                         for name, path in info["models"].items()) + ".</p>")
+        f'<span class="key r{r}"></span>round {r + 1}' for r in range(count))
+    paths = ", ".join(f"{name}: <code>{html.escape(os.path.relpath(path))}</code>"
+                      for name, path in models.items())
+    intro = (f"<p>Each grid is one greedy rollout, a row per layer and a cell per token (the "
+             f"prompt in grey, then the completion after the black line), coloured by the round "
+             f"that evicted that token's key from that layer's cache (round k fires once the "
+             f"sequence holds kδ tokens and keeps NGC's top K blocks), grey if none did. "
+             f"ε = {ev.rate:g}, δ = {ev.delta}, b = {ev.block}, w = {ev.window}, at most "
+             f"{c.eval_max_new_tokens or c.max_new_tokens} new tokens, task {c.task}; {paths}.</p>")
     body = [f"<h1>What the model forgets</h1>{intro}<p>{legend}</p>"]
     for i, problem in enumerate(problems):
         body.append(f"<h2>problem {i + 1}: {html.escape(str(problem))}</h2><div class=\"pair\">")
         for name, rs in runs.items():
-            verdict = "correct" if rs[i]["correct"] else "wrong"
-            body.append(f'<div class="run"><h3>{html.escape(name)}: '
-                        f'<span class="{verdict}">{verdict}</span>; '
+            body.append(f'<div class="run"><h3>{html.escape(name)}: <span class='
+                        f'"{rs[i]["verdict"]}">{rs[i]["verdict"]}</span>; '
                         f'{html.escape(summary(rs[i]))}</h3>{grid(rs[i])}</div>')
         body.append("</div>")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -156,24 +142,23 @@ def render_png(problems, runs: dict, path: str):
     plt = pyplot("--png")
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
-    n = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)
-    colours = [ALIVE_COLOUR] + [round_colour(r, n) for r in range(n)]
-    L = next(iter(runs.values()))[0]["rounds"].shape[0]
+    count = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)
+    colours = [ALIVE_COLOUR] + [round_colour(r, count) for r in range(count)]
+    layers = next(iter(runs.values()))[0]["rounds"].shape[0]
     fig, axes = plt.subplots(len(problems), len(runs), squeeze=False,
-                             figsize=(6 * len(runs), len(problems) * (1.2 + 0.18 * L) + 0.6))
+                             figsize=(6 * len(runs), len(problems) * (1.2 + 0.18 * layers) + 0.6))
     for i in range(len(problems)):
         for ax, (name, rs) in zip(axes[i], runs.items()):
             ax.imshow((rs[i]["rounds"] + 1).numpy(), cmap=ListedColormap(colours), vmin=-0.5,
-                      vmax=n + 0.5, aspect="auto", interpolation="nearest")
+                      vmax=count + 0.5, aspect="auto", interpolation="nearest")
             ax.axvline(rs[i]["prompt_len"] - 0.5, color="black", linewidth=1)
-            ax.set_title(f"problem {i + 1}, {name}: "
-                         f"{'correct' if rs[i]['correct'] else 'wrong'}; {summary(rs[i])}",
+            ax.set_title(f"problem {i + 1}, {name}: {rs[i]['verdict']}; {summary(rs[i])}",
                          fontsize=8)
             ax.set_ylabel("layer", fontsize=8)
             ax.tick_params(labelsize=7)
         axes[i][0].set_xlabel("token (prompt | completion)", fontsize=8)
-    handles = ([Patch(color=ALIVE_COLOUR, label="not evicted")]
-               + [Patch(color=colours[r + 1], label=f"round {r + 1}") for r in range(n)])
+    handles = [Patch(color=colour, label=f"round {r}" if r else "not evicted")
+               for r, colour in enumerate(colours)]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 12), fontsize=8,
                frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
@@ -226,26 +211,18 @@ def trace_models(args, c, problems, ev):
     return runs
 
 
-def print_lines(problems, runs):
-    for i in range(len(problems)):
-        for name, rs in runs.items():
-            print(f"problem {i + 1} {name:>9}: "
-                  f"{'correct' if rs[i]['correct'] else 'wrong':>7}; {summary(rs[i])}")
-
-
 @exits  # bad input: one line, exit code 2; SIGINT, SIGTERM: one line, exit code 130 or 143
 def main(argv=None):
     args = parse_args(argv)
     with one_line_errors():
         c, ev, problems = check(args)
         runs = trace_models(args, c, problems, ev)
-    print_lines(problems, runs)
-    info = {"eviction": ev, "task": c.task,
-            "max_new_tokens": c.eval_max_new_tokens or c.max_new_tokens,
-            "models": {"untrained": os.path.relpath(args.before),
-                       "trained": os.path.relpath(args.model)}}
+    for i in range(len(problems)):
+        for name, rs in runs.items():
+            print(f"problem {i + 1} {name:>9}: {rs[i]['verdict']:>7}; {summary(rs[i])}")
+    models = {"untrained": args.before, "trained": args.model}
     with writing():
-        write_text(args.out, render_html(problems, runs, info))
+        write_text(args.out, render_html(problems, runs, c, ev, models))
         print(f"wrote {args.out}")
         if args.png:
             render_png(problems, runs, args.png)

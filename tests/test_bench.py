@@ -1,4 +1,6 @@
-"""bench.py: its checks, and the profile of a run's time."""
+"""bench.py: its checks; results/speed/profile_run.py: where a run's time went."""
+import importlib.util
+import os
 import sys
 
 import pytest
@@ -6,6 +8,9 @@ import pytest
 import bench
 
 from conftest import Reached, one_line_error, reached, run_train
+
+PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+                       "speed", "profile_run.py")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -18,8 +23,7 @@ from conftest import Reached, one_line_error, reached, run_train
     (["--model", "/no/such/model"], "no config.json in '/no/such/model'"),
     (["--held-out"], "--held-out and --hf read a checkpoint directory: give --model DIR"),
     (["--hf", "--model", "tiny-math"], "bench.py --hf needs transformers: pip install transformers"),
-    (["--held-out", "--model", "tiny-math"], "--model tiny-math was trained on math (its ngc.json), not countdown"),
-    (["--profile", "/no/such/run"], "--profile /no/such/run: no log.jsonl there")])
+    (["--held-out", "--model", "tiny-math"], "--model tiny-math was trained on math (its ngc.json), not countdown")])
 def test_bench_checks_every_flag_before_it_runs(flags, message, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed (an import raises ImportError)
     monkeypatch.setattr(bench, "bench", reached)
@@ -29,8 +33,14 @@ def test_bench_checks_every_flag_before_it_runs(flags, message, monkeypatch):
         bench.main(["--device", "cpu"])
 
 
-def test_bench_profile_sums_a_runs_logged_phases(train_ckpt, tmp_path, capsys):
-    """bench.py --profile: the rollouts', replays' and evaluations' seconds are those train.py logged."""
+def test_profile_sums_a_runs_logged_phases(train_ckpt, tmp_path, capsys):
+    """results/speed/profile_run.py: the rollouts', replays' and evaluations' seconds are those train.py
+    logged; a directory without a log is one line."""
+    spec = importlib.util.spec_from_file_location("profile_run", PROFILE)
+    profile_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_run)
+    assert one_line_error(lambda: profile_run.main(["/no/such/run"])) == \
+        "error: /no/such/run has no log.jsonl; give a run directory train.py wrote"
     log = run_train(train_ckpt, tmp_path / "run", "--steps", "2", "--eval-every", "2")
     steps, evals = [r for r in log if "reward" in r], [r for r in log if "eval" in r]
     for r in steps:
@@ -39,7 +49,7 @@ def test_bench_profile_sums_a_runs_logged_phases(train_ckpt, tmp_path, capsys):
     capsys.readouterr()
 
     def profiled():
-        bench.main(["--profile", str(tmp_path / "run")])
+        profile_run.main([str(tmp_path / "run")])
         return {line[:32].strip(): float(line[32:].split()[0]) for line in capsys.readouterr().out.splitlines()[1:]}
 
     rows = profiled()
