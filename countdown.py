@@ -189,24 +189,9 @@ SHIFTED = {"tiny-shift": "tiny-shift-unseen"}  # a training prompt -> its layout
 # --difficulty -> preset
 DIFFICULTIES = {"paper": PAPER, "tiny": SMALL, "tiny-back": SMALL_BACK, "tiny-deep": SMALL_DEEP}
 
-def prompt(tokenizer, problem, style="plain", eviction_rate=None, blind=False) -> str:
-    """A problem's prompt text in a style (a ValueError where a tiny style's budget tag has a word
-    the tokenizer lacks and it has `<eviction_rate>`; one without the tag, a test's, is left
-    alone)."""
-    if style not in PROMPTS:
-        raise ValueError(f"unknown prompt style {style!r}; choose one of {', '.join(PROMPTS)}")
-    if style == "plain" or eviction_rate is None:
-        return PROMPTS[style](problem, eviction_rate, blind)
-    tag = rate_tag(eviction_rate, blind)
-    unknown = getattr(tokenizer.model, "unk_token", None) in tokenizer.encode(tag).tokens
-    if unknown and tokenizer.token_to_id("<eviction_rate>") is not None:
-        raise ValueError(f"the tokenizer cannot spell the budget tag: a word of `{tag.strip()}` is "
-                         "unknown to it")
-    return PROMPTS[style](problem, eviction_rate, blind)
-
 def encode(tokenizer, problem, style="plain", eviction_rate=None, blind=False):
     """A problem's prompt token ids in the given style (with the budget tag if rate given)."""
-    return encode_prompt(tokenizer, prompt(tokenizer, problem, style, eviction_rate, blind))
+    return encode_prompt(tokenizer, PROMPTS[style](problem, eviction_rate, blind))
 
 # The reward: a small recursive-descent parser, exact Fraction arithmetic, no eval
 

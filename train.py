@@ -229,7 +229,7 @@ def main(argv=None, reward_fn=None):
     say = tqdm.write if master else lambda text: None
     log = functools.partial(rundir.write_log, log_path) if master else lambda record: None
     with one_line_errors():  # the directory, its lock, the log cut to run.step, a resume's changes
-        kept = rundir.prepare(c.out, c.overwrite, state, settings.recorded(c)) if master else []
+        kept = rundir.prepare(c.out, state, settings.recorded(c)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(banner(c, model, run.step))
     reward_fn = reward_fn or TASK_REWARD[c.task]

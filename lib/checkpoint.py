@@ -27,37 +27,31 @@ def read_json(path: str, advice: str = ""):
         raise Error(f"{path} is not valid JSON ({e}){advice}") from None
 
 
-def _token_id(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def _token_id(value) -> bool:
+    return type(value) is int and value >= 0  # a bool is no id
 
 
-# no default for these: a missing one would silently be R1-1.5B's
+# config.json's keys that this Qwen2 reads, and what each accepts (a test, in words); REQUIRED have
+# no default (a missing one would silently be R1-1.5B's), LIMITS lie far above any Qwen2 (R1-1.5B:
+# 28 layers of 1536; Qwen2-72B: 80 of 8192)
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads")
-CONFIG_VALUES = {  # what config.json's keys that this Qwen2 reads accept: (test, in words)
-    **{k: (lambda v: _token_id(v) and v > 0, "a positive integer")
-       for k in (*REQUIRED, "max_position_embeddings")},
-    **{k: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-           "a positive number")
-       for k in ("rope_theta", "rms_norm_eps")},
-    "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+CONFIG_VALUES = {
+    **dict.fromkeys((*REQUIRED, "max_position_embeddings"),
+                    (lambda v: _token_id(v) and v > 0, "a positive integer")),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps"),
+                    (lambda v: type(v) in (int, float) and v > 0, "a positive number")),
+    "tie_word_embeddings": (lambda v: type(v) is bool, "true or false"),
     "bos_token_id": (lambda v: v is None or _token_id(v), "a token id or null"),
-    "eos_token_id": (lambda v: v is None or _token_id(v)
-                     or (isinstance(v, list) and all(map(_token_id, v))),
-                     "a token id, a list of them, or null"),
-}
-
-
-# far above any Qwen2 (R1-1.5B: 28 layers of 1536; Qwen2-72B: 80 of 8192); past them, no model
-LIMITS = {
-    "num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 1 << 20,
-    "num_attention_heads": 1024, "num_key_value_heads": 1024, "vocab_size": 1 << 24,
-    "max_position_embeddings": 1 << 24}
+    "eos_token_id": (lambda v: v is None or _token_id(v) or type(v) is list
+                     and all(map(_token_id, v)), "a token id, a list of them, or null")}
+LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 1 << 20,
+          "num_attention_heads": 1024, "num_key_value_heads": 1024, "vocab_size": 1 << 24,
+          "max_position_embeddings": 1 << 24}
 
 
 def load_config(path: str) -> Qwen2Config:
-    """config.json of checkpoint directory `path`, or an Error naming the first key it lacks or a
-    bad value."""
+    """config.json of checkpoint directory `path`, or an Error naming a missing key or bad value."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise Error(f"no config.json in {path!r}: pass a Hugging Face Qwen2 checkpoint directory")
@@ -67,9 +61,9 @@ def load_config(path: str) -> Qwen2Config:
     for key, (accepts, words) in CONFIG_VALUES.items():
         if key in d and not accepts(d[key]):
             raise Error(f"{cfg_path}: {key} is {json.dumps(d[key])}; it must be {words}")
-    for key, most in LIMITS.items():
-        if d.get(key, 0) > most:
-            raise Error(f"{cfg_path}: {key} is {d[key]}, above {most}: no Qwen2 is that large")
+        if key in LIMITS and d.get(key, 0) > LIMITS[key]:
+            raise Error(f"{cfg_path}: {key} is {d[key]}, above {LIMITS[key]}: no Qwen2 is that "
+                        f"large")
     return config_from_dict(d)
 
 
@@ -157,8 +151,7 @@ def _tied(state: dict, cfg: Qwen2Config) -> dict:
 
 
 def _load_strictly(model: Qwen2, state: dict, path: str):
-    """load_state_dict(strict=True), its report of missing, unexpected and mis-shaped tensors as one
-    line."""
+    """load_state_dict(strict=True); its report (missing, unexpected, mis-shaped) in one line."""
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:
@@ -187,8 +180,7 @@ def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32)
 
 
 def save_pretrained(model: Qwen2, path: str, state: dict | None = None):
-    """Write config.json and model.safetensors (model's weights, or the given state dict) into
-    path."""
+    """Write config.json and model.safetensors (model's weights, or `state`) into path."""
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in (state or model.state_dict()).items()}
     if model.config.tie_word_embeddings:

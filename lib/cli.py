@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 
 
 class Error(ValueError):
@@ -44,13 +45,10 @@ STOP_SIGNALS = tuple(getattr(signal, name)
 _stopping = []  # the handlers exits replaced, while a decorated main runs
 
 
-# How a console that cannot print a character (PYTHONIOENCODING=ascii, a C locale) spells it;
-# any other: "?"
-ASCII = str.maketrans({"ε": "eps", "δ": "delta", "τ": "tau", "σ": "sigma", "ψ": "psi",
-                       "ρ": "rho", "α": "alpha", "β": "beta", "Δ": "Delta", "§": "S",
-                       "×": "x", "±": "+-", "≥": ">=", "≤": "<=", "→": "->", "·": "*",
-                       "−": "-", "–": "-", "—": "--", "∞": "inf", "½": "1/2",
-                       "⅓": "1/3"})
+ASCII = str.maketrans({  # how a console that cannot print a character spells it; any other: "?"
+    "ε": "eps", "δ": "delta", "τ": "tau", "σ": "sigma", "ψ": "psi", "ρ": "rho", "α": "alpha",
+    "β": "beta", "Δ": "Delta", "§": "S", "×": "x", "±": "+-", "≥": ">=", "≤": "<=", "→": "->",
+    "·": "*", "−": "-", "–": "-", "—": "--", "∞": "inf", "½": "1/2", "⅓": "1/3"})
 
 
 class Console:
@@ -204,31 +202,25 @@ def pyplot(what: str):
     return importlib.import_module("matplotlib.pyplot")
 
 
-def check_output_file(path: str, flag: str = "the output path"):
-    """An Error unless `path` (given with `flag`) is a file name in a writable directory."""
-    folder = os.path.dirname(os.path.abspath(path))
+def check_output_file(path: str, flag: str):
+    """An Error unless `path` (given with `flag`) opens for writing, in open()'s words; a file the
+    check creates is removed."""
     if not str(path).strip():
         raise Error(f"{flag} is empty; give a file name")
-    if os.path.isdir(path):
-        raise Error(f"{path} is a directory; give a file path")
-    if not os.path.isdir(folder):
-        raise Error(f"cannot write {path}: " + (f"{folder} is not a directory"
-                                                if os.path.exists(folder)
-                                                else "its directory does not exist"))
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path)
-                                                    and not os.access(path, os.W_OK)):
-        raise Error(f"cannot write {path}: permission denied")
+    created = not os.path.exists(path)
+    with writing():
+        open(path, "a").close()
+    if created:
+        os.remove(path)
 
 
 def make_output_dir(path: str):
-    """Create directory `path` (and its parents), or an Error saying why not."""
+    """Create directory `path` (and its parents) and check that a file can be created in it, or an
+    Error with the system's reason."""
     if not str(path).strip():
         raise Error("the output directory is empty; give a directory name")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise Error(f"{path} is a file; give a directory")
     try:
         os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
     except OSError as e:
-        raise Error(f"cannot create the directory {path} ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise Error(f"cannot write into {path}: permission denied")
+        raise Error(f"cannot create the directory {path} or write into it ({e.strerror})") from None

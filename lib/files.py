@@ -6,12 +6,13 @@ A new file gets the mode the user's umask gives; a file or directory replaced ke
 import contextlib
 import ctypes
 import errno
-import functools
 import json
 import os
 import secrets
 import shutil
 from pathlib import Path
+
+LIBC = ctypes.CDLL(None, use_errno=True)  # renameat2, where the C library has it
 
 
 def write_atomic(path: str, write):
@@ -79,39 +80,23 @@ def swap_in(final: str):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def exchange(a: str, b: str) -> bool:
-    """Swap the names a and b in one step (Linux's renameat2 with RENAME_EXCHANGE); False where the
+def exchange(path: str, other: str) -> bool:
+    """Swap the two names in one step (Linux's renameat2 with RENAME_EXCHANGE); False where the
     system cannot, and nothing changed."""
-    renameat2 = getattr(_libc(), "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_cwd, rename_exchange = -100, 2
-    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), rename_exchange) == 0:
+    renameat2, at_cwd, rename_exchange = getattr(LIBC, "renameat2", None), -100, 2
+    if renameat2 and not renameat2(at_cwd, os.fsencode(path), at_cwd, os.fsencode(other),
+                                   rename_exchange):
         return True
-    # not on this system or disk
-    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-        return False
-    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), a)
+    if not renameat2 or ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+        return False  # not on this system or disk
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), path)
 
 
-@functools.cache
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def abandon_swap(final: str):
-    """Undo a swap that failed part way: the previous `final` back in place, `final`.tmp deleted.
-    Best effort: what it cannot undo, recover_swap puts right later."""
-    with contextlib.suppress(OSError):
-        if not os.path.exists(final) and os.path.exists(final + ".old"):
-            os.replace(final + ".old", final)
-    shutil.rmtree(final + ".tmp", ignore_errors=True)
-
-
-def recover_swap(final: str):
-    """Finish or undo a swap that a crash interrupted, leaving `final` (if any) and nothing else."""
+def recover_swap(final: str, finish: bool = True):
+    """Finish (the new copy in place) or else undo (the previous one) a swap that a crash or a
+    failure cut short, leaving `final` (if any) and nothing else."""
     tmp, old = final + ".tmp", final + ".old"
-    if not os.path.exists(final) and os.path.exists(old):  # killed between the two renames:
-        os.replace(tmp if os.path.exists(tmp) else old, final)  # <dir>.tmp/ is complete and newer
+    if not os.path.exists(final) and os.path.exists(old):  # cut between the two renames:
+        os.replace(tmp if finish and os.path.exists(tmp) else old, final)  # tmp/: whole, newer
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)

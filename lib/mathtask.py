@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from countdown import encode_prompt  # the R1 chat template, shared with Countdown
-from lib.cli import at_least, check_values, exits, make_output_dir, need, one_line_errors, parser
+from lib.cli import (at_least, check_values, exits, make_output_dir, need, one_line_errors,
+                     parser, writing)
 from lib.files import write_jsonl
 
 @dataclass(frozen=True)
@@ -89,12 +90,9 @@ def _rows(path):
         raise ValueError(f"cannot read {path} ({e.strerror})") from None
     return rows
 
-DEMO_FILES = ("train.jsonl", "test.jsonl")  # what make_demo writes
-
-
 def demo_hint(path: str) -> str:
-    """For a missing file of the demo set (not shipped), how to make it; else nothing."""
-    if os.path.basename(path) not in DEMO_FILES:
+    """For a missing file of the demo set (train.jsonl, test.jsonl: not shipped), how to make it."""
+    if os.path.basename(path) not in ("train.jsonl", "test.jsonl"):
         return ""
     return ("; the demo set is not shipped: make it with python -m lib.mathtask --make-demo "
             f"{os.path.dirname(path) or '.'}")
@@ -234,28 +232,22 @@ def demo_problem(rng):
 def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
     """(train, test): distinct problems, reproducible from seed; a ValueError when `patience` draws
     in a row bring no new one (the templates allow about 148,000)."""
-    rng, seen, out, misses = random.Random(seed), set(), [], 0
-    while len(out) < n_train + n_test:
-        p = demo_problem(rng)
-        if p.question in seen:
-            misses += 1
-            if misses > patience:
-                raise ValueError(f"the demo set has too few distinct problems for {n_train} train "
-                                 f"and {n_test} held-out ones (its templates allow about 148,000); "
-                                 f"ask for fewer")
-            continue
-        misses = 0
-        seen.add(p.question)
-        out.append(p)
-    return out[n_test:], out[:n_test]
+    rng, drawn, misses = random.Random(seed), {}, 0  # question -> problem, in the order drawn
+    while len(drawn) < n_train + n_test:
+        problem = demo_problem(rng)
+        misses = misses + 1 if problem.question in drawn else 0
+        if misses > patience:
+            raise ValueError(f"the demo set has too few distinct problems for {n_train} train "
+                             f"and {n_test} held-out ones (its templates allow about 148,000); "
+                             f"ask for fewer")
+        drawn.setdefault(problem.question, problem)
+    problems = list(drawn.values())
+    return problems[n_test:], problems[:n_test]
 
-def make_demo(out_dir, seed=0, n_train=2000, n_test=200, splits=None):
-    """Write out_dir/train.jsonl and test.jsonl in DAPO-Math-17k's layout (splits: demo_splits', if
-    drawn)."""
-    if n_train < 1 or n_test < 1:
-        raise ValueError(f"the demo set needs at least one train and one test problem, got "
-                         f"{n_train} and {n_test}")
-    train, test = splits or demo_splits(seed, n_train, n_test)
+def make_demo(out_dir, seed=0, n_train=2000, n_test=200):
+    """Write out_dir/train.jsonl and test.jsonl in DAPO-Math-17k's layout (demo_splits' problems,
+    drawn before the folder is made)."""
+    train, test = demo_splits(seed, n_train, n_test)
     make_output_dir(out_dir)
     for name, problems in (("train", train), ("test", test)):
         write_jsonl(os.path.join(out_dir, f"{name}.jsonl"), [
@@ -306,24 +298,16 @@ def demo_trace(problem) -> str:
 
 @exits  # bad input: one line, exit code 2
 def main(argv=None):
-    ap = parser("Write the demonstration set of arithmetic word problems.")
+    ap = parser("Write the demonstration set of arithmetic word problems (docs/math.md).")
     ap.add_argument("--make-demo", metavar="DIR", required=True,
                     help="output folder for train.jsonl and test.jsonl")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=2000, help="training problems")
     ap.add_argument("--test", type=int, default=200, help="held-out problems")
     args = ap.parse_args(argv)
-    with one_line_errors():  # a folder that cannot be made too
-        check_values(args, {"train": at_least(1), "test": at_least(1)})
-        try:
-            splits = demo_splits(args.seed, args.train, args.test)
-        except ValueError as e:
-            raise ValueError(f"--train {args.train} --test {args.test}: {e}") from None
-        try:
-            train, test = make_demo(args.make_demo, args.seed, args.train, args.test, splits)
-        except OSError as e:
-            raise ValueError(f"could not write {e.filename or args.make_demo} "
-                             f"({e.strerror})") from None
+    check_values(args, {"train": at_least(1), "test": at_least(1)})
+    with one_line_errors(), writing():  # too many problems asked, a file that cannot be written
+        train, test = make_demo(args.make_demo, args.seed, args.train, args.test)
     print(f"wrote {len(train)} train and {len(test)} test problems to {args.make_demo}")
 
 

@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from tqdm import tqdm
 from lib import distributed, settings
 from lib.checkpoint import save_pretrained, save_tokenizer
 from lib.cli import STOP_SIGNALS, Error, Interrupted, out_of_memory
-from lib.files import abandon_swap, recover_swap, swap_in, write_json, write_jsonl
+from lib.files import recover_swap, swap_in, write_json, write_jsonl
 
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
 # held by the process that trains in the directory; not a file of the run (--overwrite keeps it)
@@ -34,23 +33,25 @@ LOCK = "lock"
 _held = {}  # run directory (real path) -> the open file that holds its lock, for the process's life
 
 
-# ---- The lock ------------------------------------------------------------------------------------
+# ---- The lock, and a run's first writes ----------------------------------------------------------
 def lock(out: str, check_only: bool = False):
     """Take out's lock until release (or the process ends), writing this process's id into it;
-    check_only: take it shared and let go at once, writing nothing. An Error if another process
-    holds it."""
+    check_only: only an Error if another process holds it."""
     key, path = os.path.realpath(out), os.path.join(out, LOCK)
-    if key in _held or (check_only and not os.path.isfile(path)):
+    if key in _held or (check_only and not os.path.lexists(path)):
         return
     try:
-        fd = os.open(path, os.O_RDONLY if check_only else os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise Error(lock_error(path, e.strerror)) from None
-    try:
+        fd = os.open(path, os.O_RDWR | (0 if check_only else os.O_CREAT), 0o644)
         fcntl.flock(fd, (fcntl.LOCK_SH if check_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise Error(in_use(out)) from None
+        holder = Path(path).read_text().strip()  # its id, written just after it took the lock
+        raise Error(f"{out} is in use: {'process ' + holder if holder else 'another process'} is "
+                    f"training there (it holds {path}); wait for it to end or stop it, or choose "
+                    f"another --out") from None
+    except OSError as e:
+        raise Error(f"cannot open the run directory's lock {path} ({e.strerror}); it must be a "
+                    f"file this user can write: fix its permissions or remove it") from None
     if check_only:
         return os.close(fd)
     os.ftruncate(fd, 0)
@@ -64,87 +65,44 @@ def release(out: str):
         os.close(fd)
 
 
-def in_use(out: str) -> str:
-    """The message for a lock another process holds, naming it: it writes its id just after taking
-    the lock, so this waits a moment for a live id (a killed run's stays in the file until the next
-    run's)."""
-    path, who = os.path.join(out, LOCK), "another process"
-    for _ in range(100):
-        text = Path(path).read_text().strip() if os.path.isfile(path) else ""
-        try:
-            os.kill(int(text), 0)
-        except PermissionError:  # alive, another user's
-            pass
-        except (ValueError, OSError):
-            time.sleep(0.01)
-            continue
-        who = f"process {text}"
-        break
-    return (f"{out} is in use: {who} is training there (it holds {path}); wait for it to end or "
-            f"stop it, or choose another --out")
-
-
-def lock_error(path: str, why: str) -> str:
-    return (f"cannot open the run directory's lock {path} ({why}); it must be a file this user "
-            f"can write: fix its permissions or remove it")
-
-
-# ---- Before a run starts, and its first writes ---------------------------------------------------
 def check_run_dir(out: str, resume: bool, overwrite: bool):
-    """Errors before anything starts: a new run never writes into a directory that holds another
-    run's checkpoint (unless --overwrite) or files not a run's, nor where another process trains,
-    nor where it cannot create or write. A run that never saved left nothing to resume: the same
-    command starts again."""
+    """Errors before anything is written: a new run never writes into a directory that holds another
+    run's checkpoint (unless --overwrite) or files not a run's, nor where another process trains. A
+    run that never saved left nothing to resume: the same command starts again."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise Error(f"--out {out} is a file; the run directory must be a directory")
-    if os.path.isdir(out):
-        path = os.path.join(out, LOCK)
-        if os.path.lexists(path) and not (os.path.isfile(path)
-                                          and os.access(path, os.R_OK | os.W_OK)):
-            raise Error(lock_error(path, "a directory" if os.path.isdir(path)
-                                   else "permission denied"))
-        lock(out, check_only=True)
-        if not resume and not overwrite and {"checkpoint", "checkpoint.old"} & set(os.listdir(out)):
-            raise Error(f"{out} already holds a run; continue it with --resume {out}, choose "
-                        f"another --out, or pass --overwrite to start afresh there")
-        if not resume and not overwrite and (others := sorted(set(os.listdir(out))
-                                                              - {LOCK, *RUN_FILES})):
-            raise Error(f"{out} holds files that are not a run's ({', '.join(others[:3])}); choose "
-                        f"another --out")
-    parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise Error(f"cannot create or write the run directory {out}: {parent} is not a writable "
-                    f"directory")
+    if not os.path.isdir(out):
+        return
+    lock(out, check_only=True)
+    names = set() if resume or overwrite else set(os.listdir(out))
+    if {"checkpoint", "checkpoint.old"} & names:
+        raise Error(f"{out} already holds a run; continue it with --resume {out}, choose another "
+                    f"--out, or pass --overwrite to start afresh there")
+    if others := sorted(names - {LOCK, *RUN_FILES}):
+        raise Error(f"{out} holds files that are not a run's ({', '.join(others[:3])}); choose "
+                    f"another --out")
 
 
-def prepare(out: str, overwrite: bool, state: dict | None, recorded: dict) -> list[dict]:
-    """The first writes of a run: create the run directory and take its lock; a resume keeps (and
-    returns) the log records of the steps before its checkpoint's (state: load_trainer_state's) and
-    prints the settings it changes (recorded: settings.recorded's), a new run removes an earlier
-    run's files."""
+def prepare(out: str, state: dict | None, recorded: dict) -> list[dict]:
+    """The first writes of a run (check_run_dir passed): create the run directory (os.makedirs says
+    why it cannot) and take its lock; a resume keeps (and returns) the log records of the steps
+    before its checkpoint's (state: load_trainer_state's) and prints the settings it changes
+    (recorded: settings.recorded's), a new run removes an earlier run's files."""
+    log = os.path.join(out, "log.jsonl")
+    earlier = [r for r in read_log(log) if r["step"] < state["step"]] if state else []
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise Error(f"cannot create the run directory {out} ({e.strerror}); "
                     f"choose another --out") from None
     lock(out)
-    try:
-        # again, now that no other run can start here
-        check_run_dir(out, state is not None, overwrite)
-        for name in RUN_FILES if state is None else ():
-            path = os.path.join(out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
-        step, log = state["step"] if state else 0, os.path.join(out, "log.jsonl")
-        earlier = [r for r in read_log(log) if r["step"] < step]  # later steps will run again
-        write_jsonl(log, earlier)
-    except BaseException:
-        release(out)
-        raise
-    if changed := changed_settings({**state["session"], **state["config"]} if state else {},
-                                   recorded):
-        tqdm.write(f"note: resuming at step {step} with changed settings: {', '.join(changed)}")
+    for name in RUN_FILES if state is None else ():
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+    write_jsonl(log, earlier)  # the later steps will run again
+    if state and (changed := changed_settings({**state["session"], **state["config"]}, recorded)):
+        tqdm.write(f"note: resuming at step {state['step']} with changed settings: "
+                   f"{', '.join(changed)}")
     return earlier
 
 
@@ -160,16 +118,14 @@ class Diverged(Exception):
 
 class SaveFailed(Exception):
     """A checkpoint that could not be written, whatever raised (a full disk is safetensors'
-    SafetensorError, torch.save's RuntimeError); the previous one is in place and the temporary one
-    is gone."""
+    SafetensorError, torch.save's RuntimeError); the previous one is kept, the new one gone."""
 
 
 def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict,
                     session: dict | None = None):
-    """Write checkpoint/ for the state after `step` optimizer steps, by a swap. Every process calls
-    this (FSDP gathers the shards); the first one writes. Weights that are not finite are never
-    written (Diverged). settings go to ngc.json and trainer.pt, session (device, dtype, ...) to
-    trainer.pt."""
+    """Write checkpoint/ for the state after `step` optimizer steps, by a swap: settings go to
+    ngc.json and trainer.pt, session (device, dtype, ...) to trainer.pt. Every process calls this
+    (FSDP gathers the shards); the first one writes, never weights not finite (Diverged)."""
     model_state, opt_state = distributed.full_state(model, opt)
     if distributed.rank_and_world()[0] != 0:
         return
@@ -179,21 +135,19 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
     final = os.path.join(run_dir, "checkpoint")
     tmp = final + ".tmp"
     trainer = {"step": step, "optimizer": opt_state, "config": settings, "session": session or {}}
-    writes = [("the earlier save's leftovers", lambda: recover_swap(final)),
-              ("config.json and model.safetensors",
-               lambda: save_pretrained(model, tmp, model_state)),
-              ("the tokenizer files",
-               lambda: save_tokenizer(tokenizer, tmp, model.config, source_dir)),
-              ("ngc.json", lambda: write_json(os.path.join(tmp, "ngc.json"), settings)),
-              ("trainer.pt", lambda: torch.save(trainer, os.path.join(tmp, "trainer.pt"))),
-              ("the swap into checkpoint/", lambda: swap_in(final))]
-    for what, write in writes:
+    writes = {"the earlier save's leftovers": lambda: recover_swap(final),
+              "config.json and model.safetensors": lambda: save_pretrained(model, tmp, model_state),
+              "the tokenizer files": lambda: save_tokenizer(tokenizer, tmp, model.config,
+                                                            source_dir),
+              "ngc.json": lambda: write_json(os.path.join(tmp, "ngc.json"), settings),
+              "trainer.pt": lambda: torch.save(trainer, os.path.join(tmp, "trainer.pt")),
+              "the swap into checkpoint/": lambda: swap_in(final)}
+    for what, write in writes.items():
         try:
             write()
-        except BaseException as e:  # a kill (no handler runs) leaves what recover_swap puts right
-            abandon_swap(final)
-            if not isinstance(e, Exception):  # Interrupted
-                raise
+        except Exception as e:  # a kill runs no handler: the next recover_swap finishes its swap
+            with contextlib.suppress(OSError):
+                recover_swap(final, finish=False)
             free = f"; {shutil.disk_usage(run_dir).free / 2 ** 20:.0f} MiB free on that disk" \
                 if os.path.isdir(run_dir) else ""
             raise SaveFailed(f"could not save step {step}: writing {what} in {tmp} failed "
@@ -205,8 +159,7 @@ def first_line(e: BaseException, most: int) -> str:
 
 
 def load_trainer_state(run_dir) -> dict:
-    """The step, optimizer state, settings and session of the run saved in run_dir (after
-    recover_swap)."""
+    """The step, optimizer state, settings and session saved in run_dir (after recover_swap)."""
     recover_swap(os.path.join(run_dir, "checkpoint"))
     path = os.path.join(run_dir, "checkpoint", "trainer.pt")
     if not os.path.exists(path):
@@ -216,15 +169,12 @@ def load_trainer_state(run_dir) -> dict:
         state = torch.load(path, weights_only=True)
         state = {**{k: state[k] for k in ("step", "optimizer", "config")},
                  "session": state.get("session", {})}
-    except OSError as e:  # another user's file
-        raise Error(f"cannot read {path} ({e.strerror})") from None
     except pickle.UnpicklingError:
         raise Error(f"{path} holds more than tensors and numbers (its pickle would run code); "
-                    f"refusing to load it: resume only runs you trust, "
-                    f"or start the run again") from None
-    except Exception as e:  # a truncated or foreign file
-        raise Error(f"{path} is unreadable ({type(e).__name__}: {first_line(e, 200)}); it is not "
-                    f"a trainer state this code wrote") from None
+                    f"refusing to load it: resume only runs you trust, or start again") from None
+    except Exception as e:  # another user's file, a truncated or foreign one
+        raise Error(f"{path} is unreadable ({type(e).__name__}: {first_line(e, 200)}); it must be "
+                    f"a trainer state this code wrote, readable by this user") from None
     return {**state, "config": settings.check_saved(state["config"], path)}
 
 
@@ -251,46 +201,29 @@ def write_log(path, record):
 
 
 def read_log(path) -> list[dict]:
-    """The records of log.jsonl; a last line cut short by a crash is dropped, any other bad line is
-    an Error naming the file and the line."""
-    if not os.path.exists(path):
-        return []
+    """The records of log.jsonl; a last line cut short by a crash is dropped, any other line that
+    is not a record with its step is an Error naming the file and the line."""
     try:
-        raw = Path(path).read_bytes()
+        lines = Path(path).read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
     except OSError as e:  # another user's file, a directory
         raise Error(f"cannot read {path} ({e.strerror})") from None
-    try:
-        lines = raw.decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise Error(f"{path} line {line} is not UTF-8 text (byte {raw[e.start]:#x}); repair or "
-                    f"remove that line") from None
     records = []
-    for i, line in enumerate(lines):
+    for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
+            record = json.loads(line)  # bytes: a line that is not UTF-8 is a ValueError too
+        except ValueError:
+            if number == len(lines):
                 print(f"note: dropping the unfinished last line of {path}")
                 break
-            raise Error(f"{path} line {i + 1} is not JSON; repair or remove that line") from None
-        if wrong := record_error(record):
-            raise Error(f"{path} line {i + 1} {wrong}; repair or remove that line")
+            record = None
+        if not (isinstance(record, dict) and type(record.get("step")) is int
+                and isinstance(record.get("eval", {}), dict)):
+            raise Error(f'{path} line {number} is not a record (a JSON object with an integer '
+                        f'"step", any "eval" an object); repair or remove that line')
         records.append(record)
     return records
-
-
-def record_error(record) -> str | None:
-    """Why `record` cannot be a line of log.jsonl (None: it can)."""
-    if not isinstance(record, dict):
-        return f"is {json.dumps(record)}, not a record (a JSON object with its step)"
-    step = record.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        return ("has no step" if step is None
-                else f"has step {json.dumps(step)}; a step is an integer, 0 or more")
-    if "eval" in record and not isinstance(record["eval"], dict):
-        return "has an eval that is not a JSON object"
-    return None
 
 
 # ---- The guard: what stops a run ends in one line, and loses nothing -----------------------------
@@ -325,8 +258,7 @@ class Run:
         self.saved = self.step
 
     def try_save(self) -> bool:
-        """A save that fails keeps the previous checkpoint, says so in one line, and training goes
-        on."""
+        """A failed save keeps the previous checkpoint and says so in one line; training goes on."""
         try:
             self.save()
             return True
@@ -363,13 +295,17 @@ def stopped(run: Run, fsdp: bool) -> str:
 def guard(run: Run, lr: float, fsdp: bool):
     """The training loop of `run`, inside a main under cli.exits (where a stop signal raises
     Interrupted). A signal saves the state after run.step steps (stopped) and exits with 128 + the
-    signal; a lost process of the run or running out of memory saves it too, then is an Error, as
-    are divergence and a failed save or write, saying which checkpoint is kept. Every process says
-    one line. The lock is let go at the end."""
+    signal, in one line of each process (process 0's on stdout); a lost process of the run or
+    running out of memory saves it too, then is an Error, as are divergence and a failed save or
+    write, saying which checkpoint is kept. The lock is let go at the end."""
     try:
         yield run
     except Interrupted as e:
-        report_stop(f"\n{e}: {stopped(run, fsdp)}; {run.go_on()}")
+        line = f"{e}: {stopped(run, fsdp)}; {run.go_on()}"
+        if distributed.rank_and_world()[0] == 0:
+            tqdm.write(f"\n{line}")
+        else:
+            print(line, file=sys.stderr)
         raise SystemExit(128 + e.signum) from None
     except (RuntimeError, MemoryError) as e:
         if what := out_of_memory(e):
@@ -379,33 +315,21 @@ def guard(run: Run, lr: float, fsdp: bool):
                         f"{run.go_on()}") from None
         if not distributed.peer_lost(e):
             raise
-        # the launcher's SIGTERM follows: held
-        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))  # the launcher's SIGTERM: held
         raise Error(f"a process of this run is gone ({short_error(e)}); {stopped(run, fsdp)}; "
                     f"{run.go_on()} (on as many processes)") from None
     except Diverged as e:
         raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr "
                     f"(now {lr:g})") from None
-    except SaveFailed as e:
-        raise Error(f"{e}; {run.kept()}; make room (or fix the cause), then "
-                    f"{run.go_on()}") from None
-    except OSError as e:  # the log
-        raise Error(f"could not write in {run.out} ({e}); {run.kept()}; fix the cause, then "
+    except (SaveFailed, OSError) as e:  # a checkpoint, or the log
+        what = e if isinstance(e, SaveFailed) else f"could not write in {run.out} ({e})"
+        raise Error(f"{what}; {run.kept()}; make room (or fix the cause), then "
                     f"{run.go_on()}") from None
     finally:
         release(run.out)
 
 
 def short_error(e: BaseException) -> str:
-    """An exception in a few words: its type and its message's first sentence, less a source
-    location."""
+    """Its type and its message's first sentence, less a source location ("[pair.cc:534] ")."""
     text = re.sub(r"^\[[^\]]*\] ", "", first_line(e, 10 ** 6))
     return f"{type(e).__name__}: {text.split('. ')[0][:160]}"
-
-
-def report_stop(line: str):
-    """A stop's line: process 0's on stdout (tqdm's), each other process's on stderr."""
-    if distributed.rank_and_world()[0] == 0:
-        tqdm.write(line)
-    else:
-        print(line.strip(), file=sys.stderr)

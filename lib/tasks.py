@@ -57,46 +57,32 @@ def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blin
                                                        blind)
 
 
-def prompt_text(c, tokenizer, problem, rate=None) -> str:
-    """The text of a problem's prompt in run c (Countdown: with the budget tag at ε = rate,
-    countdown.prompt)."""
+def prompt_text(c, problem, rate=None) -> str:
+    """A problem's prompt text in run c (Countdown's with the budget tag at ε = rate)."""
     if c.task == "math":
         return mathtask.prompt_text(problem)
-    return countdown.prompt(tokenizer, problem, c.prompt, rate, c.blind_tag)
+    return countdown.PROMPTS[c.prompt](problem, rate, c.blind_tag)
 
 
 def check_prompts(c, tokenizer, model_dir: str, problems: list, positions: int | None = None,
                   new_tokens=0):
-    """An Error unless the tokenizer of model_dir spells every word of the run's prompts: each
-    problem's, with each budget tag the run may write. A word it does not know is its unknown token,
-    and a run on such prompts trains on noise or scores 0% without a word (another model's
-    tokenizer.json beside the weights, a --prompt or --data not the model's). A tokenizer with no
-    unknown token (byte-level: R1's) spells every text; one that spells not one word of them is no
-    language's (the tests' w2, w3, ...) and is left alone. positions: the model's
-    max_position_embeddings, which no prompt and its new_tokens may pass."""
-    # every percentage shown
-    tags = [k / 100 for k in range(1, 101)] if c.interoception and problems else []
-    try:
-        texts = [prompt_text(c, tokenizer, p) for p in problems]
-        texts += [prompt_text(c, tokenizer, problems[0], rate) for rate in tags]
-    except ValueError as e:  # countdown.prompt: a budget tag the tokenizer cannot spell
-        raise Error(f"{model_dir}/tokenizer.json: {e}") from None
+    """An Error unless the tokenizer of model_dir spells every word of the run's prompts, each
+    budget tag it may write included, and no prompt with its new_tokens passes the model's
+    positions (max_position_embeddings). A word it cannot spell is its unknown token: the run
+    would learn from noise or score 0%. A byte-level tokenizer (R1's) spells every text; one that
+    spells no word of them (the tests' w2, w3, ...) is left alone."""
+    rates = [k / 100 for k in range(1, 101)] if c.interoception and problems else []
+    texts = [prompt_text(c, p) for p in problems] + [prompt_text(c, problems[0], r) for r in rates]
     unknown, spelled_any, longest = spelling(tokenizer, texts)
     if unknown and spelled_any:
-        # the style's own words
-        if c.task == "countdown" and (words := unknown_words(tokenizer, c)):
-            if spelled := [s for s in sorted(countdown.PROMPTS)
-                           if not unknown_words(tokenizer, replace(c, prompt=s))]:
-                raise Error(f"the prompt style {c.prompt} has {len(words)} words that "
-                            f"{model_dir}/tokenizer.json cannot spell ({', '.join(words[:3])}, "
-                            f"...): they would all be one unknown token; this model's tokenizer "
-                            f"spells the styles {', '.join(spelled)}: give one with --prompt")
-        raise Error(f"{model_dir}/tokenizer.json cannot spell {len(unknown)} words of this run's "
-                    f"prompts ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): "
-                    f"each would be its unknown token, and the run would learn from noise or "
-                    f"score 0%: the tokenizer is not this model's, or the prompts are not its task")
-    # + R1's chat template, where the vocab has it
-    longest += len(countdown.encode_prompt(tokenizer, ""))
+        styles = spelled_styles(c, tokenizer) if c.task == "countdown" else []
+        fix = (f"it spells the prompt styles {', '.join(styles)}: give one with --prompt"
+               if styles and c.prompt not in styles
+               else "the tokenizer is not this model's, or the prompts are not its task")
+        raise Error(f"{model_dir}/tokenizer.json cannot spell {len(unknown)} of this run's prompt "
+                    f"words ({', '.join(unknown[:3])}{', ...' * (len(unknown) > 3)}), which would "
+                    f"be its unknown token: {fix}")
+    longest += len(countdown.encode_prompt(tokenizer, ""))  # R1's chat template, if in the vocab
     if positions and longest + new_tokens > positions:
         raise Error(f"prompts of up to {longest} tokens and {new_tokens} new ones pass the "
                     f"{positions} positions of {model_dir} (max_position_embeddings in its "
@@ -104,24 +90,24 @@ def check_prompts(c, tokenizer, model_dir: str, problems: list, positions: int |
 
 
 def spelling(tokenizer, texts: list[str]) -> tuple[list[str], bool, int]:
-    """Over texts: the words the tokenizer writes as its unknown token (a word-level one's <unk>; a
-    byte-level one has none), whether it spells any word, and the most tokens of one text."""
+    """Over texts: the words the tokenizer writes as its unknown token (a byte-level one has none),
+    whether it spells any word, and the most tokens of one text."""
     unk = getattr(tokenizer.model, "unk_token", None)
     unknown, spelled_any, longest = {}, False, 0
-    # a few thousand at a time: R1's recipe has 327,680 problems
-    for start in range(0, len(texts), 4096):
+    for start in range(0, len(texts), 4096):  # a few thousand at a time: R1's recipe has 327,680
         chunk = texts[start:start + 4096]
-        for text, e in zip(chunk, tokenizer.encode_batch(chunk, add_special_tokens=False)):
-            longest = max(longest, len(e))
-            for token, (a, b) in zip(e.tokens, e.offsets) if unk else ():
-                if token == unk:
-                    unknown[text[a:b]] = None
-                spelled_any |= token != unk
+        for text, encoding in zip(chunk, tokenizer.encode_batch(chunk, add_special_tokens=False)):
+            words = [text[a:b] for token, (a, b) in zip(encoding.tokens, encoding.offsets)
+                     if token == unk]
+            unknown |= dict.fromkeys(words)
+            spelled_any |= len(words) < len(encoding)
+            longest = max(longest, len(encoding))
     return list(unknown), spelled_any, longest
 
 
-def unknown_words(tokenizer, c) -> list[str]:
-    """The words of run c's Countdown prompt style, on a sample problem, that the tokenizer cannot
-    spell."""
-    return spelling(tokenizer,
-                    [prompt_text(c, tokenizer, SAMPLE, 0.5 if c.interoception else None)])[0]
+def spelled_styles(c, tokenizer) -> list[str]:
+    """The Countdown prompt styles whose every word, budget tag included if run c writes one, the
+    tokenizer spells (on a sample problem)."""
+    rate = 0.5 if c.interoception else None
+    return [style for style in sorted(countdown.PROMPTS)
+            if not spelling(tokenizer, [countdown.PROMPTS[style](SAMPLE, rate, c.blind_tag)])[0]]

@@ -287,7 +287,9 @@ def main(argv=None):
         c = run_settings(args)
         problems = held_out(c, args.problems, args.split)
         model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
-        check_prompts(c, tokenizer, args.model, problems, model.config.max_position_embeddings,
+        tagged = c if args.tag is None else replace(c, interoception=True,  # --tag: the tags too
+                                                    blind_tag=args.tag == "blind")
+        check_prompts(tagged, tokenizer, args.model, problems, model.config.max_position_embeddings,
                       c.eval_max_new_tokens or c.max_new_tokens)
         base_model = args.base_model and load_base_model(args.base_model, args.device, c, tokenizer)
         for name in args.policy:

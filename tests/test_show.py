@@ -166,10 +166,10 @@ def test_show_png(ckpt, train_ckpt, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--eviction-rate", "1.5"], "must lie in (0, 1]"), (["--problems", "0"], "--problems 0 must be at least 1"),
-    (["--problems", "167"], "held-out validation split has 166 problems"), (["--out", "/no/such/dir/f.html"], "does not exist"),
-    (["--out", "/tmp"], "/tmp is a directory"), (["--model", "/no/such/run"], "no config.json in '/no/such/run'"),
+    (["--problems", "167"], "held-out validation split has 166 problems"), (["--out", "/no/such/dir/f.html"], "No such file or directory"),
+    (["--out", "/tmp"], "/tmp (Is a directory)"), (["--model", "/no/such/run"], "no config.json in '/no/such/run'"),
     (["--before", "/no/such/model"], "no config.json in '/no/such/model'"),
-    (["--png", "/no/such/dir/f.png"], "does not exist")])
+    (["--png", "/no/such/dir/f.png"], "No such file or directory")])
 def test_show_bad_input_fails_with_one_line(train_ckpt, tmp_path, flags, message, monkeypatch):
     monkeypatch.setattr(show, "load", None)  # nothing may be loaded
     with pytest.raises(SystemExit) as err:

@@ -782,5 +782,5 @@ def test_the_demo_set_refuses_more_problems_than_its_templates_allow(tmp_path, m
     with pytest.raises(ValueError, match="the demo set has too few distinct problems for 5000 train and 10 held-out"):
         mt.demo_splits(0, 5000, 10, patience=2000)
     said = one_line_error(lambda: mt.main(["--make-demo", str(tmp_path / "d"), "--train", "5000", "--test", "10"]))
-    assert said.startswith("error: --train 5000 --test 10: the demo set has too few distinct problems")  # its flags
+    assert said.startswith("error: the demo set has too few distinct problems for 5000 train and 10 held-out")
     assert list(tmp_path.iterdir()) == []  # checked before the folder is made

@@ -518,7 +518,7 @@ def test_resume_drops_a_cut_last_log_line_and_refuses_a_bad_middle_one(train_ckp
     log.write_text("garbage\n" + log.read_text())
     with pytest.raises(SystemExit) as err:
         run_train(train_ckpt, tmp_path, "--resume", str(tmp_path), "--steps", "3")
-    assert "log.jsonl line 1 is not JSON" in str(err.value) and "\n" not in str(err.value)
+    assert "log.jsonl line 1 is not a record" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_log_is_strict_json_and_plain_lines_without_a_terminal(train_ckpt, tmp_path, capsys):
