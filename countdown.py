@@ -268,9 +268,6 @@ def evaluate_expression(text):
     except (ValueError, ZeroDivisionError):
         return None
 
-def numbers_in(text):
-    return [int(t) for t in re.findall(r"[0-9]+", text)]
-
 def extract_answer(completion):
     """Text inside the last complete <answer> ... </answer>, or None. The tags pair like brackets:
     a closing tag with no opening tag before it is ignored, and a nested pair leaves its tags
@@ -292,7 +289,7 @@ def reward(completion, problem):
     lhs, *rhs = answer.split("=")
     if len(rhs) > 1 or any(evaluate_expression(side) != problem.target for side in [lhs, *rhs]):
         return 0.0
-    return 1.0 if sorted(numbers_in(lhs)) == sorted(problem.nums) else 0.0
+    return 1.0 if sorted(map(int, re.findall(r"[0-9]+", lhs))) == sorted(problem.nums) else 0.0
 
 # Search traces: the depth-first search the tiny models are pretrained on (make_tiny.py)
 

@@ -106,11 +106,10 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
             progress=False, compile=False, eviction_generator=None,
             token_noise_rows=None) -> Rollout:
     """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
-    rates: per-row ε (B,) in place of eviction.rate (interoception); generator: a torch.Generator
-    for the token noise, and the Gumbel noise unless eviction_generator is given (then token noise
-    and eviction draws vary apart); token_noise_rows (B,): the row whose token noise each row
-    takes (rows that share it differ by their evictions alone); compile: the decode step through
-    torch.compile, same results."""
+    rates: per-row ε (B,) in place of eviction.rate (interoception); generator: the token noise's,
+    and the Gumbel noise's unless eviction_generator is given; token_noise_rows (B,): the row whose
+    token noise each row takes (rows that share it differ by their evictions alone); compile: the
+    decode step through torch.compile, same results."""
     s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile,
                      eviction_generator, token_noise_rows)
     logits = prefill(s)
@@ -123,8 +122,7 @@ class RolloutState:
     def __init__(self, model: Qwen2, prompts, sampling: Sampling, eviction: Eviction | None, rates,
                  generator, compile, eviction_generator=None, token_noise_rows=None):
         self.model, self.sampling, self.eviction = model, sampling, eviction
-        self.generator = generator  # of the token noise, and the Gumbel noise unless:
-        self.eviction_generator = eviction_generator or generator
+        self.generator, self.eviction_generator = generator, eviction_generator or generator
         self.token_noise_rows = token_noise_rows
         self.meta = sampling.meta_token if eviction else None  # g; without eviction, no round
         check_rollout(prompts, self.meta, model.config.vocab_size, eviction, rates)
@@ -296,16 +294,15 @@ def fire_round(s: RolloutState, fired):
 def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, rates, ev: Eviction,
                    generator=None, context: Round | None = None):
     """One eviction round at every layer for cache rows in_cache (N,) at rates ε (N,) (§4.1-4.3);
-    context: their Round for a baseline's score (each layer fills in its layer and positions);
-    returns σ of each layer [(N, Kmax)], log p(σ) (N, L) and the alive entries before the round
-    (N, L)."""
+    context: their Round for a baseline's score (each layer fills in its layer and positions).
+    Returns σ of each layer [(N, Kmax)], log p(σ) and the alive entries before the round (N, L)."""
     qpos, sigmas, logps, before = window.pos[in_cache], [], [], []  # qpos (N, w): all scored
     for layer, c in enumerate(layers):
         alive, kpos, keys = c.alive[in_cache], c.pos[in_cache], c.k.index_select(0, in_cache)
         q = window.q[layer][in_cache]  # (N, H, w, D); keys (N, Hkv, S, D), alive (N, S)
         seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal
-        psi, logits, exists = round_logits(q, keys, seen, alive[:, None], ev)  # one round:
-        psi, logits, exists = psi[:, 0], logits[:, 0], exists[:, 0]  # (N, S), (N, nb), (N, nb)
+        # one round: ψ (N, S), logits and exists (N, nb)
+        psi, logits, exists = (x[:, 0] for x in round_logits(q, keys, seen, alive[:, None], ev))
         ranking = logits
         if ev.score is not None:  # a baseline: its own key score's block mean (may be < 0)
             at_layer = context._replace(layer=layer, key_pos=kpos, query_pos=qpos)
@@ -475,16 +472,14 @@ def check_rollout(prompts, meta, vocab_size: int, ev: Eviction | None, rates):
 
 
 # ---- The decode step, captured whole by torch.compile (rollout(..., compile=True)) ----------
-# ngc.decode_one_token has fixed shapes and no host syncs, so torch.compile takes it as one graph:
-# one CUDA graph per shape on CUDA ("reduce-overhead"), inductor's kernels launched from C++ on the
-# CPU. A captured graph reads and writes the KV cache and query window at fixed addresses, so a
-# model's buffers are kept and handed back, zeroed, to its next rollout of the same shape. Results
-# match eager up to float rounding.
+# decode_one_token has fixed shapes and no host syncs, so torch.compile takes it as one graph: one
+# CUDA graph per shape on CUDA ("reduce-overhead"), inductor's kernels launched from C++ on the CPU.
+# It reads and writes the KV cache and query window at fixed addresses, so a model's buffers are
+# handed back, zeroed, to its next rollout of the same shape. Results match eager up to rounding.
 
-# CPU: the most cache slots for which the step uses SDPA's math backend. At decode sizes the
-# fused CPU attention kernel costs 0.3-0.5 ms a call however few slots it reads; the math form,
-# which inductor fuses into the step, grows with the slots and is the cheaper one up to about
-# this many (measured on tiny/, batch 64, 2 cores). CUDA keeps SDPA's own choice.
+# CPU: the most cache slots for which the step uses SDPA's math backend. At decode sizes the fused
+# CPU kernel costs 0.3-0.5 ms a call however few slots it reads; the math form, fused into the step,
+# grows with the slots and is the cheaper one up to about this many (tiny/, batch 64, 2 cores).
 SDPA_MATH_MAX_SLOTS = 128
 
 

@@ -63,10 +63,6 @@ def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float)
     return stages[stage] + (s - (1 - alpha)) / alpha * (stages[stage + 1] - stages[stage])
 
 
-def eviction_rate_at(step: int, c) -> float:
-    return 1 - retention_at(step, c.retention, c.stage_steps, c.alpha)
-
-
 def final_eviction_rate(c) -> float:
     return 1 - c.retention[-1]
 
@@ -100,10 +96,9 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int,
 
 
 def backward(model, ro, adv, c, amp=contextlib.nullcontext(), adv_mem=None):
-    """Replay the rollouts with A != 0 in micro-batches, accumulate the loss's gradient and average
-    it over the processes (each normalised by its own rollout count, so this is the single-process
-    gradient). adv_mem: L_mem's advantages, if not adv's. Returns each term summed over the
-    micro-batches (None: not in this mode)."""
+    """Replay the rollouts with A != 0 in micro-batches and accumulate the loss's gradient,
+    averaged over the processes (each normalised by its own rollout count: the single-process
+    gradient). adv_mem: L_mem's advantages, if not adv's. Returns each term's sum (None: none)."""
     params = [p for p in model.parameters() if p.requires_grad]
     mode = MODES[c.mode]
     sums = dict.fromkeys(LOSSES if mode.eviction_loss else LOSSES[:1], 0.0)  # no round: L_mem 0
@@ -135,14 +130,13 @@ def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
 
 
 def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress=False):
-    """One step's gradients, clipped, and its log record (main then steps the optimizer). With
-    several processes each rolls out whole groups of its share of the P prompts."""
+    """One step's clipped gradients and log record; each process rolls out its share of groups."""
     t0 = time.perf_counter()
     device = model.lm_head.weight.device
     rank, world = distributed.rank_and_world()
     P, G, mode = c.prompts // world, c.group, MODES[c.mode]  # this process's prompts
     gen = step_generator(c.seed, rank, step, device)
-    eps = eviction_rate_at(step, c)
+    eps = 1 - retention_at(step, c.retention, c.stage_steps, c.alpha)  # the curriculum's ε
     ev = settings.eviction(c, eps, temperature=c.eviction_temperature) if mode.evict else None
     group_eps = rates = None
     if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
@@ -197,8 +191,7 @@ def make_optimizer(model, c, state=None):
 
 # ---- The loop ------------------------------------------------------------------------------------
 def evaluator(c, model, tokenizer, test, reward_fn, amp, progress):
-    """The run's final ε and its held-out evaluation: the full cache and the top K blocks at ε, with
-    eval.py's sampling."""
+    """The final ε and the held-out evaluation: full cache and top K at ε, eval.py's sampling."""
     ev = settings.eviction(c, final_eviction_rate(c), greedy=True)
     encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
     meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None

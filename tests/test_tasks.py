@@ -273,7 +273,7 @@ def trapped_builtins(monkeypatch):
                 builtins.compile = prev
         return wrapper
 
-    for module, names in ((cd, ("reward", "evaluate_expression", "extract_answer", "numbers_in")),
+    for module, names in ((cd, ("reward", "evaluate_expression", "extract_answer")),
                           (mt, ("reward", "last_boxed", "normalize", "equivalent"))):
         for name in names:
             monkeypatch.setattr(module, name, trapped(getattr(module, name)))
@@ -396,7 +396,6 @@ def test_evaluate_expression_grammar():
     assert ev("6 ÷ 3 × 4") == 8
     for bad in ["", "()", "3 +", "+ 3", "(3", "3)", "3 5", "3 (5)", "abc", "3 % 2", "0x10", "1e3", "½"]:
         assert ev(bad) is None, bad
-    assert cd.numbers_in("(12 + 3) * 45") == [12, 3, 45]
     assert cd.extract_answer("a <answer> x </answer> b <answer> y </answer> c") == "y"
     assert cd.extract_answer("<answer> x </answer> </answer> <answer> y") == "x"  # the last complete pair
     assert cd.extract_answer("no tags") is None
@@ -453,7 +452,7 @@ def test_reward_10k_random_strings(trapped_builtins, tmp_path, monkeypatch):
         assert got in (0.0, 1.0)
         if got == 1.0:  # only possible if the last answer is genuinely right
             ans = cd.extract_answer(s).split("=")[0]
-            assert cd.evaluate_expression(ans) == 16 and sorted(cd.numbers_in(ans)) == [2, 3, 5]
+            assert cd.evaluate_expression(ans) == 16 and sorted(map(int, re.findall(r"[0-9]+", ans))) == [2, 3, 5]
     assert n_tagged > 500  # a fair share of the noise reaches the parser
     assert list(tmp_path.iterdir()) == []
 
