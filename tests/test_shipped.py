@@ -374,13 +374,13 @@ def test_shipped_tiny_model_loads_and_solves():
     assert cfg.vocab_size == tok.get_vocab_size()
     assert cfg.bos_token_id == tok.token_to_id("<bos>") and cfg.eos_ids == [tok.token_to_id("<eos>")]
     assert sum(os.path.getsize(os.path.join(TINY_DIR, f)) for f in os.listdir(TINY_DIR)) < 8e6
-    _, test = split_problems(0, 100, n_train=1)
+    _, test = split_problems(0, 50, n_train=1)
     greedy, sampled = Sampling(max_new_tokens=256, greedy=True), Sampling(max_new_tokens=256)
-    assert _solved(model, tok, test, greedy) >= 90 and _solved(model, tok, test, sampled) >= 90
+    assert _solved(model, tok, test, greedy) >= 45 and _solved(model, tok, test, sampled) >= 45
     back = [p for p in test if cd.backtracks(p)]
     run = settings.run_defaults(TINY_DIR)
     evicted = Eviction(run.delta, run.block, run.window, 0.5, greedy=True)
-    assert len(back) >= 40 and _solved(model, tok, back, greedy) >= 0.9 * len(back)
+    assert len(back) >= 20 and _solved(model, tok, back, greedy) >= 0.9 * len(back)
     assert _solved(model, tok, back, greedy, evicted) <= 0.2 * len(back)
 
 
