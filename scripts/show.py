@@ -58,6 +58,11 @@ def fates(rolled, row: int, tokenizer):
     return texts, evicted_by(death, one.eviction.delta)
 
 
+def rounds_run(runs: dict) -> int:
+    """How many rounds ran in the longest of the runs' rollouts (the colour scale's length)."""
+    return max(int(run["rounds"].max()) + 1 for rs in runs.values() for run in rs)
+
+
 def round_colour(index: int, count: int) -> str:
     """Round `index` of `count` (0-based) on the viridis scale."""
     position = index / max(count - 1, 1) * (len(VIRIDIS) - 1)
@@ -111,7 +116,7 @@ def grid(run) -> str:
 def render_html(problems, runs: dict, c, ev: Eviction, models: dict) -> str:
     """The page: settings and legend, then per problem the runs ({name: [run per problem]}) side by
     side."""
-    count = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)  # rounds that ran
+    count = rounds_run(runs)
     colours = "".join(f".r{r}{{background:{round_colour(r, count)}}}" for r in range(count))
     legend = '<span class="key alive"></span>not evicted (in the cache at the end)' + "".join(
         f'<span class="key r{r}"></span>round {r + 1}' for r in range(count))
@@ -142,7 +147,7 @@ def render_png(problems, runs: dict, path: str):
     plt = pyplot("--png")
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
-    count = max(int(r["rounds"].max()) + 1 for rs in runs.values() for r in rs)
+    count = rounds_run(runs)
     colours = [ALIVE_COLOUR] + [round_colour(r, count) for r in range(count)]
     layers = next(iter(runs.values()))[0]["rounds"].shape[0]
     fig, axes = plt.subplots(len(problems), len(runs), squeeze=False,
