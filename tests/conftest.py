@@ -29,6 +29,7 @@ from ngc import Eviction, Sampling, rollout
 
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
+os.environ["OMP_NUM_THREADS"] = "1"  # the same for the scripts the tests start (torch reads it)
 EOS = 1
 TINY_MODEL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS)  # GQA: 2 query heads per KV head
