@@ -74,9 +74,10 @@ def run_name(name: str, seed: int) -> str:
 
 
 def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_steps=0,
-               steps=None) -> dict:
+               steps=None, start_args=()) -> dict:
     """{dir under out: train.py flags} of ngc and no-evict, the ablations, the interoception pair
-    (0: none); with start_steps, each seed's runs train `steps` from a no-evict run of those."""
+    (0: none); with start_steps, each seed's runs train `steps` from a no-evict run of those
+    (its flags end with start_args)."""
     groups = [(["ngc", "no-evict"], seeds), (["token-only", "targeted-dropout"], ablation_seeds),
               (["interoception", "interoception-blind"], interoception_seeds)]
     runs = {os.path.join("runs", run_name(name, k)): [*RUNS[name], "--seed", str(k)]
@@ -84,8 +85,8 @@ def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_
     if not start_steps:
         return runs
     start = lambda seed: os.path.join("runs", run_name(START, int(seed)))
-    first = {start(k): [*RUNS["no-evict"], "--seed", str(k), "--steps", str(start_steps)]
-             for k in range(seeds)}
+    first = {start(k): [*RUNS["no-evict"], "--seed", str(k), "--steps", str(start_steps),
+                        *start_args] for k in range(seeds)}
     # each run's flags end with its seed
     return first | {name: ["--model", os.path.join(start(flags[-1]), "checkpoint"),
                            "--steps", str(steps), *flags] for name, flags in runs.items()}
@@ -111,21 +112,21 @@ def threads_per_run(jobs: int) -> int:
     return max(1, (os.cpu_count() or 1) // jobs)
 
 
-def parse_train_args(model, extra):
-    """--train-args as train.py parses them, once --model is a Countdown checkpoint; a one-line
-    ValueError for a flag train.py cannot take or one that reproduce.py sets itself."""
+def parse_train_args(model, extra, flag="--train-args", fixed=NOT_IN_TRAIN_ARGS):
+    """--train-args (or `flag`'s) as train.py parses them, once --model is a Countdown checkpoint;
+    a one-line ValueError for a flag train.py cannot take or one that reproduce.py sets itself."""
     from_pretrained(model)  # a missing or foreign checkpoint, weights that are not finite
     settings.run_defaults(model, "countdown")  # reproduce.py's studies are Countdown's
     try:
         given = train.parse_args(extra)
     except FlagError as e:  # its parser's message, naming --train-args
-        raise ValueError(f"--train-args: {e}") from None
-    if fixed := [f for f in NOT_IN_TRAIN_ARGS if getattr(given, f) not in (None, False)]:
-        raise ValueError(f"--train-args cannot set --{fixed[0]}: reproduce.py chooses it for "
+        raise ValueError(f"{flag}: {e}") from None
+    if fixed := [f for f in fixed if getattr(given, f) not in (None, False)]:
+        raise ValueError(f"{flag} cannot set --{fixed[0]}: reproduce.py chooses it for "
                          f"every run (give its own --model, --out or --seeds; to train every "
                          f"seed on the same problems, --data-seed)")
     if given.task not in (None, "countdown"):
-        raise ValueError(f"--train-args sets --task {given.task}; "
+        raise ValueError(f"{flag} sets --task {given.task}; "
                          f"reproduce.py's studies are Countdown's")
     return given
 
@@ -445,12 +446,16 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
 def run_studies(args):
     """Train the runs, evaluate each study, then write claims.md, show.py's forgets and
     summary.md."""
-    extra = args.train_args.split()
+    extra, start_args = args.train_args.split(), args.start_args.split()
     with one_line_errors():
         steps = parse_train_args(args.model, extra).steps or settings.run_defaults(args.model).steps
+        if start_args and not args.start_steps:
+            raise ValueError("--start-args sets the start runs' flags: give --start-steps too")
+        parse_train_args(args.model, start_args, "--start-args",
+                         (*NOT_IN_TRAIN_ARGS, "mode", "steps"))
         runs = study_runs(args.seeds, 0 if args.no_ablations else args.ablation_seeds,
                           0 if args.no_interoception else args.interoception_seeds,
-                          args.start_steps, steps)
+                          args.start_steps, steps, start_args)
         check_runs(args.out, args.model, runs, extra)
         make_output_dir(args.out)
     t0 = time.time()
@@ -508,6 +513,8 @@ def parse_args(argv):
     settings.add_flags(cli, None, ["model"], {"model": "the starting checkpoint (default: tiny/)"})
     cli.add_argument("--train-args", default="",
                      help="extra train.py flags for every run, e.g. '--steps 60'")
+    cli.add_argument("--start-args", default="", help="with --start-steps, train.py flags of the "
+                     "start runs alone, after --train-args', e.g. '--group 16'")
     counts = [  # whole numbers: (flag, default, help)
         ("seeds", 1, "seeds 0..N-1 of every run (default 1)"),
         ("jobs", 1, "training runs at a time (CPU threads are shared out)"),

@@ -284,11 +284,16 @@ def test_reproduce_reuses_a_run_only_with_the_settings_it_would_train(train_ckpt
     ("--seed 3", "--train-args cannot set --seed: reproduce.py chooses it for every run"),
     ("--ou x", "--train-args cannot set --out"), ("--lr x", "--train-args: argument --lr: invalid float value: 'x'"),
     ("--bogus 1", "--train-args: unrecognized arguments: --bogus 1"), ("--lr -1", "--lr -1.0 must be positive"),
-    ("--task math", "--train-args sets --task math; reproduce.py's studies are Countdown's")])
+    ("--task math", "--train-args sets --task math; reproduce.py's studies are Countdown's"),
+    ("--start-args=--mode ngc", "--start-args cannot set --mode"),
+    ("--start-args=--steps 9", "--start-args cannot set --steps"),
+    ("--start-args=--group 4", "--start-args sets the start runs' flags: give --start-steps too")])
 def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, monkeypatch, train_args, message):
     monkeypatch.setattr(reproduce.subprocess, "Popen", reached)
+    flag = (train_args if train_args.startswith("--start-args") else f"--train-args={train_args}")
+    steps = ["--start-steps", "2"] if "--group" not in train_args else []
     assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), "--model", train_ckpt,
-                                                  f"--train-args={train_args}"])).startswith(f"error: {message}")
+                                                  flag, *steps])).startswith(f"error: {message}")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -319,8 +324,9 @@ def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
 
 
 def test_reproduce_trains_every_run_of_a_seed_from_that_seeds_no_evict_start(train_ckpt, tmp_path, monkeypatch):
-    """--start-steps 3: a no-evict run of 3 steps per seed, then each run of the seed from its checkpoint for
-    the recipe's steps (--train-args' 5), never before its start has finished."""
+    """--start-steps 3: a no-evict run of 3 steps per seed (with --start-args' group), then each run of the
+    seed from its checkpoint for the recipe's steps and group (--train-args'), never before its start has
+    finished."""
     out, done, started = str(tmp_path / "results"), set(), []
 
     class Finished:  # a train.py that has saved its last step by the time it is polled
@@ -339,8 +345,8 @@ def test_reproduce_trains_every_run_of_a_seed_from_that_seeds_no_evict_start(tra
     monkeypatch.setattr(reproduce, "finished", lambda run_dir: run_dir in done)
     monkeypatch.setattr(reproduce.time, "sleep", lambda s: None)
     monkeypatch.setattr(reproduce, "stop_runs", lambda running, signum: None)  # no process group to signal
-    extra = ["--steps", "5"]
-    runs = reproduce.study_runs(2, 1, 0, start_steps=3, steps=5)
+    extra = ["--steps", "5", "--group", "4"]
+    runs = reproduce.study_runs(2, 1, 0, start_steps=3, steps=5, start_args=["--group", "3"])
     reproduce.check_runs(out, train_ckpt, runs, extra)  # the starts' checkpoints are not there yet
     assert not os.path.exists(out)
     reproduce.train_all(out, train_ckpt, 3, runs, extra)
@@ -349,10 +355,11 @@ def test_reproduce_trains_every_run_of_a_seed_from_that_seeds_no_evict_start(tra
         run = os.path.relpath(last(cmd, "--out"), out)
         seed = int(last(cmd, "--seed"))
         if os.path.basename(run).startswith(reproduce.START):
-            assert (last(cmd, "--mode"), last(cmd, "--steps"), last(cmd, "--model")) == ("no-evict", "3", train_ckpt)
+            assert (last(cmd, "--mode"), last(cmd, "--steps"), last(cmd, "--group"), last(cmd, "--model")) == (
+                "no-evict", "3", "3", train_ckpt)
         else:
             start = os.path.join(out, "runs", reproduce.run_name(reproduce.START, seed), "checkpoint")
-            assert (last(cmd, "--steps"), last(cmd, "--model")) == ("5", start)
+            assert (last(cmd, "--steps"), last(cmd, "--group"), last(cmd, "--model")) == ("5", "4", start)
     assert sorted(os.path.relpath(last(cmd, "--out"), out) for cmd in started) == sorted(runs)
     assert [os.path.basename(last(cmd, "--out")) for cmd in started[:2]] == ["start", "start-seed1"]
     assert last(started[-1], "--mode") == "targeted-dropout"  # every run's mode is its own, not the start's
