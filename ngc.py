@@ -110,10 +110,10 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
     and the Gumbel noise's unless eviction_generator is given; token_noise_rows (B,): the row whose
     token noise each row takes (rows that share it differ by their evictions alone); compile: the
     decode step through torch.compile, same results."""
-    s = RolloutState(model, prompts, sampling, eviction, rates, generator, compile,
-                     eviction_generator, token_noise_rows)
-    logits = prefill(s)
-    return finish(s, *decode_n_tokens(s, logits, eos_ids, progress))
+    state = RolloutState(model, prompts, sampling, eviction, rates, generator, compile,
+                         eviction_generator, token_noise_rows)
+    logits = prefill(state)
+    return finish(state, *decode_n_tokens(state, logits, eos_ids, progress))
 
 
 class RolloutState:
@@ -138,11 +138,11 @@ class RolloutState:
             self.dtype = torch.get_autocast_dtype(device.type)
         capacity = T - 1 if eviction is None else max(  # App. A.2's bound at each row's ε
             cache_bound(eviction.delta, eviction.block, r, T - 1) for r in set(self.rates.tolist()))
-        state = (B, capacity, eviction.window if eviction else 0, self.dtype, device)
+        spec = (B, capacity, eviction.window if eviction else 0, self.dtype, device)
         if compile:  # captured_decode, below: buffers kept for the next rollout
-            self.cache, self.window, self.step = captured_decode(model, state)
+            self.cache, self.window, self.step = captured_decode(model, spec)
         else:  # eager: attention reads only the slots some row has filled (a tight cache)
-            self.cache, self.window = decode_state(model, *state, tight=True)
+            self.cache, self.window = decode_state(model, *spec, tight=True)
             self.step = decode_one_token
         self.fed = torch.zeros(B, dtype=torch.long, device=device)  # (B,) tokens each cache took
         self.rounds = []  # (rows, their round index, σ per layer, log p(σ), alive before) each
@@ -153,35 +153,37 @@ class RolloutState:
         self.final_alive = torch.zeros(B, L, dtype=torch.long, device=device)  # of rows that left
 
 
-def prefill(s: RolloutState):
+def prefill(state: RolloutState):
     """Feed the prompts and return the logits (B, V) after each one's last token: in chunks that
     end on eviction boundaries, with a round between chunks (§4.1); without eviction, in one."""
-    ev, P = s.eviction, s.prompt_lens
-    chunk = ev.delta if ev else max(s.lens)  # δ; without eviction the whole prompt is one chunk
-    logits = torch.zeros(len(s.lens), s.model.config.vocab_size, device=P.device, dtype=s.dtype)
-    while (s.fed < P).any():
-        n = torch.minimum(P, (s.fed // chunk + 1) * chunk) - s.fed  # (B,) tokens in this chunk
+    ev, P, fed, model = state.eviction, state.prompt_lens, state.fed, state.model
+    chunk = ev.delta if ev else max(state.lens)  # δ; without eviction the whole prompt is one chunk
+    logits = torch.zeros(len(P), model.config.vocab_size, device=P.device, dtype=state.dtype)
+    while (fed < P).any():
+        n = torch.minimum(P, (fed // chunk + 1) * chunk) - fed  # (B,) tokens in this chunk
         offs = torch.arange(int(n.max()), device=P.device)
-        pos, valid = s.fed[:, None] + offs, offs < n[:, None]  # (B, T)
-        idx = s.tokens.gather(1, pos.clamp(max=s.tokens.shape[1] - 1)).masked_fill(~valid, 0)
-        if s.window:
-            s.window.advance(pos, valid)
-        h = s.model(idx, pos, cache=s.cache, valid=valid, qk_hook=s.window)
-        s.fed.add_(n)
+        pos, valid = fed[:, None] + offs, offs < n[:, None]  # (B, T)
+        tokens = state.tokens.gather(1, pos.clamp(max=state.tokens.shape[1] - 1))
+        idx = tokens.masked_fill(~valid, 0)
+        if state.window:
+            state.window.advance(pos, valid)
+        h = model(idx, pos, cache=state.cache, valid=valid, qk_hook=state.window)
+        fed.add_(n)
         last = h[torch.arange(len(n), device=P.device), (n - 1).clamp(min=0)]  # (B, C)
-        logits[n > 0] = s.model.logits(last)[n > 0]
+        logits[n > 0] = model.logits(last)[n > 0]
         if ev:
-            fire_round(s, (n > 0) & is_round_end(s.fed - 1, ev.delta))
+            fire_round(state, (n > 0) & is_round_end(fed - 1, ev.delta))
     return logits
 
 
-def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
+def decode_n_tokens(state: RolloutState, logits, eos_ids=(), progress=False):
     """The one loop over time: up to M tokens per row from the logits (B, V) after each prompt, a
     row stopping at EOS. Returns them and their log-probs (B, M), each row's count and EOS (B,)."""
-    ev, B, M, device = s.eviction, len(s.lens), s.sampling.max_new_tokens, s.fed.device
+    ev, M, fed = state.eviction, state.sampling.max_new_tokens, state.fed
+    B, device = len(fed), fed.device
     phases = set()
     if ev:  # a row still going after step t has taken token lens[i] + t: a round if due[t % δ]
-        due = is_round_end(torch.tensor(s.lens) + torch.arange(ev.delta)[:, None], ev.delta)
+        due = is_round_end(torch.tensor(state.lens) + torch.arange(ev.delta)[:, None], ev.delta)
         phases, due = set(due.any(1).nonzero().flatten().tolist()), due.to(device)  # no sync
     new = torch.zeros(B, M, dtype=torch.long, device=device)  # token t of each completion
     new_logprobs = torch.zeros(B, M, dtype=torch.float32, device=device)
@@ -190,10 +192,10 @@ def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
     hit_eos = torch.zeros_like(active)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     for t in tqdm(range(M), desc="decode", leave=False, disable=not progress, delay=2):
-        tok, lp = sample_tokens(logits, s.sampling, s.generator, s.token_noise_rows)
-        if s.meta is not None:  # token kδ-1, the last before a round, is g (constrained decoding)
-            force = is_round_end(s.prompt_lens + n_new, ev.delta)
-            tok, lp = tok.masked_fill(force, s.meta), lp.masked_fill(force, 0.0)
+        tok, lp = sample_tokens(logits, state.sampling, state.generator, state.token_noise_rows)
+        if state.meta is not None:  # token kδ-1, the last before a round, is g
+            force = is_round_end(state.prompt_lens + n_new, ev.delta)
+            tok, lp = tok.masked_fill(force, state.meta), lp.masked_fill(force, 0.0)
         new[:, t], new_logprobs[:, t] = tok, lp
         n_new += active
         hit_eos |= active & torch.isin(tok, eos)
@@ -201,14 +203,15 @@ def decode_n_tokens(s: RolloutState, logits, eos_ids=(), progress=False):
         going = int(active.sum()) if eos.numel() else None  # a host sync, needless without EOS ids
         if t == M - 1 or going == 0:
             break
-        if going and s.can_drop:
-            drop_ended_rows(s, active, going)
-        live = slice(None) if s.live is None else s.live  # the rows the cache holds
-        out = s.step(s.model, s.cache, s.window, *(x[live, None] for x in (tok, s.fed, active)))
-        logits = out if s.live is None else logits.index_copy(0, s.live, out)  # ended rows: unused
-        s.fed += active
+        if going and state.can_drop:
+            drop_ended_rows(state, active, going)
+        live = slice(None) if state.live is None else state.live  # the rows the cache holds
+        out = state.step(state.model, state.cache, state.window,
+                         *(x[live, None] for x in (tok, state.fed, active)))
+        logits = out if state.live is None else logits.index_copy(0, live, out)  # ended: unused
+        state.fed += active
         if ev and t % ev.delta in phases:
-            fire_round(s, due[t % ev.delta] & active)
+            fire_round(state, due[t % ev.delta] & active)
     return new, new_logprobs, n_new, hit_eos
 
 
@@ -242,28 +245,29 @@ def sample_tokens(logits, sampling: Sampling, generator=None, noise_rows=None):
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
-def finish(s: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
+def finish(state: RolloutState, new, new_logprobs, n_new, hit_eos) -> Rollout:
     """The Rollout: each prompt, then its first n_new (B,) tokens of new (B, M); the record."""
-    s.cache.check()  # an overflow after the last round is an error too
-    P, M, device = s.prompt_lens, new.shape[1], new.device
+    cache, live = state.cache, state.live
+    cache.check()  # an overflow after the last round is an error too
+    P, M, device = state.prompt_lens, new.shape[1], new.device
     lengths = P + n_new
     done = torch.arange(M, device=device) < n_new[:, None]  # (B, M)
     slots = P[:, None] + torch.arange(M, device=device)  # (B, M): where the new tokens go
-    tokens = s.tokens.scatter_(1, slots, torch.where(done, new, 0))
+    tokens = state.tokens.scatter_(1, slots, torch.where(done, new, 0))
     logprobs = torch.zeros_like(tokens, dtype=torch.float32)
     logprobs.scatter_(1, slots, torch.where(done, new_logprobs, 0.0))
-    kept, evict_logprobs, before = stack_rounds(s.rounds, s.n_rounds, len(s.cache.layers))
-    alive = s.cache.alive_counts()  # (B', L)
-    final = alive if s.live is None else s.final_alive.index_copy(0, s.live, alive)  # (B, L)
+    kept, evict_logprobs, before = stack_rounds(state.rounds, state.n_rounds, len(cache.layers))
+    alive = cache.alive_counts()  # (B', L)
+    final = alive if live is None else state.final_alive.index_copy(0, live, alive)  # (B, L)
     # Alive entries only grow between rounds: a row holds the most before a round or at the end.
     held = torch.cat([before.sum(2), final.sum(1, keepdim=True)], 1)  # (B, R + 1)
     T = int(lengths.max())
     t = torch.arange(T, device=device)
     completion = (t >= P[:, None]) & (t < lengths[:, None])  # (B, T)
-    forced = completion & (is_round_end(t, s.eviction.delta) if s.meta is not None else False)
-    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, kept, s.n_rounds,
-                   evict_logprobs, before, peak_kv=held.amax(1), kv_slots=s.cache.slots(),
-                   eos=hit_eos, sampling=s.sampling, eviction=s.eviction, rates=s.rates)
+    forced = completion & (state.meta is not None and is_round_end(t, state.eviction.delta))
+    return Rollout(tokens[:, :T], P, lengths, logprobs[:, :T], forced, kept, state.n_rounds,
+                   evict_logprobs, before, peak_kv=held.amax(1), kv_slots=cache.slots(),
+                   eos=hit_eos, sampling=state.sampling, eviction=state.eviction, rates=state.rates)
 
 
 def stack_rounds(rounds, n_rounds, L: int):
@@ -279,16 +283,16 @@ def stack_rounds(rounds, n_rounds, L: int):
     return kept, logps, before
 
 
-def fire_round(s: RolloutState, fired):
+def fire_round(state: RolloutState, fired):
     """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
     rows = fired.nonzero().flatten()
     if len(rows):
-        context = s.eviction.score and Round(rows, None, None, None, s.tokens[rows],
-                                             s.prompt_lens[rows])
-        decided = eviction_round(s.cache.layers, s.window, s.cache_row[rows], s.rates[rows],
-                                 s.eviction, s.eviction_generator, context)
-        s.rounds.append((rows, s.n_rounds[rows].clone(), *decided))
-        s.n_rounds[rows] += 1
+        ev, tokens = state.eviction, state.tokens[rows]
+        context = ev.score and Round(rows, None, None, None, tokens, state.prompt_lens[rows])
+        decided = eviction_round(state.cache.layers, state.window, state.cache_row[rows],
+                                 state.rates[rows], ev, state.eviction_generator, context)
+        state.rounds.append((rows, state.n_rounds[rows].clone(), *decided))
+        state.n_rounds[rows] += 1
 
 
 def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, rates, ev: Eviction,
@@ -414,24 +418,24 @@ def cache_bound(delta: int, block: int, rate: float, tokens: int) -> int:
 ROW_STEP = 16  # the decoded batch shrinks in steps of this many rows
 
 
-def drop_ended_rows(s: RolloutState, active, going: int):
+def drop_ended_rows(state: RolloutState, active, going: int):
     """Once ROW_STEP rows have ended, the cache and query window keep the rows still going, padded
     with ended ones to a multiple of ROW_STEP (each shrink pays for its copy). A row's results do
     not depend on its batch: bit for bit on one thread (a test), else up to float rounding."""
-    live = torch.arange(len(active), device=active.device) if s.live is None else s.live
+    live = torch.arange(len(active), device=active.device) if state.live is None else state.live
     size = min(len(live), -(-going // ROW_STEP) * ROW_STEP)
     if size == len(live):
         return
     still = active[live]  # (B',)
     stay = still | ((~still).cumsum(0) <= size - going)  # the rows going, then ended ones to pad
-    s.cache.check()  # an overflow is an error before a row leaves, too
-    s.final_alive[live[~stay]] = s.cache.alive_counts()[~stay]
+    state.cache.check()  # an overflow is an error before a row leaves, too
+    state.final_alive[live[~stay]] = state.cache.alive_counts()[~stay]
     rows = stay.nonzero().flatten()
-    s.cache.keep_rows(rows)
-    if s.window is not None:
-        s.window.keep_rows(rows)
-    s.live = live[rows]
-    s.cache_row[s.live] = torch.arange(size, device=active.device)
+    state.cache.keep_rows(rows)
+    if state.window is not None:
+        state.window.keep_rows(rows)
+    state.live = live[rows]
+    state.cache_row[state.live] = torch.arange(size, device=active.device)
 
 
 def inverse_cdf_sample(logits, generator=None, noise_rows=None):

@@ -53,18 +53,17 @@ MODES = {
 def retention_at(step: int, stages: list[float], stage_steps: int, alpha: float) -> float:
     """Staircase over retention p0 = 1 - ε (eq. 6): hold ρ_ℓ for the first (1 - α) of stage
     ℓ, then blend linearly to ρ_{ℓ+1}; the last stage holds ρ_K."""
-    last = len(stages) - 1
-    stage = min(step // stage_steps, last)
-    if stage == last:
-        return stages[last]
-    s = (step % stage_steps) / stage_steps
-    if s < 1 - alpha:
+    stage = step // stage_steps
+    if stage >= len(stages) - 1:
+        return stages[-1]
+    into = (step % stage_steps) / stage_steps  # how far into the stage
+    if into < 1 - alpha:
         return stages[stage]
-    return stages[stage] + (s - (1 - alpha)) / alpha * (stages[stage + 1] - stages[stage])
+    return stages[stage] + (into - (1 - alpha)) / alpha * (stages[stage + 1] - stages[stage])
 
 
-def final_eviction_rate(c) -> float:
-    return 1 - c.retention[-1]
+def final_eviction_rate(cfg) -> float:
+    return 1 - cfg.retention[-1]
 
 
 # ---- The objective (paper eqs. 3-5, Dr. GRPO) ----------------------------------------------------
@@ -95,28 +94,27 @@ def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int,
     return terms
 
 
-def backward(model, ro, adv, c, amp=contextlib.nullcontext(), adv_mem=None):
+def backward(model, ro, adv, cfg, amp=contextlib.nullcontext(), adv_mem=None):
     """Replay the rollouts with A != 0 in micro-batches and accumulate the loss's gradient,
     averaged over the processes (each normalised by its own rollout count: the single-process
     gradient). adv_mem: L_mem's advantages, if not adv's. Returns each term's sum (None: none)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    mode = MODES[c.mode]
+    mode = MODES[cfg.mode]
     sums = dict.fromkeys(LOSSES if mode.eviction_loss else LOSSES[:1], 0.0)  # no round: L_mem 0
     adv_mem = adv if adv_mem is None else adv_mem
     learn = torch.nonzero((adv != 0) | (adv_mem != 0)).flatten()
     learn = learn[ro.lengths[learn].argsort(stable=True)]  # like lengths together: less padding
-    chunks = [(rows, adv[rows], adv_mem[rows]) for rows in learn.split(c.micro_batch)
+    chunks = [(rows, adv[rows], adv_mem[rows]) for rows in learn.split(cfg.micro_batch)
               ] if len(learn) else []
     chunks = distributed.pad_micro_batches(model, chunks, adv.device)  # FSDP: as many everywhere
     for rows, a, a_mem in chunks:
         with amp:
-            terms = policy_losses(model, ro.select(rows), a, mode, c.max_new_tokens, len(adv),
-                                  c.mem_norm, a_mem)
+            terms = policy_losses(model, ro.select(rows), a, mode, cfg.max_new_tokens, len(adv),
+                                  cfg.mem_norm, a_mem)
         losses = list(terms.values())
         sum(losses[1:], losses[0]).backward()
         for term, loss in terms.items():
             sums[term] += loss.item()
-    distributed.average_gradients(params)
+    distributed.average_gradients([p for p in model.parameters() if p.requires_grad])
     sums = distributed.mean_over_processes(sums)
     return {t: sums.get(t) for t in LOSSES}
 
@@ -129,46 +127,45 @@ def step_generator(seed: int, rank: int, step: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(mixed))
 
 
-def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress=False):
+def step_gradients(model, tokenizer, problems, step, cfg, amp, reward_fn, progress=False):
     """One step's clipped gradients and log record; each process rolls out its share of groups."""
     t0 = time.perf_counter()
     device = model.lm_head.weight.device
     rank, world = distributed.rank_and_world()
-    P, G, mode = c.prompts // world, c.group, MODES[c.mode]  # this process's prompts
-    gen = step_generator(c.seed, rank, step, device)
-    eps = 1 - retention_at(step, c.retention, c.stage_steps, c.alpha)  # the curriculum's ε
-    ev = settings.eviction(c, eps, temperature=c.eviction_temperature) if mode.evict else None
+    P, G, mode = cfg.prompts // world, cfg.group, MODES[cfg.mode]  # this process's prompts
+    gen = step_generator(cfg.seed, rank, step, device)
+    eps = 1 - retention_at(step, cfg.retention, cfg.stage_steps, cfg.alpha)  # the curriculum's ε
+    ev = settings.eviction(cfg, eps, temperature=cfg.eviction_temperature) if mode.evict else None
     group_eps = rates = None
-    if c.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
-        choices = torch.tensor(c.interoception_rates) * eps / final_eviction_rate(c)
+    if cfg.interoception:  # one ε per group, written into its prompts (paper §5.3, Figure 6)
+        choices = torch.tensor(cfg.interoception_rates) * eps / final_eviction_rate(cfg)
         drawn = torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()
         group_eps = choices[drawn].clamp(0.01, 1)
         rates = group_eps.repeat_interleave(G)
-    batch = [problems[(step * c.prompts + rank * P + i) % len(problems)] for i in range(P)]
+    batch = [problems[(step * cfg.prompts + rank * P + i) % len(problems)] for i in range(P)]
     rate = lambda i: None if group_eps is None else float(group_eps[i])
-    prompts = [prompt_encoder(c.task, c.prompt, rate(i), c.blind_tag)(tokenizer, p)
+    prompts = [prompt_encoder(cfg.task, cfg.prompt, rate(i), cfg.blind_tag)(tokenizer, p)
                for i, p in enumerate(batch) for _ in range(G)]
-    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    sampling = settings.sampling(c, meta_token=meta)
-    K = c.eviction_draws  # members of a group that share their token noise
+    meta = tokenizer.token_to_id(META_TOKEN) if cfg.meta_token else None
+    sampling = settings.sampling(cfg, meta_token=meta)
+    K = cfg.eviction_draws  # members of a group that share their token noise
     noise_rows = torch.arange(P * G, device=device) // K * K if K > 1 else None
     with amp, distributed.whole_model(model):
         ro = rollout(model, prompts, sampling, ev, rates=rates, eos_ids=model.config.eos_ids,
-                     generator=gen, progress=progress, compile=c.compile,
+                     generator=gen, progress=progress, compile=cfg.compile,
                      token_noise_rows=noise_rows)
     t_rollout = time.perf_counter() - t0
     texts = tokenizer.decode_batch(ro.completions(), skip_special_tokens=True)
     correct = torch.tensor([reward_fn(t, batch[i // G]) for i, t in enumerate(texts)])
-    reward = torch.where(ro.lengths.cpu() < c.min_length, 0.0, correct)  # Appendix A.1 penalty
+    reward = torch.where(ro.lengths.cpu() < cfg.min_length, 0.0, correct)  # Appendix A.1 penalty
     adv = group_advantages(reward, G).to(device)
     # eviction draws: an eviction's advantage is over the members that share its token noise
     adv_mem = group_advantages(reward, K).to(device) if K > 1 else None
     t_replay = time.perf_counter()
-    losses = backward(model, ro, adv, c, amp, adv_mem)
+    losses = backward(model, ro, adv, cfg, amp, adv_mem)
     t_replay = time.perf_counter() - t_replay
     trained = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trained, c.clip).item()
-
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.clip).item()
     n_new = (ro.lengths - ro.prompt_lens).float()
     m = distributed.mean_over_processes(dict(
         reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(),
@@ -180,53 +177,54 @@ def step_gradients(model, tokenizer, problems, step, c, amp, reward_fn, progress
     return {"step": step, "eps": eps, **m, **losses, "grad_norm": grad_norm, **times}
 
 
-def make_optimizer(model, c, state=None):
+def make_optimizer(model, cfg, state=None):
     """AdamW over the model's parameters (under FSDP, its shards), with a resumed run's state."""
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.adam_eps,
-                            weight_decay=c.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     if state is not None:
         distributed.load_optimizer_state(model, opt, state)
     return opt
 
 
 # ---- The loop ------------------------------------------------------------------------------------
-def evaluator(c, model, tokenizer, test, reward_fn, amp, progress):
+def evaluator(cfg, model, tokenizer, test, reward_fn, amp, progress):
     """The final ε and the held-out evaluation: full cache and top K at ε, eval.py's sampling."""
-    ev = settings.eviction(c, final_eviction_rate(c), greedy=True)
-    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
-    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    sampling = settings.sampling(c, held_out=True)
+    ev = settings.eviction(cfg, final_eviction_rate(cfg), greedy=True)
+    encode = prompt_encoder(cfg.task, cfg.prompt, ev.rate if cfg.interoception else None,
+                            cfg.blind_tag)
+    meta = tokenizer.token_to_id(META_TOKEN) if cfg.meta_token else None
+    sampling = settings.sampling(cfg, held_out=True)
 
     def evaluate_held_out():
         with amp, distributed.whole_model(model):
-            return evaluate(model, tokenizer, test, ev, sampling, encode, reward_fn, c.eval_batch,
-                            progress=progress, meta_token=meta, compile=c.compile,
-                            samples=c.eval_samples, seed=c.seed)
+            return evaluate(model, tokenizer, test, ev, sampling, encode, reward_fn, cfg.eval_batch,
+                            progress=progress, meta_token=meta, compile=cfg.compile,
+                            samples=cfg.eval_samples, seed=cfg.seed)
     return ev.rate, evaluate_held_out
 
 
 @exits  # a signal, divergence or a failed save ends the process with one line (rundir.guard)
 def main(argv=None, reward_fn=None):
-    c, state, model, tokenizer, (train, test) = setup(argv)
-    distributed.start(device := torch.device(c.device))  # every process has checked its arguments
+    cfg, state, model, tokenizer, (train, test) = setup(argv)
+    distributed.start(device := torch.device(cfg.device))  # every process has checked its arguments
     master = distributed.rank_and_world()[0] == 0  # the one process that prints, logs and saves
-    if c.fsdp:
+    if cfg.fsdp:
         distributed.shard(model)
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if c.dtype == "bf16"
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
            else contextlib.nullcontext())
-    opt = make_optimizer(model, c, state and state["optimizer"])
-    save = lambda step: rundir.save_checkpoint(c.out, model, opt, tokenizer, weights(c), step,
-                                               settings.saved(c), settings.session(c))
-    run = rundir.Run(c.out, save, saved=state and state["step"])  # a resume: its checkpoint's step
-    log_path = os.path.join(c.out, "log.jsonl")
+    opt = make_optimizer(model, cfg, state and state["optimizer"])
+    save = lambda step: rundir.save_checkpoint(cfg.out, model, opt, tokenizer, weights(cfg), step,
+                                               settings.saved(cfg), settings.session(cfg))
+    run = rundir.Run(cfg.out, save, saved=state and state["step"])  # a resume: its saved step
+    log_path = os.path.join(cfg.out, "log.jsonl")
     say = tqdm.write if master else lambda text: None
     log = functools.partial(rundir.write_log, log_path) if master else lambda record: None
     with one_line_errors():  # the directory, its lock, the log cut to run.step, a resume's changes
-        kept = rundir.prepare(c.out, state, settings.recorded(c)) if master else []
+        kept = rundir.prepare(cfg.out, state, settings.recorded(cfg)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
-    say(banner(c, model, run.step))
-    reward_fn = reward_fn or TASK_REWARD[c.task]
-    rate, evaluate_held_out = evaluator(c, model, tokenizer, test, reward_fn, amp, interactive)
+    say(banner(cfg, model, run.step))
+    reward_fn = reward_fn or TASK_REWARD[cfg.task]
+    rate, evaluate_held_out = evaluator(cfg, model, tokenizer, test, reward_fn, amp, interactive)
     evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
 
     def run_evaluation():
@@ -236,13 +234,13 @@ def main(argv=None, reward_fn=None):
         say(eval_line(run.step, r, rate))
 
     t_start = time.time()
-    with rundir.guard(run, c.lr, c.fsdp):
-        bar = tqdm(total=c.steps, initial=run.step, desc="train", unit="step",
+    with rundir.guard(run, cfg.lr, cfg.fsdp):
+        bar = tqdm(total=cfg.steps, initial=run.step, desc="train", unit="step",
                    disable=not interactive)
-        while run.step < c.steps:
-            if c.eval_every and run.step % c.eval_every == 0:
+        while run.step < cfg.steps:
+            if cfg.eval_every and run.step % cfg.eval_every == 0:
                 run_evaluation()
-            m = step_gradients(model, tokenizer, train, run.step, c, amp, reward_fn, interactive)
+            m = step_gradients(model, tokenizer, train, run.step, cfg, amp, reward_fn, interactive)
             rundir.check_finite({k: m[k] for k in ("sampled_logprob", *LOSSES, "grad_norm")})
             with rundir.signals_held():  # an update and its record land together, or neither does
                 opt.step()
@@ -250,18 +248,18 @@ def main(argv=None, reward_fn=None):
                 run.step += 1
                 log(m)
             bar.update(1)
-            say(step_line(m, c.steps))
-            if c.save_every and run.step % c.save_every == 0 and run.step < c.steps:
+            say(step_line(m, cfg.steps))
+            if cfg.save_every and run.step % cfg.save_every == 0 and run.step < cfg.steps:
                 run.try_save()
         bar.close()
-        if c.eval_every:
+        if cfg.eval_every:
             run_evaluation()
         run.save()
     distributed.stop()
     minutes = (time.time() - t_start) / 60
-    say(f"\ndone in {minutes:.1f} min; checkpoint in {c.out}/checkpoint, log in {log_path}")
+    say(f"\ndone in {minutes:.1f} min; checkpoint in {cfg.out}/checkpoint, log in {log_path}")
     if evals:
-        split = "validation" if c.task == "countdown" else "held-out"  # tasks.load_problems
+        split = "validation" if cfg.task == "countdown" else "held-out"  # tasks.load_problems
         say(before_after(evals, rate, time.time() - t_start, len(test), split))
 
 
@@ -290,25 +288,25 @@ def resolve(args, state=None) -> settings.Settings:
         base = settings.run_defaults(args.model or settings.COUNTDOWN.model, args.task)
     own = ("model", "out") if args.resume else ()  # with --resume: the run's own (resumed_state)
     flags = {k: v for k, v in vars(args).items() if v is not None and k not in own}
-    c = settings.from_dict(flags, base)
-    settings.check(c)
-    check_eviction(c.delta, c.block, c.window, final_eviction_rate(c))  # one-line errors: δ, b, w
-    device = distributed.pick_device(c.device)
+    cfg = settings.from_dict(flags, base)
+    settings.check(cfg)
+    check_eviction(cfg.delta, cfg.block, cfg.window, final_eviction_rate(cfg))  # one-line errors
+    device = distributed.pick_device(cfg.device)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if c.fsdp and not distributed.launched():
+    if cfg.fsdp and not distributed.launched():
         raise Error("--fsdp runs under torchrun: torchrun --nproc_per_node N train.py ... --fsdp")
-    if c.group % c.eviction_draws:
-        raise Error(f"--eviction-draws {c.eviction_draws} must divide --group {c.group} (a group "
-                    f"is sets of members that share their token noise)")
-    if c.eviction_draws > 1 and not MODES[c.mode].eviction_loss:
-        raise Error(f"--eviction-draws needs a mode with an eviction loss, not --mode {c.mode}")
-    if c.prompts % world:
-        raise Error(f"--prompts {c.prompts} must be a multiple of the {world} processes (each "
+    if cfg.group % cfg.eviction_draws:
+        raise Error(f"--eviction-draws {cfg.eviction_draws} must divide --group {cfg.group} "
+                    f"(a group is sets of members that share their token noise)")
+    if cfg.eviction_draws > 1 and not MODES[cfg.mode].eviction_loss:
+        raise Error(f"--eviction-draws needs a mode with an eviction loss, not --mode {cfg.mode}")
+    if cfg.prompts % world:
+        raise Error(f"--prompts {cfg.prompts} must be a multiple of the {world} processes (each "
                     f"takes whole groups)")
-    dtype = c.dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    c = replace(c, device=device, dtype=dtype, out=c.out or os.path.join("runs", c.mode))
-    rundir.check_run_dir(c.out, c.resume, c.overwrite)
-    return c
+    dtype = cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    cfg = replace(cfg, device=device, dtype=dtype, out=cfg.out or os.path.join("runs", cfg.mode))
+    rundir.check_run_dir(cfg.out, cfg.resume, cfg.overwrite)
+    return cfg
 
 
 def resumed_state(args) -> dict:
@@ -329,9 +327,9 @@ def resumed_state(args) -> dict:
     return state
 
 
-def weights(c) -> str:
+def weights(cfg) -> str:
     """The checkpoint a run starts from: its --model, or a resumed run's own checkpoint."""
-    return os.path.join(c.resume, "checkpoint") if c.resume else c.model
+    return os.path.join(cfg.resume, "checkpoint") if cfg.resume else cfg.model
 
 
 def setup(argv):
@@ -340,25 +338,25 @@ def setup(argv):
     args = parse_args(argv)
     with one_line_errors():
         state = resumed_state(args) if args.resume else None
-        c = resolve(args, state)
-        if c.threads:
-            torch.set_num_threads(c.threads)
-        train, test = load_problems(c)  # the data files read and checked before anything is made
-        model, tokenizer = load(weights(c), c.device, c.meta_token)  # before the optimizer: g's row
+        cfg = resolve(args, state)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        train, test = load_problems(cfg)  # the data files read and checked before anything is made
+        model, tokenizer = load(weights(cfg), cfg.device, cfg.meta_token)  # g's row: before AdamW
         if not model.config.eos_ids:
-            raise Error(f"{weights(c)}/config.json has no eos_token_id; rollouts would never end")
-        check_prompts(c, tokenizer, weights(c), train + test, model.config.max_position_embeddings,
-                      c.max_new_tokens)
-    return c, state, model, tokenizer, (train, test)
+            raise Error(f"{weights(cfg)}/config.json has no eos_token_id; rollouts would never end")
+        check_prompts(cfg, tokenizer, weights(cfg), train + test,
+                      model.config.max_position_embeddings, cfg.max_new_tokens)
+    return cfg, state, model, tokenizer, (train, test)
 
 
-def banner(c, model, step) -> str:
+def banner(cfg, model, step) -> str:
     params = sum(p.numel() for p in model.parameters()) / 1e6
     processes = f" x {distributed.rank_and_world()[1]} processes" if distributed.launched() else ""
-    return (f"NGC on {c.task}: model {weights(c)} ({params:.1f} M params), {c.device} {c.dtype}"
-            f"{processes}, mode {c.mode}, P={c.prompts} x G={c.group}, δ={c.delta} b={c.block} "
-            f"w={c.window}, ε -> {final_eviction_rate(c):g}, steps {step}..{c.steps}, "
-            f"run dir {c.out}")
+    return (f"NGC on {cfg.task}: model {weights(cfg)} ({params:.1f} M params), "
+            f"{cfg.device} {cfg.dtype}{processes}, mode {cfg.mode}, "
+            f"P={cfg.prompts} x G={cfg.group}, δ={cfg.delta} b={cfg.block} w={cfg.window}, "
+            f"ε -> {final_eviction_rate(cfg):g}, steps {step}..{cfg.steps}, run dir {cfg.out}")
 
 
 def step_line(m, steps) -> str:

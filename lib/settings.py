@@ -169,20 +169,20 @@ WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str
          "tuple[float, ...]": 'comma-separated numbers, such as "0.9,0.7,0.5"'}
 
 
-def eviction(c: Settings, rate: float, **how) -> Eviction:
+def eviction(cfg: Settings, rate: float, **how) -> Eviction:
     """The run's rounds (δ, b, w) at ε = rate; how: Eviction's other fields (greedy, temperature,
     score)."""
-    return Eviction(c.delta, c.block, c.window, rate, **how)
+    return Eviction(cfg.delta, cfg.block, cfg.window, rate, **how)
 
 
-def sampling(c: Settings, held_out: bool = False, greedy: bool = False,
+def sampling(cfg: Settings, held_out: bool = False, greedy: bool = False,
              meta_token: int | None = None) -> Sampling:
     """Training's token sampling, or with held_out the evaluations' (train.py's and eval.py's):
     eval_temperature, eval_top_p and eval_max_new_tokens where the run sets them."""
     pick = lambda evaluated, trained: evaluated if held_out and evaluated is not None else trained
-    return Sampling(pick(c.eval_max_new_tokens, c.max_new_tokens),
-                    pick(c.eval_temperature, c.temperature), c.top_k,
-                    top_p=pick(c.eval_top_p, c.top_p), greedy=greedy, meta_token=meta_token)
+    return Sampling(pick(cfg.eval_max_new_tokens, cfg.max_new_tokens),
+                    pick(cfg.eval_temperature, cfg.temperature), cfg.top_k,
+                    top_p=pick(cfg.eval_top_p, cfg.top_p), greedy=greedy, meta_token=meta_token)
 
 
 def floats(text) -> tuple[float, ...]:
@@ -211,18 +211,18 @@ def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
     return replace(base, **values)
 
 
-def saved(c: Settings) -> dict:
+def saved(cfg: Settings) -> dict:
     """The settings a run saves (ngc.json, trainer.pt), comma lists written back as text."""
-    return {k: written(getattr(c, k)) for k in SAVED}
+    return {k: written(getattr(cfg, k)) for k in SAVED}
 
 
-def session(c: Settings) -> dict:
-    return {k: getattr(c, k) for k in SESSION}
+def session(cfg: Settings) -> dict:
+    return {k: getattr(cfg, k) for k in SESSION}
 
 
-def recorded(c: Settings) -> dict:
+def recorded(cfg: Settings) -> dict:
     """What trainer.pt records; a resume reports the differences."""
-    return {**session(c), **saved(c)}
+    return {**session(cfg), **saved(cfg)}
 
 
 def value_error(name: str, value) -> str | None:
@@ -286,29 +286,29 @@ def run_defaults(model_dir: str, task: str | None = None, flag: str = "--model")
     return from_dict({**extra, "task": task, "model": model_dir}, RECIPES[task])
 
 
-def check(c: Settings):
-    """An Error for the first setting of c that a run cannot use, at any of its steps."""
-    if c.out is not None and not c.out.strip():
+def check(cfg: Settings):
+    """An Error for the first setting of cfg that a run cannot use, at any of its steps."""
+    if cfg.out is not None and not cfg.out.strip():
         raise Error("--out is empty; give the run directory")
-    check_values(c, RULES)
+    check_values(cfg, RULES)
     for name, what, rule in (("retention", "stage", in_unit(low_open=False)),
                              ("interoception_rates", "rate", in_unit(low_open=True))):
-        for i, value in enumerate(getattr(c, name)):  # every stage, every rate a group draws
+        for i, value in enumerate(getattr(cfg, name)):  # every stage, every rate a group draws
             if rule(value) is not True:
-                raise Error(f"--{name.replace('_', '-')} {saved(c)[name]}: {what} {i + 1}, "
+                raise Error(f"--{name.replace('_', '-')} {saved(cfg)[name]}: {what} {i + 1}, "
                             f"{value:g}, {rule(value)}")
-    if c.task == "math":
-        if not c.data or (c.eval_every and not c.eval_data):
+    if cfg.task == "math":
+        if not cfg.data or (cfg.eval_every and not cfg.eval_data):
             raise Error("--task math reads its problems from files: --data FILE (training) and "
                         "--eval-data FILE (held-out; or --eval-every 0), JSONL or Parquet; see "
                         "mathtask.py for the datasets")
-        if c.interoception or c.blind_tag:
+        if cfg.interoception or cfg.blind_tag:
             raise Error("--interoception writes the budget into Countdown's prompts; --task math "
                         "has no such tag")
-        for path in (c.data, c.eval_data):
+        for path in (cfg.data, cfg.eval_data):
             if path and not os.path.isfile(path):
                 raise Error(f"no such file: {path}{mathtask.demo_hint(path)}")
-    if c.blind_tag and not c.interoception:
+    if cfg.blind_tag and not cfg.interoception:
         raise Error("--blind-tag is the control for --interoception (the same per-group ε, the "
                     "rate hidden); add --interoception")
 

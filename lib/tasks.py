@@ -11,38 +11,38 @@ TASK_REWARD = {"countdown": countdown.reward, "math": mathtask.reward}
 SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each prompt style with
 
 
-def load_problems(c):
-    """(training problems in the data seed's order, held-out problems) of settings c: Countdown's
+def load_problems(cfg):
+    """(training problems in the data seed's order, held-out problems) of settings cfg: Countdown's
     generated (held out: the validation split, which train.py evaluates on), math's read from --data
     and --eval-data (a bad file is a one-line ValueError). The data seed is --data-seed, else
     --seed."""
-    seed = c.seed if c.data_seed is None else c.data_seed
-    if c.task == "countdown":
-        difficulty = countdown.DIFFICULTIES[c.difficulty]
-        train, test = countdown.splits(seed, c.train_problems, c.eval_problems, difficulty,
+    seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    if cfg.task == "countdown":
+        difficulty = countdown.DIFFICULTIES[cfg.difficulty]
+        train, test = countdown.splits(seed, cfg.train_problems, cfg.eval_problems, difficulty,
                                        unique=False, split="validation")
     else:
-        train = (mathtask.load(c.data, c.question_field, c.answer_field)[: c.train_problems]
-                 if c.data else [])
-        test = (mathtask.load(c.eval_data, c.question_field, c.answer_field) if c.eval_data
-                else [])[: c.eval_problems]
+        train = (mathtask.load(cfg.data, cfg.question_field, cfg.answer_field)[: cfg.train_problems]
+                 if cfg.data else [])
+        test = (mathtask.load(cfg.eval_data, cfg.question_field, cfg.answer_field) if cfg.eval_data
+                else [])[: cfg.eval_problems]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
     return [train[i] for i in order], test
 
 
-def held_out(c, n: int | None = None, split: str = "validation") -> list:
+def held_out(cfg, n: int | None = None, split: str = "validation") -> list:
     """The first n problems (default: the run's eval_problems; None: all) of a run's held-out split,
     or a one-line ValueError. Countdown: validation (what train.py evaluates on) or test, one set
     each for every seed; math: --eval-data's problems for either split."""
-    if c.task == "math" and not c.eval_data:  # a missing file: mathtask.load's message names it
+    if cfg.task == "math" and not cfg.eval_data:  # a missing file: mathtask.load's message names it
         raise ValueError("--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet)")
-    flag, k = ("--problems", n) if n is not None else ("--eval-problems", c.eval_problems)
-    if c.task == "countdown":
-        test = countdown.held_out(countdown.DIFFICULTIES[c.difficulty], split)
+    flag, k = ("--problems", n) if n is not None else ("--eval-problems", cfg.eval_problems)
+    if cfg.task == "countdown":
+        test = countdown.held_out(countdown.DIFFICULTIES[cfg.difficulty], split)
         if k is not None and k > len(test):
             raise ValueError(f"{flag} {k}: the held-out {split} split has {len(test)} problems")
         return test[:k]
-    test = load_problems(replace(c, train_problems=0, data=None))[1]
+    test = load_problems(replace(cfg, train_problems=0, data=None))[1]
     if n is not None and n > len(test):
         raise ValueError(f"--problems {n}: the run's test split has {len(test)} problems")
     return test[:n]
@@ -57,27 +57,28 @@ def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blin
                                                        blind)
 
 
-def prompt_text(c, problem, rate=None) -> str:
-    """A problem's prompt text in run c (Countdown's with the budget tag at ε = rate)."""
-    if c.task == "math":
+def prompt_text(cfg, problem, rate=None) -> str:
+    """A problem's prompt text in run cfg (Countdown's with the budget tag at ε = rate)."""
+    if cfg.task == "math":
         return mathtask.prompt_text(problem)
-    return countdown.PROMPTS[c.prompt](problem, rate, c.blind_tag)
+    return countdown.PROMPTS[cfg.prompt](problem, rate, cfg.blind_tag)
 
 
-def check_prompts(c, tokenizer, model_dir: str, problems: list, positions: int | None = None,
+def check_prompts(cfg, tokenizer, model_dir: str, problems: list, positions: int | None = None,
                   new_tokens=0):
     """An Error unless the tokenizer of model_dir spells every word of the run's prompts, each
     budget tag it may write included, and no prompt with its new_tokens passes the model's
     positions (max_position_embeddings). A word it cannot spell is its unknown token: the run
     would learn from noise or score 0%. A byte-level tokenizer (R1's) spells every text; one that
     spells no word of them (the tests' w2, w3, ...) is left alone."""
-    rates = [k / 100 for k in range(1, 101)] if c.interoception and problems else []
-    texts = [prompt_text(c, p) for p in problems] + [prompt_text(c, problems[0], r) for r in rates]
+    rates = [k / 100 for k in range(1, 101)] if cfg.interoception and problems else []
+    texts = ([prompt_text(cfg, p) for p in problems]
+             + [prompt_text(cfg, problems[0], r) for r in rates])
     unknown, spelled_any, longest = spelling(tokenizer, texts)
     if unknown and spelled_any:
-        styles = spelled_styles(c, tokenizer) if c.task == "countdown" else []
+        styles = spelled_styles(cfg, tokenizer) if cfg.task == "countdown" else []
         fix = (f"it spells the prompt styles {', '.join(styles)}: give one with --prompt"
-               if styles and c.prompt not in styles
+               if styles and cfg.prompt not in styles
                else "the tokenizer is not this model's, or the prompts are not its task")
         raise Error(f"{model_dir}/tokenizer.json cannot spell {len(unknown)} of this run's prompt "
                     f"words ({', '.join(unknown[:3])}{', ...' * (len(unknown) > 3)}), which would "
@@ -105,9 +106,9 @@ def spelling(tokenizer, texts: list[str]) -> tuple[list[str], bool, int]:
     return list(unknown), spelled_any, longest
 
 
-def spelled_styles(c, tokenizer) -> list[str]:
-    """The Countdown prompt styles whose every word, budget tag included if run c writes one, the
+def spelled_styles(cfg, tokenizer) -> list[str]:
+    """The Countdown prompt styles whose every word, budget tag included if run cfg writes one, the
     tokenizer spells (on a sample problem)."""
-    rate = 0.5 if c.interoception else None
+    rate = 0.5 if cfg.interoception else None
     return [style for style in sorted(countdown.PROMPTS)
-            if not spelling(tokenizer, [countdown.PROMPTS[style](SAMPLE, rate, c.blind_tag)])[0]]
+            if not spelling(tokenizer, [countdown.PROMPTS[style](SAMPLE, rate, cfg.blind_tag)])[0]]

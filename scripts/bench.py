@@ -123,10 +123,10 @@ def bench_prompts(model, args):
         prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(0))
         return prompts.tolist(), Sampling(args.new_tokens, temperature=1.0), []
-    c = settings.run_defaults(args.model)
-    encode, tokenizer = prompt_encoder(c.task, c.prompt), load_tokenizer(args.model)
-    prompts = [encode(tokenizer, problem) for problem in held_out(c, args.batch)]
-    sampling = replace(settings.sampling(c), max_new_tokens=args.new_tokens)
+    cfg = settings.run_defaults(args.model)
+    encode, tokenizer = prompt_encoder(cfg.task, cfg.prompt), load_tokenizer(args.model)
+    prompts = [encode(tokenizer, problem) for problem in held_out(cfg, args.batch)]
+    sampling = replace(settings.sampling(cfg), max_new_tokens=args.new_tokens)
     return prompts, sampling, model.config.eos_ids
 
 

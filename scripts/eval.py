@@ -57,13 +57,13 @@ HELPS = {"model": "Qwen2 checkpoint directory (required)",
                     "the same rollouts up to float rounding"}
 
 
-def make_eviction(name, c, rate, model, tokenizer, reference=None) -> Eviction | None:
+def make_eviction(name, cfg, rate, model, tokenizer, reference=None) -> Eviction | None:
     """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line
     ValueError."""
     if name == "none":
         return None
-    layout = settings.eviction(c, rate)
-    inputs = baselines.PolicyInputs(layout, model, tokenizer, c.task, reference)
+    layout = settings.eviction(cfg, rate)
+    inputs = baselines.PolicyInputs(layout, model, tokenizer, cfg.task, reference)
     return baselines.build(name, inputs)
 
 
@@ -72,29 +72,29 @@ def pass_at_k(n: int, c, k: int) -> float:
     return sum(1 - comb(n - int(ci), k) / comb(n, k) for ci in c) / len(c)
 
 
-def compare(model, tokenizer, c, problems, policies, rates, samples=None, batch_size=None,
+def compare(model, tokenizer, cfg, problems, policies, rates, samples=None, batch_size=None,
             progress=True, compile=False, tag=None, base_model=None, draws=baselines.DRAWS):
     """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None:
     `model`). batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's
     noise depends on its size). draws: the eviction draws of the hindsight bound and its luck
     control per problem and sample."""
-    n, batch_size = samples or 1, batch_size or c.eval_batch
-    sampling = settings.sampling(c, held_out=True, greedy=samples is None,
-                                 meta_token=(tokenizer.token_to_id(META_TOKEN) if c.meta_token
+    n, batch_size = samples or 1, batch_size or cfg.eval_batch
+    sampling = settings.sampling(cfg, held_out=True, greedy=samples is None,
+                                 meta_token=(tokenizer.token_to_id(META_TOKEN) if cfg.meta_token
                                              else None))
-    tagged, blind = (c.interoception, c.blind_tag) if tag is None else (True, tag == "blind")
+    tagged, blind = (cfg.interoception, cfg.blind_tag) if tag is None else (True, tag == "blind")
 
     def run(name, rate, on=model):
         evicts = name != "none"
         written = tag if isinstance(tag, float) else rate
-        encode = prompt_encoder(c.task, c.prompt, written if tagged and evicts else None, blind)
-        gen = torch.Generator(device=on.lm_head.weight.device).manual_seed(c.seed)
+        encode = prompt_encoder(cfg.task, cfg.prompt, written if tagged and evicts else None, blind)
+        gen = torch.Generator(device=on.lm_head.weight.device).manual_seed(cfg.seed)
         kind = baselines.POLICIES[name].kind if evicts else None
         per_batch = kind in ("oracle", "bound")  # it reads each batch's reference rollout
-        policy = lambda reference: make_eviction(name, c, rate, on, tokenizer, reference)
+        policy = lambda reference: make_eviction(name, cfg, rate, on, tokenizer, reference)
         return roll_out_and_score(on, tokenizer, problems, sampling,
                                   None if per_batch else policy(None), encode,
-                                  TASK_REWARD[c.task], gen, n, batch_size,
+                                  TASK_REWARD[cfg.task], gen, n, batch_size,
                                   ((f"{name} ε={rate:g}" if evicts else "no eviction") if progress
                                    else None), compile,
                                   policy if per_batch else None, draws if kind == "bound" else None)
@@ -235,27 +235,27 @@ def run_settings(args) -> Settings:
             check_output_file(getattr(args, flag), f"--{flag}")
     args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
     # another task than ngc.json's: its recipe has no prompts for it
-    c = run_defaults(args.model, args.task)
+    cfg = run_defaults(args.model, args.task)
     if args.run_settings:
         if not os.path.isfile(os.path.join(args.run_settings, "ngc.json")):
             raise ValueError(f"--run-settings {args.run_settings} has no ngc.json: "
                              f"give a run's checkpoint directory")
-        c = replace(run_defaults(args.run_settings, c.task, "--run-settings"), model=args.model)
+        cfg = replace(run_defaults(args.run_settings, cfg.task, "--run-settings"), model=args.model)
     for flag, task in TASK_FLAGS.items():
-        if getattr(args, flag) is not None and c.task != task:
+        if getattr(args, flag) is not None and cfg.task != task:
             raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; "
-                             f"this evaluation's task is {c.task}")
-    c = replace(c, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
+                             f"this evaluation's task is {cfg.task}")
+    cfg = replace(cfg, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
     # 0: greedy tokens
-    args.samples = (c.eval_samples if args.samples is None else args.samples) or None
+    args.samples = (cfg.eval_samples if args.samples is None else args.samples) or None
     for rate in args.eviction_rate:
-        settings.eviction(c, rate)  # one-line errors for bad ε, δ, b, w
-    return c
+        settings.eviction(cfg, rate)  # one-line errors for bad ε, δ, b, w
+    return cfg
 
 
-def load_base_model(path, device, c, tokenizer):
+def load_base_model(path, device, cfg, tokenizer):
     """--base-model: a checkpoint of the evaluation's task with the same tokenizer."""
-    run_defaults(path, c.task, "--base-model")
+    run_defaults(path, cfg.task, "--base-model")
     model, base_tokenizer = load(path, device)
     if base_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise Error(f"--base-model {path} has another tokenizer than --model: "
@@ -263,7 +263,7 @@ def load_base_model(path, device, c, tokenizer):
     return model
 
 
-def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
+def evaluate_policies(args, cfg, model, tokenizer, problems, base_model=None):
     """compare() in --dtype, the problems split across torchrun's processes: the rows on the first,
     None elsewhere."""
     device = torch.device(args.device)
@@ -271,7 +271,7 @@ def evaluate_policies(args, c, model, tokenizer, problems, base_model=None):
     rank = distributed.rank_and_world()[0]
     bf16 = args.dtype == "bf16" if args.dtype else device.type == "cuda"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        rows = compare(model, tokenizer, c, problems, list(dict.fromkeys(args.policy)),
+        rows = compare(model, tokenizer, cfg, problems, list(dict.fromkeys(args.policy)),
                        list(dict.fromkeys(args.eviction_rate)), args.samples, args.batch_size,
                        progress=rank == 0 and sys.stderr.isatty(), compile=bool(args.compile),
                        tag=args.tag, base_model=base_model, draws=args.draws)
@@ -284,23 +284,25 @@ def main(argv=None):
     args = flags(argv)
     # every check (problems, device, load) before any rollout
     with one_line_errors(ValueError, RuntimeError):
-        c = run_settings(args)
-        problems = held_out(c, args.problems, args.split)
-        model, tokenizer = load(args.model, args.device, c.meta_token)  # a --meta-token run saved g
-        tagged = c if args.tag is None else replace(c, interoception=True,  # --tag: the tags too
-                                                    blind_tag=args.tag == "blind")
+        cfg = run_settings(args)
+        problems = held_out(cfg, args.problems, args.split)
+        model, tokenizer = load(args.model, args.device,
+                                cfg.meta_token)  # a --meta-token run saved g
+        tagged = (cfg if args.tag is None  # --tag: the tags too
+                  else replace(cfg, interoception=True, blind_tag=args.tag == "blind"))
         check_prompts(tagged, tokenizer, args.model, problems, model.config.max_position_embeddings,
-                      c.eval_max_new_tokens or c.max_new_tokens)
-        base_model = args.base_model and load_base_model(args.base_model, args.device, c, tokenizer)
+                      cfg.eval_max_new_tokens or cfg.max_new_tokens)
+        base_model = args.base_model and load_base_model(args.base_model, args.device, cfg,
+                                                         tokenizer)
         for name in args.policy:
             # the tokenizer has what the policy reads
-            make_eviction(name, c, args.eviction_rate[0], model, tokenizer)
-    rows = evaluate_policies(args, c, model, tokenizer, problems, base_model)
+            make_eviction(name, cfg, args.eviction_rate[0], model, tokenizer)
+    rows = evaluate_policies(args, cfg, model, tokenizer, problems, base_model)
     if rows is None:
         return
     each = f"{args.samples} samples each" if args.samples else "greedy"
     base = f"{args.base_model}'s" if args.base_model else "its own"
-    split = args.split if c.task == "countdown" else "held-out"
+    split = args.split if cfg.task == "countdown" else "held-out"
     print(f"{args.model}: {len(problems)} {split} problems, {each}; "
           f"peak-KV reduction against {base} full cache "
           f"(completions of {rows[0]['base_length']:.1f} tokens on average)")

@@ -178,7 +178,7 @@ def main(argv=None):
     task = TASKS[args.task]
     with one_line_errors():
         check_flags(args)
-        run, c = ngc_run(task, args)
+        run, cfg = ngc_run(task, args)
         pretraining, test = draw_problems(task, args)
         check_out(args.out)
         # <out>.tmp/ is written beside <out>
@@ -200,7 +200,7 @@ def main(argv=None):
     pretrain(model, tok, pretraining, example, args)
     save_build(model, tok, run, args.out)
     model, tok = load(args.out)  # evaluated as shipped
-    report(model, tok, test, task, c)
+    report(model, tok, test, task, cfg)
 
 
 def parse_args(argv):
@@ -236,13 +236,13 @@ def ngc_run(task, args):
     --retention over it, checked as train.py would."""
     flags = {k: getattr(args, k) for k in ("max_new_tokens", "delta", "retention")}
     run = {**task.run, **{k: value for k, value in flags.items() if value is not None}}
-    c = settings.from_dict(run, settings.RECIPES[run["task"]])
+    cfg = settings.from_dict(run, settings.RECIPES[run["task"]])
     if args.retention is not None:
-        run["retention"] = settings.written(c.retention)
-    if not all(0 <= rho < 1 for rho in c.retention):
+        run["retention"] = settings.written(cfg.retention)
+    if not all(0 <= rho < 1 for rho in cfg.retention):
         raise Error(f"the run's retention {run['retention']} must lie in [0, 1) (ε = 1 - ρ)")
-    check_eviction(c.delta, c.block, c.window, 1 - c.retention[-1])
-    return run, c
+    check_eviction(cfg.delta, cfg.block, cfg.window, 1 - cfg.retention[-1])
+    return run, cfg
 
 
 def check_out(out: str):
@@ -328,22 +328,23 @@ def save_build(model, tok, run, out):
         raise Error(f"could not write {out} ({e.strerror or e}); nothing half-written is left")
 
 
-def report(model, tok, test, task, c):
+def report(model, tok, test, task, cfg):
     """Accuracy (greedy tokens, and pass@1 of one sample at temperature 1, seed 0), the fraction of
     correct traces and the mean length, with the full cache and at the run's final ε."""
-    eviction = settings.eviction(c, 1 - c.retention[-1], greedy=True)  # as train.py's evaluations
-    encode, reward = prompt_encoder(c.task, c.prompt), TASK_REWARD[c.task]
-    evicting = f"ngc-greedy δ={c.delta} b={c.block} w={c.window} ε={eviction.rate}"
+    eviction = settings.eviction(cfg, 1 - cfg.retention[-1],
+                                 greedy=True)  # as train.py's evaluations
+    encode, reward = prompt_encoder(cfg.task, cfg.prompt), TASK_REWARD[cfg.task]
+    evicting = f"ngc-greedy δ={cfg.delta} b={cfg.block} w={cfg.window} ε={eviction.rate}"
     for name, evicted in [("full cache", None), (evicting, eviction)]:
         for tokens, greedy in [("greedy tokens", True), ("pass@1", False)]:
-            sampling = Sampling(max_new_tokens=c.max_new_tokens, greedy=greedy, temperature=1.0)
+            sampling = Sampling(max_new_tokens=cfg.max_new_tokens, greedy=greedy, temperature=1.0)
             out = roll_out_and_score(model, tok, test, sampling, evicted, encode=encode,
                                      reward_fn=reward, batch_size=128,
                                      generator=torch.Generator().manual_seed(0))
             valid = sum(task.valid(p, texts[0]) for p, texts in zip(test, out["texts"])) / len(test)
             print(f"{name}, {tokens}:  accuracy {out['reward'].mean().item():.3f}  "
                   f"valid traces {valid:.3f}  mean length {out['length'].mean().item():.0f}  "
-                  f"({len(test)} held out, at most {c.max_new_tokens} tokens)")
+                  f"({len(test)} held out, at most {cfg.max_new_tokens} tokens)")
 
 
 if __name__ == "__main__":

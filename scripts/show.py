@@ -80,18 +80,19 @@ def summary(run) -> str:
             f"{alive[:, :prompt_len].mean():.0%}, completion {alive[:, prompt_len:].mean():.0%}")
 
 
-def trace_rollouts(model, tokenizer, c, problems, ev: Eviction):
+def trace_rollouts(model, tokenizer, cfg, problems, ev: Eviction):
     """Per problem, its greedy rollout under ev: verdict, token texts and death rounds."""
-    meta = tokenizer.token_to_id(META_TOKEN) if c.meta_token else None
-    encode = prompt_encoder(c.task, c.prompt, ev.rate if c.interoception else None, c.blind_tag)
-    sampling = settings.sampling(c, held_out=True, greedy=True, meta_token=meta)
+    meta = tokenizer.token_to_id(META_TOKEN) if cfg.meta_token else None
+    encode = prompt_encoder(cfg.task, cfg.prompt, ev.rate if cfg.interoception else None,
+                            cfg.blind_tag)
+    sampling = settings.sampling(cfg, held_out=True, greedy=True, meta_token=meta)
     rolled = rollout(model, [encode(tokenizer, p) for p in problems], sampling, ev,
                      eos_ids=model.config.eos_ids)
     completions = tokenizer.decode_batch(rolled.completions(), skip_special_tokens=True)
     runs = []
     for row, (problem, text) in enumerate(zip(problems, completions)):
         tokens, rounds = fates(rolled, row, tokenizer)
-        correct = TASK_REWARD[c.task](text, problem) == 1.0
+        correct = TASK_REWARD[cfg.task](text, problem) == 1.0
         runs.append(dict(verdict="correct" if correct else "wrong", tokens=tokens, rounds=rounds,
                          prompt_len=int(rolled.prompt_lens[row])))
     return runs
@@ -113,7 +114,7 @@ def grid(run) -> str:
     return f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def render_html(problems, runs: dict, c, ev: Eviction, models: dict) -> str:
+def render_html(problems, runs: dict, cfg, ev: Eviction, models: dict) -> str:
     """The page: settings and legend, then per problem the runs ({name: [run per problem]}) side by
     side."""
     count = rounds_run(runs)
@@ -127,7 +128,8 @@ def render_html(problems, runs: dict, c, ev: Eviction, models: dict) -> str:
              f"that evicted that token's key from that layer's cache (round k fires once the "
              f"sequence holds kδ tokens and keeps NGC's top K blocks), grey if none did. "
              f"ε = {ev.rate:g}, δ = {ev.delta}, b = {ev.block}, w = {ev.window}, at most "
-             f"{c.eval_max_new_tokens or c.max_new_tokens} new tokens, task {c.task}; {paths}.</p>")
+             f"{cfg.eval_max_new_tokens or cfg.max_new_tokens} new tokens, task {cfg.task}; "
+             f"{paths}.</p>")
     body = [f"<h1>What the model forgets</h1>{intro}<p>{legend}</p>"]
     for i, problem in enumerate(problems):
         body.append(f"<h2>problem {i + 1}: {html.escape(str(problem))}</h2><div class=\"pair\">")
@@ -197,22 +199,22 @@ def check(args):
         need("matplotlib", "--png")
     args.device = distributed.pick_device(args.device)
     load_config(args.model)  # a missing or foreign checkpoint fails here, before anything is loaded
-    c = run_defaults(args.model)
-    args.before = args.before or BEFORE[c.task]
+    cfg = run_defaults(args.model)
+    args.before = args.before or BEFORE[cfg.task]
     load_config(args.before)
-    run_defaults(args.before, c.task, "--before")  # a model of --model's task
-    ev = settings.eviction(c, args.eviction_rate, greedy=True)  # bad ε: one line
-    return c, ev, held_out(c, args.problems)
+    run_defaults(args.before, cfg.task, "--before")  # a model of --model's task
+    ev = settings.eviction(cfg, args.eviction_rate, greedy=True)  # bad ε: one line
+    return cfg, ev, held_out(cfg, args.problems)
 
 
-def trace_models(args, c, problems, ev):
+def trace_models(args, cfg, problems, ev):
     """Both models' rollouts."""
     runs = {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
-        model, tokenizer = load(path, args.device, c.meta_token)
+        model, tokenizer = load(path, args.device, cfg.meta_token)
         # words the model cannot read: one line, not a page
-        check_prompts(c, tokenizer, path, problems)
-        runs[name] = trace_rollouts(model, tokenizer, c, problems, ev)
+        check_prompts(cfg, tokenizer, path, problems)
+        runs[name] = trace_rollouts(model, tokenizer, cfg, problems, ev)
     return runs
 
 
@@ -220,14 +222,14 @@ def trace_models(args, c, problems, ev):
 def main(argv=None):
     args = parse_args(argv)
     with one_line_errors():
-        c, ev, problems = check(args)
-        runs = trace_models(args, c, problems, ev)
+        cfg, ev, problems = check(args)
+        runs = trace_models(args, cfg, problems, ev)
     for i in range(len(problems)):
         for name, rs in runs.items():
             print(f"problem {i + 1} {name:>9}: {rs[i]['verdict']:>7}; {summary(rs[i])}")
     models = {"untrained": args.before, "trained": args.model}
     with writing():
-        write_text(args.out, render_html(problems, runs, c, ev, models))
+        write_text(args.out, render_html(problems, runs, cfg, ev, models))
         print(f"wrote {args.out}")
         if args.png:
             render_png(problems, runs, args.png)
