@@ -175,7 +175,8 @@ def reasoning_claims(studies, budget, below):
     return [(f"full cache before training {cell(before)}, after no-evict training {cell(trained)} "
              f"({points(trained, before)})",
              before["accuracy"] <= 0.75 and trained["accuracy"] - before["accuracy"] >= 0.15),
-            (f"{reduced(ngc)} of {cell(trained)}{lower}; NGC's own full cache {of(full)}; "
+            (f"{reduced(ngc)} of {cell(trained)}{lower}; NGC's own full cache {cell(full)} "
+             f"({points(full, trained)} against the no-evict model's); "
              f"{on_both}; greedy tokens: NGC {cell(greedy)} ({ratio(greedy, greedy_full):.0%} of "
              f"the no-evict model's {cell(greedy_full)}), the bound there {cell(greedy_bound)} "
              f"({ratio(greedy_bound, greedy_full):.0%})", ratio(ngc, trained) >= 0.7),
@@ -273,7 +274,8 @@ def layout_claim(studies, budget):
                     at(studies, "baselines", "none", 0.0))
     of = lambda r: f"{cell(r)} ({share(r, reference)})"
     return (f"NGC {cell(ngc)} ({share(ngc, reference)} of the no-evict model's {cell(reference)} "
-            f"there; training layouts {trained:.0%}); NGC's own full cache there {of(own)}; the "
+            f"there; training layouts {trained:.0%}); NGC's own full cache there {cell(own)} "
+            f"({points(own, reference)}); the "
             f"oracle there {of(oracle)}; untrained {cell(before)}; best baseline there "
             f"{best['policy']} {cell(best)}",
             ratio(ngc, reference) >= 0.7 and ngc["accuracy"] > before["accuracy"])
