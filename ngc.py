@@ -180,8 +180,7 @@ def decode_n_tokens(state: RolloutState, logits, eos_ids=(), progress=False):
     """The one loop over time: up to M tokens per row from the logits (B, V) after each prompt, a
     row stopping at EOS. Returns them and their log-probs (B, M), each row's count and EOS (B,)."""
     ev, M, fed = state.eviction, state.sampling.max_new_tokens, state.fed
-    B, device = len(fed), fed.device
-    phases = set()
+    B, device, phases = len(fed), fed.device, set()
     if ev:  # a row still going after step t has taken token lens[i] + t: a round if due[t % δ]
         due = is_round_end(torch.tensor(state.lens) + torch.arange(ev.delta)[:, None], ev.delta)
         phases, due = set(due.any(1).nonzero().flatten().tolist()), due.to(device)  # no sync
@@ -287,8 +286,9 @@ def fire_round(state: RolloutState, fired):
     """An eviction round for the batch rows where fired (B,) is True, recorded for replay."""
     rows = fired.nonzero().flatten()
     if len(rows):
-        ev, tokens = state.eviction, state.tokens[rows]
-        context = ev.score and Round(rows, None, None, None, tokens, state.prompt_lens[rows])
+        ev = state.eviction  # the rows' tokens are gathered only for a baseline that reads them
+        context = ev.score and Round(rows, None, None, None, state.tokens[rows],
+                                     state.prompt_lens[rows])
         decided = eviction_round(state.cache.layers, state.window, state.cache_row[rows],
                                  state.rates[rows], ev, state.eviction_generator, context)
         state.rounds.append((rows, state.n_rounds[rows].clone(), *decided))

@@ -98,8 +98,8 @@ def spelling(tokenizer, texts: list[str]) -> tuple[list[str], bool, int]:
     for start in range(0, len(texts), 4096):  # a few thousand at a time: R1's recipe has 327,680
         chunk = texts[start:start + 4096]
         for text, encoding in zip(chunk, tokenizer.encode_batch(chunk, add_special_tokens=False)):
-            words = [text[a:b] for token, (a, b) in zip(encoding.tokens, encoding.offsets)
-                     if token == unk]
+            pieces = zip(encoding.tokens, encoding.offsets) if unk else ()  # byte-level: none
+            words = [text[a:b] for token, (a, b) in pieces if token == unk]
             unknown |= dict.fromkeys(words)
             spelled_any |= len(words) < len(encoding)
             longest = max(longest, len(encoding))

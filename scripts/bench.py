@@ -184,7 +184,7 @@ def bandwidth(model, rolled, eviction, step_s, args) -> str:
 def check(args) -> list[str]:
     """The devices to run on, after every flag is checked."""
     check_values(args, {name: rule for name, (_, _, rule, _) in FLAGS.items() if rule}
-                 | {"threads": at_least(1)})
+                 | {"threads": settings.RULES["threads"]})
     try:
         check_eviction(args.delta, args.block, args.window, args.rate)
     except ValueError as e:

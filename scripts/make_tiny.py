@@ -66,7 +66,7 @@ FLAGS = {  # name: (type, default: Countdown's, rule, help); None: the task's ru
     "out": (str, "tiny", None, "output directory, replaced whole; refused if it holds more"),
     "seed": (int, 0, None, "seed for the problems, the weights and the batches"),
     "steps": (int, 1000, at_least(1), "optimizer steps; the lr schedule spans them"),
-    "threads": (int, 1, at_least(1), "torch CPU threads (the bits depend on it)"),
+    "threads": (int, 1, settings.RULES["threads"], "torch CPU threads (the bits depend on it)"),
     "batch": (int, 64, at_least(1), "examples per optimizer step"),
     "micro": (int, 16, at_least(1), "examples per forward pass (length-sorted)"),
     "lr": (float, 2e-3, positive, "peak learning rate (warmup, then cosine to 10%)"),

@@ -451,8 +451,9 @@ def run_studies(args):
         steps = parse_train_args(args.model, extra).steps or settings.run_defaults(args.model).steps
         if start_args and not args.start_steps:
             raise ValueError("--start-args sets the start runs' flags: give --start-steps too")
-        parse_train_args(args.model, start_args, "--start-args",
-                         (*NOT_IN_TRAIN_ARGS, "mode", "steps"))
+        if start_args:
+            parse_train_args(args.model, start_args, "--start-args",
+                             (*NOT_IN_TRAIN_ARGS, "mode", "steps"))
         runs = study_runs(args.seeds, 0 if args.no_ablations else args.ablation_seeds,
                           0 if args.no_interoception else args.interoception_seeds,
                           args.start_steps, steps, start_args)

@@ -59,12 +59,12 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-block-2-slow": ([*FROM_NO_EVICT, "--block", "2", "--stage-steps", "30"], None),
     "from-no-evict-group-64-draws-4": ([*FROM_NO_EVICT, "--group", "64", "--eviction-draws", "4"], None),
     "from-no-evict-group-64": ([*FROM_NO_EVICT, "--group", "64"], None),
-    **{f"from-no-evict-group-64-seed{k}": (
-        [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--group", "64", "--seed", str(k)], None)
-       for k in (1, 2)},
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
-    **{f"from-no-evict-steps-240-seed{k}": (
-        [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--steps", "240", "--seed", str(k)], None) for k in (1, 2)},
+    # the seeds of two rows, each after the no-evict run of its seed that it starts from
+    **{f"from-no-evict-{row}-seed{k}": (
+        [*from_no_evict(f"{NO_EVICT}-seed{k}"), *flags, "--seed", str(k)], None)
+       for row, flags in (("steps-240", ["--steps", "240"]), ("group-64", ["--group", "64"]))
+       for k in (1, 2)},
 }
 
 
