@@ -12,7 +12,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 
 def launched() -> bool:  # by torchrun
@@ -74,7 +73,10 @@ def average_gradients(params):
     """Average p.grad over the processes, in place. When no process has one (no learning signal
     anywhere), they stay None, as in a single process."""
     world = rank_and_world()[1]
-    if world == 1 or isinstance(params[0], DTensor):  # one process, or FSDP averaged them already
+    if world == 1:
+        return
+    from torch.distributed.tensor import DTensor  # only here: its import costs a second
+    if isinstance(params[0], DTensor):  # FSDP averaged them already
         return
     if mean_over_processes({"any": any(p.grad is not None for p in params)})["any"] == 0:
         return

@@ -399,8 +399,8 @@ def test_a_study_stopped_by_a_signal_continues_with_the_same_command(tmp_path):
     out = tmp_path / "results"
     command = [sys.executable, "-u", "scripts/reproduce.py", "--no-interoception", "--no-ablations", "--model", TINY,
                "--out", str(out),
-               "--jobs", "2", "--problems", "1", "--samples", "1", "--draws", "2", "--curve", "0.5", "--train-args", "--steps 16 --eval-every 8 "
-               "--eval-samples 0 --save-every 0 --prompts 2 --group 2 --max-new-tokens 32 --eval-problems 1 "
+               "--jobs", "2", "--problems", "1", "--samples", "1", "--draws", "2", "--curve", "0.5", "--train-args", "--steps 10 --eval-every 5 "
+               "--eval-samples 0 --save-every 0 --prompts 2 --group 2 --max-new-tokens 24 --eval-problems 1 "
                "--train-problems 64"]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     runs = [out / "runs" / name for name in ("ngc", "no-evict")]  # the first two of the plan, trained together
@@ -427,8 +427,8 @@ def test_a_study_stopped_by_a_signal_continues_with_the_same_command(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     for run, before in zip(runs, first):
         log = rundir.read_log(str(run / "log.jsonl"))
-        assert [r["step"] for r in log if "reward" in r] == list(range(16))
-        assert [r["step"] for r in log if "eval" in r] == [0, 8, 16]
+        assert [r["step"] for r in log if "reward" in r] == list(range(10))
+        assert [r["step"] for r in log if "eval" in r] == [0, 5, 10]
         console = run.with_suffix(".log").read_text()
         resumed = f"--resume {run} --threads {reproduce.threads_per_run(2)}"
         assert console.startswith(before) and resumed in console[len(before):]
