@@ -14,7 +14,7 @@ from gumbel import block_means, keep_count, ordered_topk
 from lib.checkpoint import from_pretrained
 from ngc import Eviction, Sampling, rollout
 from replay import replay
-from conftest import EOS, EV, hand_built_cache, keep, prompts_of, psi_by_hand, rounds
+from conftest import EOS, EV, hand_built_cache, keep, prompts_of, psi_by_hand, rounds, write_checkpoint
 
 
 # ---------------------------------------------------------------------------------------
@@ -26,12 +26,20 @@ COMPILED_SAMPLING = Sampling(max_new_tokens=40, greedy=True)
 COMPILED_EV = Eviction(delta=10, block=3, window=3, rate=0.5, greedy=True)
 
 
-def test_compiled_decode_step_gives_the_eager_rollout(model):
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    """The compiled tests' model: two layers (each evicts its own blocks) compile in about half the
+    time of three on a cold inductor cache."""
+    return from_pretrained(write_checkpoint(tmp_path_factory.mktemp("two"), num_hidden_layers=2)).eval()
+
+
+def test_compiled_decode_step_gives_the_eager_rollout(two_layers):
     """rollout(compile=True) captures the decode step with torch.compile whole (fullgraph: a host
     sync or a changing shape in it fails to compile) on the same static buffers: the same greedy
     tokens and decisions as eager, token log-probs to 1e-5, and replay reproduces it. The second
     call reuses the buffers and the compiled step. These caches are small, so the step takes SDPA's
     math form (SDPA_MATH_MAX_SLOTS); the full cache gives the eager rollout under it too."""
+    model = two_layers
     args = (model, COMPILED_PROMPTS, COMPILED_SAMPLING, COMPILED_EV)
     eager = rollout(*args, eos_ids=[EOS])
     for _ in range(2):
@@ -39,7 +47,7 @@ def test_compiled_decode_step_gives_the_eager_rollout(model):
         assert torch.equal(captured.tokens, eager.tokens) and torch.equal(captured.kept, eager.kept)
         assert torch.equal(captured.peak_kv, eager.peak_kv) and captured.kv_slots == eager.kv_slots
         assert (captured.logprobs - eager.logprobs).abs().max() < 1e-5
-    assert int(captured.n_rounds.min()) >= 2
+    assert int(captured.n_rounds.min()) >= 1 and int(captured.n_rounds.max()) >= 4  # every row evicted
     tok_lp, _ = replay(model, captured)
     completion = (tok_lp != 0) | (captured.logprobs != 0)
     assert (tok_lp - captured.logprobs)[completion].abs().max() < 1e-5
@@ -60,13 +68,13 @@ def compiled_and_eager(model, ev):
     return captured
 
 
-def test_compiled_step_with_the_fused_attention_kernel_gives_the_eager_rollout(model, monkeypatch):
+def test_compiled_step_with_the_fused_attention_kernel_gives_the_eager_rollout(two_layers, monkeypatch):
     """On the CPU the compiled step takes SDPA's math form for caches up to SDPA_MATH_MAX_SLOTS
     (test_compiled_decode_step_...) and the fused kernel above (here: from 0 slots on): the fused
     form gives the eager rollout too, with eviction and with the full cache."""
     monkeypatch.setattr(ngc, "SDPA_MATH_MAX_SLOTS", 0)
     for ev in (COMPILED_EV, None):
-        compiled_and_eager(model, ev)
+        compiled_and_eager(two_layers, ev)
 
 
 # ---------------------------------------------------------------------------------------
