@@ -177,12 +177,12 @@ def step_gradients(model, tokenizer, problems, step, cfg, amp, reward_fn, progre
     return {"step": step, "eps": eps, **m, **losses, "grad_norm": grad_norm, **times}
 
 
-def make_optimizer(model, cfg, state=None):
+def make_optimizer(model, cfg, opt_state=None):
     """AdamW over the model's parameters (under FSDP, its shards), with a resumed run's state."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    if state is not None:
-        distributed.load_optimizer_state(model, opt, state)
+    if opt_state is not None:
+        distributed.load_optimizer_state(model, opt, opt_state)
     return opt
 
 
@@ -205,22 +205,22 @@ def evaluator(cfg, model, tokenizer, test, reward_fn, amp, progress):
 
 @exits  # a signal, divergence or a failed save ends the process with one line (rundir.guard)
 def main(argv=None, reward_fn=None):
-    cfg, state, model, tokenizer, (train, test) = setup(argv)
+    cfg, resumed, model, tokenizer, (train, test) = setup(argv)
     distributed.start(device := torch.device(cfg.device))  # every process has checked its arguments
     master = distributed.rank_and_world()[0] == 0  # the one process that prints, logs and saves
     if cfg.fsdp:
         distributed.shard(model)
     amp = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
            else contextlib.nullcontext())
-    opt = make_optimizer(model, cfg, state and state["optimizer"])
+    opt = make_optimizer(model, cfg, resumed and resumed["optimizer"])
     save = lambda step: rundir.save_checkpoint(cfg.out, model, opt, tokenizer, weights(cfg), step,
                                                settings.saved(cfg), settings.session(cfg))
-    run = rundir.Run(cfg.out, save, saved=state and state["step"])  # a resume: its saved step
+    run = rundir.Run(cfg.out, save, saved=resumed and resumed["step"])  # a resume: its saved step
     log_path = os.path.join(cfg.out, "log.jsonl")
     say = tqdm.write if master else lambda text: None
     log = functools.partial(rundir.write_log, log_path) if master else lambda record: None
     with one_line_errors():  # the directory, its lock, the log cut to run.step, a resume's changes
-        kept = rundir.prepare(cfg.out, state, settings.recorded(cfg)) if master else []
+        kept = rundir.prepare(cfg.out, resumed, settings.recorded(cfg)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
     say(banner(cfg, model, run.step))
     reward_fn = reward_fn or TASK_REWARD[cfg.task]
@@ -278,12 +278,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def resolve(args, state=None) -> settings.Settings:
-    """The run's settings: unset flags from the resumed run (state), else the checkpoint's ngc.json,
-    else the paper's; all checked (an Error or another one-line ValueError)."""
+def resolve(args, resumed=None) -> settings.Settings:
+    """The run's settings: unset flags from the resumed run (resumed), else the checkpoint's
+    ngc.json, else the paper's; all checked (an Error or another one-line ValueError)."""
     if args.resume:  # the run's own settings; its model: the one it started from (or its own)
-        start = state["session"].get("model", os.path.join(args.resume, "checkpoint"))
-        base = settings.from_dict({**state["config"], "model": start, "out": args.resume})
+        start = resumed["session"].get("model", os.path.join(args.resume, "checkpoint"))
+        base = settings.from_dict({**resumed["config"], "model": start, "out": args.resume})
     else:
         base = settings.run_defaults(args.model or settings.COUNTDOWN.model, args.task)
     own = ("model", "out") if args.resume else ()  # with --resume: the run's own (resumed_state)
@@ -313,8 +313,8 @@ def resumed_state(args) -> dict:
     """The saved state of the run --resume continues, once no other process trains there and the
     flags given with it that a run cannot change (model, task, directory) are the run's own."""
     rundir.lock(args.resume, check_only=True)
-    state = rundir.load_trainer_state(args.resume)
-    own = {**state["session"], "task": state["config"]["task"], "out": args.resume}
+    resumed = rundir.load_trainer_state(args.resume)
+    own = {**resumed["session"], "task": resumed["config"]["task"], "out": args.resume}
     path = os.path.realpath
     same = lambda k, v: k in own and (v == own[k] if k == "task" else path(v) == path(own[k]))
     given = [f"--{k} {v}" for k in ("model", "task", "out")
@@ -324,7 +324,7 @@ def resumed_state(args) -> dict:
         raise Error(f"--resume {args.resume} continues that run with its own model, task and "
                     f"directory; drop {', '.join(given)} (to start a new run, give --out instead "
                     f"of --resume)")
-    return state
+    return resumed
 
 
 def weights(cfg) -> str:
@@ -337,8 +337,8 @@ def setup(argv):
     problems. Bad flags or files end the script with one line, before anything is written."""
     args = parse_args(argv)
     with one_line_errors():
-        state = resumed_state(args) if args.resume else None
-        cfg = resolve(args, state)
+        resumed = resumed_state(args) if args.resume else None
+        cfg = resolve(args, resumed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         train, test = load_problems(cfg)  # the data files read and checked before anything is made
@@ -347,7 +347,7 @@ def setup(argv):
             raise Error(f"{weights(cfg)}/config.json has no eos_token_id; rollouts would never end")
         check_prompts(cfg, tokenizer, weights(cfg), train + test,
                       model.config.max_position_embeddings, cfg.max_new_tokens)
-    return cfg, state, model, tokenizer, (train, test)
+    return cfg, resumed, model, tokenizer, (train, test)
 
 
 def banner(cfg, model, step) -> str:

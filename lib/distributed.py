@@ -161,8 +161,8 @@ def full_state(model, opt):
             get_optimizer_state_dict(model, opt, options=options))
 
 
-def load_optimizer_state(model, opt, state):
+def load_optimizer_state(model, opt, opt_state):
     if not is_sharded(model):
-        return opt.load_state_dict(state)
+        return opt.load_state_dict(opt_state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, opt, opt_state, options=StateDictOptions(full_state_dict=True))

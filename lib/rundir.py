@@ -83,25 +83,26 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
                     f"another --out")
 
 
-def prepare(out: str, state: dict | None, recorded: dict) -> list[dict]:
+def prepare(out: str, resumed: dict | None, recorded: dict) -> list[dict]:
     """The first writes of a run (check_run_dir passed): create the run directory (os.makedirs says
     why it cannot) and take its lock; a resume keeps (and returns) the log records of the steps
-    before its checkpoint's (state: load_trainer_state's) and prints the settings it changes
+    before its checkpoint's (resumed: load_trainer_state's) and prints the settings it changes
     (recorded: settings.recorded's), a new run removes an earlier run's files."""
     log = os.path.join(out, "log.jsonl")
-    earlier = [r for r in read_log(log) if r["step"] < state["step"]] if state else []
+    earlier = [r for r in read_log(log) if r["step"] < resumed["step"]] if resumed else []
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise Error(f"cannot create the run directory {out} ({e.strerror}); "
                     f"choose another --out") from None
     lock(out)
-    for name in RUN_FILES if state is None else ():
+    for name in RUN_FILES if resumed is None else ():
         path = os.path.join(out, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
     write_jsonl(log, earlier)  # the later steps will run again
-    if state and (changed := changed_settings({**state["session"], **state["config"]}, recorded)):
-        tqdm.write(f"note: resuming at step {state['step']} with changed settings: "
+    saved = {**resumed["session"], **resumed["config"]} if resumed else {}
+    if changed := changed_settings(saved, recorded):
+        tqdm.write(f"note: resuming at step {resumed['step']} with changed settings: "
                    f"{', '.join(changed)}")
     return earlier
 
@@ -166,16 +167,16 @@ def load_trainer_state(run_dir) -> dict:
         raise Error(f"nothing to resume in {run_dir!r}: it has no checkpoint/trainer.pt (a run "
                     f"that never saved starts again by its own command)")
     try:  # weights_only: a state is data; a pickle that would run code is refused, never run
-        state = torch.load(path, weights_only=True)
-        state = {**{k: state[k] for k in ("step", "optimizer", "config")},
-                 "session": state.get("session", {})}
+        saved = torch.load(path, weights_only=True)
+        trainer = {**{k: saved[k] for k in ("step", "optimizer", "config")},
+                   "session": saved.get("session", {})}
     except pickle.UnpicklingError:
         raise Error(f"{path} holds more than tensors and numbers (its pickle would run code); "
                     f"refusing to load it: resume only runs you trust, or start again") from None
     except Exception as e:  # another user's file, a truncated or foreign one
         raise Error(f"{path} is unreadable ({type(e).__name__}: {first_line(e, 200)}); it must be "
                     f"a trainer state this code wrote, readable by this user") from None
-    return {**state, "config": settings.check_saved(state["config"], path)}
+    return {**trainer, "config": settings.check_saved(trainer["config"], path)}
 
 
 def saved_step(run_dir) -> int | None:
