@@ -121,13 +121,13 @@ def from_pretrained(path: str, dtype=torch.float32, device="cpu") -> Qwen2:
     shapes = {name: torch.empty(f.get_slice(name).get_shape(), device="meta")
               for name, (_, f) in names.items()}
     _load_strictly(model, _tied(shapes, cfg), path)
-    weights = {}
+    tensors = {}
     for name, (file, f) in names.items():
-        weights[name] = f.get_tensor(name).to(dtype)
-        if not torch.isfinite(weights[name]).all():
+        tensors[name] = f.get_tensor(name).to(dtype)
+        if not torch.isfinite(tensors[name]).all():
             raise Error(f"{file}: {name} holds values that are not finite (NaN or inf): these "
                         f"weights are no model; use a checkpoint saved before they went bad")
-    _load_strictly(model, _tied(weights, cfg), path)
+    _load_strictly(model, _tied(tensors, cfg), path)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device)
@@ -141,19 +141,19 @@ def _open_weights(file: str, device):
                     f"re-download or re-save it") from None
 
 
-def _tied(weights: dict, cfg: Qwen2Config) -> dict:
+def _tied(tensors: dict, cfg: Qwen2Config) -> dict:
     """Tied embeddings are one matrix, embed_tokens's; a copy saved as lm_head.weight is ignored."""
     if not cfg.tie_word_embeddings:
-        return weights
-    weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    return {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]} \
-        if "model.embed_tokens.weight" in weights else weights
+        return tensors
+    tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    return {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]} \
+        if "model.embed_tokens.weight" in tensors else tensors
 
 
-def _load_strictly(model: Qwen2, weights: dict, path: str):
+def _load_strictly(model: Qwen2, tensors: dict, path: str):
     """load_state_dict(strict=True); its report (missing, unexpected, mis-shaped) in one line."""
     try:
-        model.load_state_dict(weights, assign=True)
+        model.load_state_dict(tensors, assign=True)
     except RuntimeError as e:
         report = "; ".join(line.strip() for line in str(e).splitlines()[1:])
         raise Error(f"the weights of {path} do not fit its config.json: {report[:400]}") from None
@@ -179,20 +179,20 @@ def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32)
     return model, tokenizer
 
 
-def save_pretrained(model: Qwen2, path: str, weights: dict | None = None):
-    """Write config.json and model.safetensors (model's weights, or `weights`) into path."""
+def save_pretrained(model: Qwen2, path: str, tensors: dict | None = None):
+    """Write config.json and model.safetensors (model's weights, or `tensors`) into path."""
     os.makedirs(path, exist_ok=True)
-    weights = {k: v.detach().to("cpu").contiguous()
-               for k, v in (weights or model.state_dict()).items()}
+    tensors = {k: v.detach().to("cpu").contiguous()
+               for k, v in (tensors or model.state_dict()).items()}
     if model.config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+        tensors.pop("lm_head.weight", None)
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
               "use_sliding_window": False, "rope_scaling": None,
               **{f.name: getattr(model.config, f.name) for f in fields(model.config)},
-              "torch_dtype": str(next(iter(weights.values())).dtype).removeprefix("torch.")}
+              "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}
     write_json(os.path.join(path, "config.json"), config, indent=2)
     write_atomic(os.path.join(path, "model.safetensors"),
-                 lambda tmp: save_file(weights, tmp, metadata={"format": "pt"}))
+                 lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
 def load_tokenizer(path: str):
