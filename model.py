@@ -193,11 +193,11 @@ class LayerCache:
             rank = torch.where(valid, valid.cumsum(1) - 1, n + (~valid).cumsum(1) - 1)
         row, head = (torch.arange(m, device=k.device)[:, None] for m in k.shape[:2])
         slot = (self.fill[:, None] + rank) % self.size  # (B, T)
-        at = row[:, None], head, slot[:, None]  # indexes (B, Hkv, T) of the (B, Hkv, S, D) buffers
+        index = row[:, None], head, slot[:, None]  # (B, Hkv, T) into the (B, Hkv, S, D) buffers
         new = valid[:, None, :, None]
         # index_put, not scatter_: torch.compile updates it in place instead of copying the buffer
-        self.k[at] = torch.where(new, k.to(self.k.dtype), self.k[at])  # (B, Hkv, T, D)
-        self.v[at] = torch.where(new, v.to(self.v.dtype), self.v[at])
+        self.k[index] = torch.where(new, k.to(self.k.dtype), self.k[index])  # (B, Hkv, T, D)
+        self.v[index] = torch.where(new, v.to(self.v.dtype), self.v[index])
         self.pos[row, slot] = torch.where(valid, pos, self.pos[row, slot])
         self.alive[row, slot] = self.alive[row, slot] | valid
         self.fill.add_(n[:, 0])
@@ -239,23 +239,24 @@ class KVCache:
                                   device, tight) for _ in range(cfg.num_hidden_layers)]
 
     def keep_rows(self, rows):
-        for c in self.layers:
-            c.keep_rows(rows)
+        for layer in self.layers:
+            layer.keep_rows(rows)
 
     def alive_counts(self):
         """(B, L) number of alive entries per row and layer."""
-        return torch.stack([c.fill for c in self.layers], dim=1)
+        return torch.stack([layer.fill for layer in self.layers], dim=1)
 
     def slots(self) -> int:
         """Entries physically allocated per row, summed over layers."""
-        return sum(c.size for c in self.layers)
+        return sum(layer.size for layer in self.layers)
 
     def check(self):
-        for c in self.layers:
-            c.check()
+        for layer in self.layers:
+            layer.check()
 
     def buffers(self):
-        return [t for c in self.layers for t in (c.k, c.v, c.pos, c.alive, c.fill)]
+        return [t for layer in self.layers
+                for t in (layer.k, layer.v, layer.pos, layer.alive, layer.fill)]
 
 
 def init_weights(model: Qwen2, std: float = 0.02, seed: int = 0):

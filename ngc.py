@@ -301,8 +301,8 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
     context: their Round for a baseline's score (each layer fills in its layer and positions).
     Returns σ of each layer [(N, Kmax)], log p(σ) and the alive entries before the round (N, L)."""
     qpos, sigmas, logps, before = window.pos[in_cache], [], [], []  # qpos (N, w): all scored
-    for layer, c in enumerate(layers):
-        alive, kpos, keys = c.alive[in_cache], c.pos[in_cache], c.k.index_select(0, in_cache)
+    for layer, kv in enumerate(layers):
+        alive, kpos, keys = kv.alive[in_cache], kv.pos[in_cache], kv.k.index_select(0, in_cache)
         q = window.q[layer][in_cache]  # (N, H, w, D); keys (N, Hkv, S, D), alive (N, S)
         seen = alive[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])  # (N, w, S): causal
         # one round: ψ (N, S), logits and exists (N, nb)
@@ -318,7 +318,7 @@ def eviction_round(layers: list[LayerCache], window: "QueryWindow", in_cache, ra
         # σ (N, Kmax): the top K blocks, or a Gumbel-top-k sample (§4.3)
         sigma = ordered_topk(ranking, K) if ev.greedy else gumbel_topk(ranking, K, generator)
         logps.append(plackett_luce_log_prob(logits, sigma))  # log p(σ) under NGC's policy, eq. (2)
-        c.evict(in_cache, kept_keys(alive, sigma, ev.block))  # the survivors move to the front
+        kv.evict(in_cache, kept_keys(alive, sigma, ev.block))  # the survivors move to the front
         sigmas.append(sigma), before.append(alive.sum(1))
     return sigmas, torch.stack(logps, 1), torch.stack(before, 1)
 

@@ -69,8 +69,8 @@ def final_eviction_rate(cfg) -> float:
 # ---- The objective (paper eqs. 3-5, Dr. GRPO) ----------------------------------------------------
 def group_advantages(reward, group: int):
     """A_i = r_i - the mean of its group's rewards (Dr. GRPO: no std). reward (P·G,)."""
-    r = reward.view(-1, group)
-    return (r - r.mean(1, keepdim=True)).flatten()
+    grouped = reward.view(-1, group)
+    return (grouped - grouped.mean(1, keepdim=True)).flatten()
 
 
 def policy_losses(model, ro, adv, mode: Mode, max_new_tokens: int, n_total: int, mem_norm="paper",
