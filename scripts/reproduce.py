@@ -435,8 +435,7 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
 
 
 def run_studies(args):
-    """Train the runs, evaluate each study, then write claims.md, show.py's forgets and
-    summary.md."""
+    """Train the runs, evaluate each study, write claims.md, show.py's forgets and summary.md."""
     extra, start_args = args.train_args.split(), args.start_args.split()
     with one_line_errors():
         steps = parse_train_args(args.model, extra).steps or settings.run_defaults(args.model).steps
