@@ -1,13 +1,10 @@
-"""claims.md: the paper's Countdown claims (§5.2-5.3, CLAIMS) beside a reproduction's, each with
-a goal, at ε* (the rate whose peak-KV reduction is 2.4x on the no-evict model's completions) and,
-for stricter budgets, at the testable rates stricter than training's. `studies` maps a study's
-name (reproduce.studies_of) to its rows over seeds, with their per-seed, per-problem rewards.
+"""claims.md: the paper's Countdown claims (§5.2-5.3) beside a reproduction's, each with a goal, at
+ε* and at the testable rates stricter than training's. `studies` maps a study's name
+(reproduce.studies_of) to its rows over seeds, with their per-seed, per-problem rewards.
 
-One denominator: every share is of the no-evict model's full cache on the same problems and prompt
-layout, with a 95% interval from a paired bootstrap (`interval`). Beside NGC stand the lookahead
-oracle (a heuristic that sees the future) and the hindsight bound with its luck control (an
-estimate from above of what eviction schedules exist at the budget, baselines.py): a rate is
-testable where the bound solves at least TESTABLE."""
+Every share is of the no-evict model's full cache on the same problems and prompt layout, with a
+95% interval from a paired bootstrap (`interval`). A rate is testable where the hindsight bound
+(baselines.py) on NGC's model solves at least TESTABLE."""
 import numpy as np
 
 from lib import baselines
@@ -18,7 +15,7 @@ AGNOSTIC = [name for name, p in baselines.POLICIES.items() if p.kind == "agnosti
 RULES = [name for name, p in baselines.POLICIES.items() if p.kind == "rule"]
 BASELINES = AGNOSTIC + RULES
 TAG_CHECK = 0.75  # the tag check's ε: the strictest tag trained on
-TESTABLE = 0.2  # a rate is testable where the hindsight bound on NGC's model solves at least this
+TESTABLE = 0.2
 UNTESTABLE = "untestable"
 MET = {True: "yes", False: "**no**", None: "-",
        UNTESTABLE: f"untestable (the hindsight bound solves < {TESTABLE:.0%})"}
@@ -56,7 +53,6 @@ def table(head, rows) -> str:
 
 
 def testable(bound) -> bool:
-    """Whether the bound's row (NGC's model, one ε) shows a cache that size can hold the facts."""
     return bound["accuracy"] >= TESTABLE
 
 
@@ -78,13 +74,11 @@ def ratio(row, base) -> float:
 
 
 def times(row, base) -> str:
-    """row's pass@1 as a multiple of base's, which may be 0."""
     return f"{ratio(row, base):.1f}×" if base["accuracy"] > 0 else "∞× (it solves none)"
 
 
 def per_problem(row, seeds: int):
-    """(seeds, problems) pass@1 of each problem at each seed; a row of one seed (the untrained
-    model's) stands for every seed."""
+    """(seeds, problems) pass@1; a row of one seed (the untrained model's) stands for every seed."""
     rewards = np.asarray(row["rewards"], dtype=float).mean(-1)  # (row's seeds, problems)
     if len(rewards) not in (1, seeds):
         raise ValueError(f"{row['run']} {row['policy']}: {len(rewards)} seeds "
@@ -93,9 +87,8 @@ def per_problem(row, seeds: int):
 
 
 def interval(stat, *rows, draws=BOOTSTRAP_DRAWS, seed=0) -> tuple[float, float]:
-    """The 95% percentile interval of stat(pass@1 of each row) under a paired bootstrap: each draw
-    resamples the seeds and the problems with replacement, one draw shared by every row, so that
-    what the rows share (a problem's difficulty, a seed's problems) cancels in a share or a
+    """The 95% percentile interval of stat(pass@1 of each row) under a paired bootstrap: one draw of
+    seeds and problems shared by every row, so that what the rows share cancels in a share or a
     difference."""
     seeds = max(len(r["rewards"]) for r in rows)
     arrays = [per_problem(r, seeds) for r in rows]  # each (seeds, problems)
@@ -109,7 +102,6 @@ def interval(stat, *rows, draws=BOOTSTRAP_DRAWS, seed=0) -> tuple[float, float]:
 
 
 def share(row, base) -> str:
-    """row's pass@1 as a share of base's, with its 95% interval."""
     lo, hi = interval(lambda x, y: x / np.maximum(y, 1e-9), row, base)
     return f"{ratio(row, base):.0%} [{lo:.0%}, {hi:.0%}]"
 
@@ -125,15 +117,13 @@ def points(row, base) -> str:
 
 
 def beyond(row, base, margin=0.0) -> bool:
-    """Whether row's pass@1 is ≥ `margin` points above base's, its 95% interval above 0."""
     above, lo, _ = difference(row, base)
     return above >= margin and lo > 0
 
 
 def stricter_testable(studies, trained):
-    """The curve's rates stricter than training's final ε, each testable or not (the bound on NGC's
-    model). A stricter rate must evict more: on a small cache two rates can keep the same whole
-    blocks (the same rollouts), so a rate whose bound reaches no larger peak-KV reduction than at
+    """{ε: testable} of the curve's rates stricter than `trained`. On a small cache two rates can
+    keep the same whole blocks, so a rate whose bound reaches no larger peak-KV reduction than at
     the rates up to `trained` is no test."""
     bound = [r for r in studies["curve-bound"] if r["policy"] == "bound"]
     reached = max((r["kv_reduction"] for r in bound if r["eviction_rate"] <= trained + 1e-9),
@@ -143,26 +133,24 @@ def stricter_testable(studies, trained):
 
 
 def claims_markdown(studies, budget, trained, below=None, training_rates=None) -> str:
-    """CLAIMS, each measured as (here, met; met None where not measured, UNTESTABLE where no rate
-    it needs is testable) at ε* = budget (and `below`: whole blocks make ε* a cliff), at the
-    testable rates stricter than `trained` (the ngc run's final ε), beyond `training_rates`."""
+    """CLAIMS, each measured as (here, met) at ε* = budget (and `below`: whole blocks make ε* a
+    cliff) and at the testable rates stricter than `trained` (the ngc run's final ε), beyond
+    `training_rates`; met is None where not measured, UNTESTABLE where no rate it needs is."""
     rates, top = stricter_testable(studies, trained), max(training_rates or [trained])
-    measured = [*reasoning_claims(studies, budget, below), *policy_claims(studies, budget),
-                *ablation_claims(studies, budget), interoception_claim(studies, rates, top, budget),
-                rates_claim(studies, rates), layout_claim(studies, budget)]
+    ngc = at(studies, "baselines-ngc", "ngc", budget)
+    reference = at(studies, "baselines", "none", 0.0)  # the no-evict model's full cache
+    measured = [*reasoning_claims(studies, budget, below, ngc, reference),
+                *policy_claims(studies, budget, ngc), *ablation_claims(studies, budget, ngc),
+                interoception_claim(studies, rates, top, budget), rates_claim(studies, rates),
+                layout_claim(studies, budget, ratio(ngc, reference))]
     return table(["claim", "paper (§5.2-5.3)", "goal", "here, pass@1 [95% interval]", "met"],
                  [(claim, paper, goal.format(e=budget, top=top), here, MET[met])
                   for (claim, paper, goal), (here, met) in zip(CLAIMS, measured, strict=True)])
 
 
-def reasoning_claims(studies, budget, below):
-    """The full cache before and after training; NGC at ε* = budget (and `below`) as a share of the
-    no-evict model's full cache, beside NGC's own, the oracle, the bound and its luck control."""
-    before, trained = at(studies, "untrained", "none", 0.0), at(studies, "baselines", "none", 0.0)
-    ngc = at(studies, "baselines-ngc", "ngc", budget)
-    full = at(studies, "baselines-ngc", "none", 0.0)  # NGC's own full cache
-    of = lambda r: f"{cell(r)} ({share(r, trained)})"
-    reduced = lambda r: f"{of(r)} at {r['kv_reduction']:.2f}×"
+def reasoning_claims(studies, budget, below, ngc, trained):
+    before, full = at(studies, "untrained", "none", 0.0), at(studies, "baselines-ngc", "none", 0.0)
+    reduced = lambda r: f"{cell(r)} ({share(r, trained)}) at {r['kv_reduction']:.2f}×"
     on_both = "; ".join(f"{name} on {model} {reduced(at(studies, study, name, budget))}"
                         for name in ("bound", "luck", "oracle")
                         for study, model in (("baselines-ngc", "NGC's model"),
@@ -170,8 +158,8 @@ def reasoning_claims(studies, budget, below):
     lower = (f"; at ε = {below:g}: {reduced(at(studies, 'below', 'ngc', below))}"
              if below is not None else "")
     greedy = at(studies, "greedy", "ngc", budget)
-    greedy_full = at(studies, "greedy-no-evict", "none", 0.0)
-    greedy_bound = at(studies, "greedy-no-evict", "bound", budget)
+    greedy_full, greedy_bound = (at(studies, "greedy-no-evict", policy, rate)
+                                 for policy, rate in (("none", 0.0), ("bound", budget)))
     return [(f"full cache before training {cell(before)}, after no-evict training {cell(trained)} "
              f"({points(trained, before)})",
              before["accuracy"] <= 0.75 and trained["accuracy"] - before["accuracy"] >= 0.15),
@@ -184,9 +172,8 @@ def reasoning_claims(studies, budget, below):
              full["accuracy"] >= before["accuracy"])]
 
 
-def policy_claims(studies, budget):
-    """NGC at ε* = budget against the best task-agnostic baseline and task rule on either model."""
-    ngc = at(studies, "baselines-ngc", "ngc", budget)
+def policy_claims(studies, budget, ngc):
+    """NGC against the best task-agnostic baseline and task rule on either model."""
     on = (("the no-evict model", "baselines"), ("NGC's own model", "baselines-ngc"))
     best = lambda kind: {model: best_of([r for r in studies[study] if r["eviction_rate"] == budget],
                                         kind) for model, study in on}
@@ -199,13 +186,11 @@ def policy_claims(studies, budget):
              all(beyond(ngc, r) for r in rules.values()))]
 
 
-def ablation_claims(studies, budget):
-    """Token-only and targeted dropout against NGC (Figure 5)."""
+def ablation_claims(studies, budget, ngc):
     if "ablation-token-only" not in studies:
         return [("not measured (--no-ablations)", None)] * 2
-    ngc = at(studies, "baselines-ngc", "ngc", budget)
-    token = at(studies, "ablation-token-only", "ngc", budget)
-    dropout = at(studies, "ablation-targeted-dropout", "ngc", budget)
+    token, dropout = (at(studies, f"ablation-{run}", "ngc", budget)
+                      for run in ("token-only", "targeted-dropout"))
     return [(f"token-only {cell(token)}: {share(token, ngc)} of NGC, {times(token, dropout)} "
              "targeted dropout",
              token["accuracy"] < ngc["accuracy"] and ratio(token, dropout) >= 3),
@@ -229,8 +214,8 @@ def paired(studies, rate) -> tuple[str, bool]:
 
 
 def interoception_claim(studies, rates, top, budget):
-    """paired() at each testable rate beyond `top`, the strictest it trained on (where none is, at
-    ε* = budget, inside its range, for what it is worth); the same model and ε under other tags."""
+    """paired() at each testable rate beyond `top` (where none is, at ε* = budget, inside its range,
+    for what it is worth); the same model and ε under other tags."""
     if "interoception" not in studies:
         return "not measured (--no-interoception)", None
     outside = {s: ok for s, ok in rates.items() if s > top + 1e-9}
@@ -260,22 +245,19 @@ def rates_claim(studies, rates):
             all(m > 0 for m in margin.values()))
 
 
-def layout_claim(studies, budget):
-    """NGC at ε* = budget on prompt layouts never trained on (as long, so rounds fire at the same
-    tokens): its share of the no-evict model's full cache there, against the untrained model's."""
+def layout_claim(studies, budget, trained):
+    """NGC on prompt layouts never trained on (as long, so rounds fire at the same tokens) against
+    the untrained model there; `trained`: its share on the training layouts."""
     if "shifted-ngc" not in studies:
         return "not measured (the model's prompt has one layout)", None
     reference = at(studies, "shifted-no-evict", "none", 0.0)
     ngc, own, oracle = (at(studies, "shifted-ngc", policy, rate)
                         for policy, rate in (("ngc", budget), ("none", 0.0), ("oracle", budget)))
-    before, best = (at(studies, "shifted-untrained", "ngc", budget),
-                    best_of(studies["shifted-baselines"], BASELINES))
-    trained = ratio(at(studies, "baselines-ngc", "ngc", budget),
-                    at(studies, "baselines", "none", 0.0))
-    of = lambda r: f"{cell(r)} ({share(r, reference)})"
+    before = at(studies, "shifted-untrained", "ngc", budget)
+    best = best_of(studies["shifted-baselines"], BASELINES)
     return (f"NGC {cell(ngc)} ({share(ngc, reference)} of the no-evict model's {cell(reference)} "
             f"there; training layouts {trained:.0%}); NGC's own full cache there {cell(own)} "
-            f"({points(own, reference)}); the "
-            f"oracle there {of(oracle)}; untrained {cell(before)}; best baseline there "
+            f"({points(own, reference)}); the oracle there {cell(oracle)} "
+            f"({share(oracle, reference)}); untrained {cell(before)}; best baseline there "
             f"{best['policy']} {cell(best)}",
             ratio(ngc, reference) >= 0.7 and ngc["accuracy"] > before["accuracy"])

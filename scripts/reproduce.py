@@ -6,23 +6,19 @@
     python scripts/reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'
                                                 # every seed on the same problems
-    python scripts/reproduce.py --seeds 3 --jobs 2 --train-args '--group 16 --eval-every 0'
-                                                # RESULTS §0's claims on tiny/ (about 2.5 hours)
     python scripts/reproduce.py --seeds 3 --jobs 2 --start-steps 120 \\
         --train-args '--group 16 --steps 240 --eval-every 0'
-                                                # the two-phase recipe of RESULTS §0.5's screen:
-                                                # 120 no-evict steps per seed, then every run 240
-                                                # steps from there (about 4 hours)
+                                                # RESULTS §0's two-phase recipe: 120 no-evict
+                                                # steps per seed, then every run 240 steps from
+                                                # there (about 4 hours)
 
-It trains the runs of RUNS from --model (into OUT/runs/<name>[-seed<k>], each unless finished; with
---start-steps from a no-evict run of those steps, OUT/runs/start[-seed<k>]), scores them with
-eval.py on the test split (OUT/evals/) and writes claims.md, summary.md, curve.md, the figures,
-forgets.html and each study's OUT/<study>.jsonl and .png: 0. the claims; 1. the baselines, the
-oracle and the hindsight bound on both models (Figure 3, left); 2. the curve over ε (Figure 3,
-right); 3. the ablations (Figure 5); 4. interoception against its blind-tag control and plain NGC
-(Figure 6); 6. prompt layouts never trained on. Every study is measured at ε*, where §5.1's peak
-formula gives a 2.4× reduction on the no-evict model's full-cache completions (OUT/budget.json),
-each peak-KV reduction against the same seed's no-evict model's full cache (§5.1's c_base).
+It trains RUNS from --model into OUT/runs/ (each unless finished; with --start-steps from each
+seed's no-evict start), scores them with eval.py on the test split (OUT/evals/) and writes
+claims.md, summary.md, curve.md, the figures, forgets.html and each study's OUT/<study>.jsonl:
+the baselines and bounds (Figure 3), the curve over ε, the ablations (Figure 5), interoception
+(Figure 6), unseen prompt layouts. Every study is measured at ε*, where §5.1's peak formula gives
+a 2.4× reduction on the no-evict model's full-cache completions (OUT/budget.json), each peak-KV
+reduction against the same seed's no-evict model's full cache (§5.1's c_base).
 """
 import contextlib
 import json
@@ -75,9 +71,8 @@ def run_name(name: str, seed: int) -> str:
 
 def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_steps=0,
                steps=None, start_args=()) -> dict:
-    """{dir under out: train.py flags} of ngc and no-evict, the ablations, the interoception pair
-    (0: none); with start_steps, each seed's runs train `steps` from a no-evict run of those
-    (its flags end with start_args)."""
+    """{dir under out: train.py flags} of each study's runs (0 seeds: none); with start_steps, each
+    seed's runs train `steps` from a no-evict run of those (its flags end with start_args)."""
     groups = [(["ngc", "no-evict"], seeds), (["token-only", "targeted-dropout"], ablation_seeds),
               (["interoception", "interoception-blind"], interoception_seeds)]
     runs = {os.path.join("runs", run_name(name, k)): [*RUNS[name], "--seed", str(k)]
@@ -92,13 +87,11 @@ def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_
                            "--steps", str(steps), *flags] for name, flags in runs.items()}
 
 
-def start_of(flags) -> str | None:
-    """The run directory (under out) whose checkpoint a run starts from, if any."""
+def start_of(flags) -> str | None:  # the run directory (under out) a run starts from
     return os.path.dirname(flags[1]) if flags[:1] == ["--model"] else None
 
 
-def finished(run_dir) -> bool:
-    """Whether a run saved its last step and logged its final evaluation (or has none)."""
+def finished(run_dir) -> bool:  # its last step saved, its final evaluation (if any) logged
     checkpoint = os.path.join(run_dir, "checkpoint")
     if not os.path.exists(os.path.join(checkpoint, "trainer.pt")):
         return False
@@ -113,13 +106,13 @@ def threads_per_run(jobs: int) -> int:
 
 
 def parse_train_args(model, extra, flag="--train-args", fixed=NOT_IN_TRAIN_ARGS):
-    """--train-args (or `flag`'s) as train.py parses them, once --model is a Countdown checkpoint;
-    a one-line ValueError for a flag train.py cannot take or one that reproduce.py sets itself."""
+    """`flag`'s train.py flags as train.py parses them, once --model is a Countdown checkpoint, or
+    a one-line ValueError."""
     from_pretrained(model)  # a missing or foreign checkpoint, weights that are not finite
-    settings.run_defaults(model, "countdown")  # reproduce.py's studies are Countdown's
+    settings.run_defaults(model, "countdown")
     try:
         given = train.parse_args(extra)
-    except FlagError as e:  # its parser's message, naming --train-args
+    except FlagError as e:
         raise ValueError(f"{flag}: {e}") from None
     if fixed := [f for f in fixed if getattr(given, f) not in (None, False)]:
         raise ValueError(f"{flag} cannot set --{fixed[0]}: reproduce.py chooses it for "
@@ -133,7 +126,7 @@ def parse_train_args(model, extra, flag="--train-args", fixed=NOT_IN_TRAIN_ARGS)
 
 def check_runs(out, model, runs, extra):
     """Before anything is created: train.py's one-line errors for each run's settings, or one for a
-    run directory whose saved settings (its ngc.json) are not those train.py would run now."""
+    run directory whose saved settings are not those train.py would run now."""
     for name, flags in runs.items():
         run_dir, checkpoint = os.path.join(out, name), os.path.join(out, name, "checkpoint")
         # a run whose start has not finished is checked on --model, the start's own recipe
@@ -142,11 +135,10 @@ def check_runs(out, model, runs, extra):
                              resume=False)[2:]  # after python and train.py
         unread = ("threads", "eval_problems", *(["model"] if unstarted else []))
         now = {k: v for k, v in settings.saved(train.resolve(train.parse_args(argv))).items()
-               if k not in unread}  # not what it trains on
+               if k not in unread}
         recover_swap(checkpoint)  # a save cut short by a crash: its whole copy back, as on resume
-        changed = (os.path.isdir(checkpoint)
-                   and rundir.changed_settings(settings.read_ngc_json(checkpoint), now))
-        if changed:
+        if os.path.isdir(checkpoint) and (
+                changed := rundir.changed_settings(settings.read_ngc_json(checkpoint), now)):
             raise ValueError(f"{run_dir} holds a run with other settings than this command asks "
                              f"for ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
                              f"; to keep it, give this command another --out; to train it again, "
@@ -175,9 +167,9 @@ def train_all(out, model, jobs, runs, extra):
                 running.remove(run)
                 name, proc, log, t0 = run
                 log.close()
-                status = (f"FAILED (exit {proc.returncode}, see {log.name})" if proc.returncode
-                          else "done")
-                say(f"{name} {status} in {(time.time() - t0) / 60:.1f} min")
+                status = f"FAILED (exit {proc.returncode}, see {log.name})"
+                say(f"{name} {status if proc.returncode else 'done'} in "
+                    f"{(time.time() - t0) / 60:.1f} min")
                 if proc.returncode:
                     raise Error(f"training run {name} failed; see {log.name}")
     except BaseException as e:
@@ -186,8 +178,8 @@ def train_all(out, model, jobs, runs, extra):
 
 
 def train_command(out, name, model, threads, flags, extra, resume=True) -> list[str]:
-    """train.py's command line: a resume if the run saved a checkpoint (its settings are its own),
-    else afresh from `model` or the run's start, the run's own flags after --train-args'."""
+    """train.py's command line: a resume if the run saved a checkpoint, else afresh from `model` or
+    the run's start, the run's own flags after --train-args'."""
     run_dir = os.path.join(out, name)
     if resume and os.path.exists(os.path.join(run_dir, "checkpoint")):
         argv = ["--resume", run_dir, "--threads", str(threads)]
@@ -222,7 +214,6 @@ def checkpoint_of(args, run, seed) -> str:
 
 
 def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
-    """A study's rows over seeds, written to OUT/<name>.jsonl (and .png)."""
     rows = over_seeds([r for seed in range(seeds)
                        for r in eval_seed(args, name, run, policies, rates, flags, seed)])
     write_jsonl(os.path.join(args.out, name + ".jsonl"), rows)
@@ -232,8 +223,8 @@ def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
 
 
 def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
-    """eval.py's rows of the run's checkpoint at one seed against the same seed's no-evict model
-    (reused where `evaluated`); the untrained rows under that model's settings (--train-args')."""
+    """eval.py's rows of the run at one seed against the same seed's no-evict model (reused where
+    `evaluated`); the untrained rows under that model's settings (--train-args')."""
     os.makedirs(os.path.join(args.out, "evals"), exist_ok=True)
     path = os.path.join(args.out, "evals", f"{name}-seed{seed}.jsonl")
     model, base = checkpoint_of(args, run, seed), checkpoint_of(args, "no-evict", seed)
@@ -262,8 +253,8 @@ def budget_rate(entries, delta, block, target=TARGET) -> float:
     largest's."""
     rates = [k / 100 for k in range(1, 100)]
     reductions = [peak_reduction(entries, rate, delta, block) for rate in rates]
-    reached = [rate for rate, r in zip(rates, reductions) if r >= target]
-    return reached[0] if reached else rates[reductions.index(max(reductions))]
+    return next((rate for rate, r in zip(rates, reductions) if r >= target),
+                rates[reductions.index(max(reductions))])
 
 
 def budget(args) -> float:
@@ -293,8 +284,8 @@ def evaluated(path, argv, models) -> bool:
 
 
 def over_seeds(rows):
-    """A row per (run, policy, ε): means over seeds, accuracy_sd across them, accuracy_se
-    (eval.error_bar), each seed's rewards (seeds, problems, samples) for claims.py's intervals."""
+    """A row per (run, policy, ε): means over seeds, accuracy_sd across them, accuracy_se, each
+    seed's rewards (seeds, problems, samples) for claims.py's intervals."""
     groups = {}
     for r in rows:
         groups.setdefault((r["run"], r["policy"], r["eviction_rate"]), []).append(r)
@@ -320,7 +311,7 @@ def markdown(rows) -> str:
 
 
 def curve_markdown(rows, bound) -> str:
-    """A line per (model, policy), a column per ε; the first line marks where `bound` (its rows) is
+    """A line per (model, policy), a column per ε; the first marks where `bound`'s rows are
     testable."""
     lines = {}
     for r in rows:
@@ -338,7 +329,7 @@ def curve_markdown(rows, bound) -> str:
 
 # Figures 5 and 6 (Figure 3's are eval.plot's)
 def curves(out, names, seeds, path):
-    """Reward curves of the runs (moving mean of 5 steps), means over seeds (Figure 5)."""
+    """Figure 5: each run's reward, a moving mean of 5 steps of the mean over seeds."""
     fig, ax = pyplot("plots").subplots(figsize=(5.5, 3.6))
     for name in names:
         paths = [os.path.join(out, "runs", run_name(name, k), "log.jsonl") for k in range(seeds)]
@@ -444,8 +435,7 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
 
 
 def run_studies(args):
-    """Train the runs, evaluate each study, then write claims.md, show.py's forgets and
-    summary.md."""
+    """Train the runs, evaluate each study, write claims.md, show.py's forgets and summary.md."""
     extra, start_args = args.train_args.split(), args.start_args.split()
     with one_line_errors():
         steps = parse_train_args(args.model, extra).steps or settings.run_defaults(args.model).steps
