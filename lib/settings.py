@@ -1,10 +1,7 @@
-"""A run's settings: the dataclass below, whose defaults are the paper's Countdown recipe, each
-field with the --help line of train.py's flag and its rule; MATH, the math recipe; their checks.
-
-A run's values are its task's recipe, replaced by the checkpoint's ngc.json where it has one (the
-tiny models' do), replaced in turn by any flag (train.resolve). A run saves every setting but where
-and how it runs (RUN_ONLY) in ngc.json and trainer.pt. A new setting is one field.
-"""
+"""A run's settings: each field with its default (the paper's Countdown recipe), the --help line
+of train.py's flag and its rule; MATH, the math recipe. A run's values are its task's recipe, under
+the checkpoint's ngc.json, under its flags (train.resolve); it saves all but RUN_ONLY in ngc.json and
+trainer.pt. A new setting is one field."""
 from __future__ import annotations
 
 import argparse
@@ -178,8 +175,7 @@ def kind(name: str) -> type:
 
 
 def eviction(cfg: Settings, rate: float, **how) -> Eviction:
-    """The run's rounds (δ, b, w) at ε = rate; how: Eviction's other fields (greedy, temperature,
-    score)."""
+    """The run's rounds (δ, b, w) at ε = rate; how: Eviction's other fields."""
     return Eviction(cfg.delta, cfg.block, cfg.window, rate, **how)
 
 
@@ -200,14 +196,12 @@ def floats(text) -> tuple[float, ...]:
 
 
 def written(value):
-    """A setting's value as ngc.json and flags write it: a tuple as a comma list ("0.9,0.7,0.5"),
-    else itself."""
+    """A setting's value as ngc.json and flags write it (a tuple as a comma list)."""
     return ",".join(f"{x:g}" for x in value) if isinstance(value, tuple) else value
 
 
 def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
-    """`base` with the values of d (ngc.json, trainer.pt or flags); an Error for a bad comma
-    list."""
+    """`base` with the values of d (ngc.json, trainer.pt or flags)."""
     values = dict(d)
     for k in [name for name in TYPES if kind(name) is tuple and values.get(name) is not None]:
         try:
@@ -275,9 +269,7 @@ def read_ngc_json(model_dir: str) -> dict:
 
 def run_defaults(model_dir: str, task: str | None = None, flag: str = "--model") -> Settings:
     """The recipe of `task` (else of the task ngc.json names, else Countdown's) under the
-    checkpoint's ngc.json. Every script's check that a model is of the task it needs: an Error if
-    ngc.json names another (the model learned that task's prompts, and ngc.json's values are that
-    task's recipe)."""
+    checkpoint's ngc.json; an Error if ngc.json names another task (every script's check)."""
     extra = read_ngc_json(model_dir)
     trained = extra.get("task", task)
     if task and trained != task:
@@ -318,9 +310,8 @@ def check(cfg: Settings):
 
 
 def add_flags(p, defaults: Settings | None, names=None, helps=None, required=()):
-    """Each setting with a help line (or those in `names`) as a --flag of p in its --help group
-    (GROUPS), defaulting to None (the script fills unset ones). A saved one's help ends with its
-    value in `defaults` (None: not shown); helps: a script's own."""
+    """Each setting with a help line (or those in `names`) as a --flag of p in its --help group,
+    default None (unset); a saved one's help shows its value in `defaults`; helps: a script's own."""
     target = p
     for name, line in HELP.items():
         target = p.add_argument_group(GROUPS[name]) if name in GROUPS else target  # shown if used

@@ -13,9 +13,8 @@ SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each
 
 def load_problems(cfg):
     """(training problems in the data seed's order, held-out problems) of settings cfg: Countdown's
-    generated (held out: the validation split, which train.py evaluates on), math's read from --data
-    and --eval-data (a bad file is a one-line ValueError). The data seed is --data-seed, else
-    --seed."""
+    generated (held out: validation, what train.py evaluates on), math's read from --data and
+    --eval-data."""
     seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     if cfg.task == "countdown":
         difficulty = countdown.DIFFICULTIES[cfg.difficulty]
@@ -31,9 +30,8 @@ def load_problems(cfg):
 
 
 def held_out(cfg, n: int | None = None, split: str = "validation") -> list:
-    """The first n problems (default: the run's eval_problems; None: all) of a run's held-out split,
-    or a one-line ValueError. Countdown: validation (what train.py evaluates on) or test, one set
-    each for every seed; math: --eval-data's problems for either split."""
+    """The first n problems (default: the run's eval_problems; None: all) of a run's held-out split:
+    Countdown's validation or test set (the same for every seed), math's --eval-data."""
     if cfg.task == "math" and not cfg.eval_data:  # a missing file: mathtask.load's message names it
         raise ValueError("--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet)")
     flag, k = ("--problems", n) if n is not None else ("--eval-problems", cfg.eval_problems)
@@ -49,8 +47,8 @@ def held_out(cfg, n: int | None = None, split: str = "validation") -> list:
 
 
 def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blind: bool = False):
-    """encode(tokenizer, problem) -> prompt ids for the task (Countdown: in `style`, with the budget
-    tag when eviction_rate is given, the rate hidden when blind)."""
+    """encode(tokenizer, problem) -> prompt ids (Countdown's in `style`, with the budget tag when
+    eviction_rate is given, the rate hidden when blind)."""
     if task == "math":
         return mathtask.encode
     return lambda tokenizer, problem: countdown.encode(tokenizer, problem, style, eviction_rate,
