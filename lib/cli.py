@@ -199,7 +199,7 @@ def pyplot(what: str):
 
 
 def check_output_file(path: str, flag: str):
-    """An Error unless `path` (given with `flag`) opens for writing; a file it creates is removed."""
+    """An Error unless `path` (given with `flag`) opens for writing; a file created is removed."""
     if not str(path).strip():
         raise Error(f"{flag} is empty; give a file name")
     created = not os.path.exists(path)

@@ -1,7 +1,7 @@
 """A run's settings: each field with its default (the paper's Countdown recipe), the --help line
-of train.py's flag and its rule; MATH, the math recipe. A run's values are its task's recipe, under
-the checkpoint's ngc.json, under its flags (train.resolve); it saves all but RUN_ONLY in ngc.json and
-trainer.pt. A new setting is one field."""
+of train.py's flag and its rule; MATH, the math recipe. A run's values are its task's recipe,
+under the checkpoint's ngc.json, under its flags (train.resolve); it saves all but RUN_ONLY in
+ngc.json and trainer.pt. A new setting is one field."""
 from __future__ import annotations
 
 import argparse
@@ -311,7 +311,7 @@ def check(cfg: Settings):
 
 def add_flags(p, defaults: Settings | None, names=None, helps=None, required=()):
     """Each setting with a help line (or those in `names`) as a --flag of p in its --help group,
-    default None (unset); a saved one's help shows its value in `defaults`; helps: a script's own."""
+    default None (unset); a saved one's help shows its value in `defaults`; helps: the script's."""
     target = p
     for name, line in HELP.items():
         target = p.add_argument_group(GROUPS[name]) if name in GROUPS else target  # shown if used
