@@ -161,8 +161,7 @@ CHOICES = {f.name: f.metadata["choices"] for f in fields(Settings) if f.metadata
 RULES = {f.name: f.metadata["rule"] for f in fields(Settings) if f.metadata["rule"]}
 TYPES = get_type_hints(Settings)  # int, float | None, tuple[float, ...], ...
 RUN_ONLY = ["model", "out", "overwrite", "resume", "device", "dtype", "compile", "fsdp"]  # unsaved
-SESSION = ["model", "device", "dtype", "compile", "fsdp"]  # unsaved (a resume may run elsewhere),
-# but recorded
+SESSION = ["model", "device", "dtype", "compile", "fsdp"]  # recorded, unsaved: a resume may differ
 SAVED = [name for name in TYPES if name not in RUN_ONLY]
 WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
          tuple: 'comma-separated numbers, such as "0.9,0.7,0.5"'}
@@ -295,9 +294,8 @@ def check(cfg: Settings):
                             f"{value:g}, {rule(value)}")
     if cfg.task == "math":
         if not cfg.data or (cfg.eval_every and not cfg.eval_data):
-            raise Error("--task math reads its problems from files: --data FILE (training) and "
-                        "--eval-data FILE (held-out; or --eval-every 0), JSONL or Parquet; see "
-                        "mathtask.py for the datasets")
+            raise Error("--task math reads its problems from files: give --data FILE and "
+                        "--eval-data FILE (or --eval-every 0), JSONL or Parquet (mathtask.py)")
         if cfg.interoception or cfg.blind_tag:
             raise Error("--interoception writes the budget into Countdown's prompts; --task math "
                         "has no such tag")
@@ -305,8 +303,7 @@ def check(cfg: Settings):
             if path and not os.path.isfile(path):
                 raise Error(f"no such file: {path}{mathtask.demo_hint(path)}")
     if cfg.blind_tag and not cfg.interoception:
-        raise Error("--blind-tag is the control for --interoception (the same per-group ε, the "
-                    "rate hidden); add --interoception")
+        raise Error("--blind-tag is the control for --interoception: add --interoception")
 
 
 def add_flags(p, defaults: Settings | None, names=None, helps=None, required=()):
