@@ -67,20 +67,17 @@ def load_config(path: str) -> Qwen2Config:
     return config_from_dict(d)
 
 
+SUPPORTED = {"model_type": "qwen2", "hidden_act": "silu", "rope_type": "default",
+             "rope_scaling": None, "use_sliding_window": False}  # null or absent: the same
+
+
 def config_from_dict(d: dict) -> Qwen2Config:
     """A config.json's contents as a Qwen2Config, refusing what this Qwen2 does not implement."""
     rope = d.get("rope_parameters") or {}  # newer config.json files keep rope_theta here
-    if d.get("model_type", "qwen2") != "qwen2":
-        raise Error(f"model_type is {d['model_type']!r}; this code implements qwen2 only")
-    if d.get("hidden_act", "silu") != "silu":
-        raise Error(f"hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
-    if d.get("rope_scaling"):
-        raise Error(f"rope_scaling {d['rope_scaling']} is not supported; remove it from "
-                    f"config.json")
-    if rope.get("rope_type", "default") != "default":
-        raise Error(f"rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
-    if d.get("use_sliding_window", False):
-        raise Error("use_sliding_window is true; sliding-window attention is not supported")
+    for key, value in {**d, "rope_type": rope.get("rope_type")}.items():
+        if key in SUPPORTED and (value or SUPPORTED[key]) != SUPPORTED[key]:
+            raise Error(f"{key} is {json.dumps(value)}; this Qwen2 supports only "
+                        f"{json.dumps(SUPPORTED[key])}")
     cfg = Qwen2Config(**{k: v for k, v in d.items() if k in {f.name for f in fields(Qwen2Config)}})
     cfg.rope_theta = rope.get("rope_theta", cfg.rope_theta)
     if d.get("head_dim", cfg.head_dim) != cfg.head_dim:
@@ -102,9 +99,8 @@ def _weight_files(path: str) -> list[str]:
     weight_map = d.get("weight_map") if isinstance(d, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v
                                                    for v in weight_map.values()):
-        raise Error(f"{index} has no weight_map of tensor names to shard files ({{\"weight_map\": "
-                    f"{{\"model.norm.weight\": \"model-00001-of-00002.safetensors\", ...}}}}); "
-                    f"re-download it or re-save the checkpoint")
+        raise Error(f"{index} has no weight_map of tensor names to shard files; re-download it "
+                    "or re-save the checkpoint")
     return sorted({os.path.join(path, name) for name in weight_map.values()})
 
 
@@ -171,9 +167,7 @@ def load(path: str, device="cpu", meta_token: bool = False, dtype=torch.float32)
     # another model's tokenizer (R1's config has spare rows past its ids)
     if top >= model.config.vocab_size:
         raise Error(f"{os.path.join(path, 'tokenizer.json')} has token ids up to {top}, but "
-                    f"{os.path.join(path, 'config.json')} gives the model only vocab_size "
-                    f"{model.config.vocab_size} rows: the tokenizer is another model's; use the "
-                    f"tokenizer.json of these weights")
+                    f"vocab_size is {model.config.vocab_size}: the tokenizer is another model's")
     if meta_token:
         add_meta_token(model, tokenizer)
     return model, tokenizer
@@ -240,12 +234,10 @@ META_TOKEN = "<|meta|>"
 
 @torch.no_grad()
 def add_meta_token(model: Qwen2, tokenizer, text: str = "tl;dr", token: str = META_TOKEN) -> int:
-    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added to the
-    tokenizer as a special token and to the model when the checkpoint lacks it; its embedding row
-    (and an untied LM head's row) is the mean of the rows of `text`'s tokens. A checkpoint that has
-    g already is left as it is: g's row may be trained. Grows embed_tokens and lm_head only when g's
-    id has no row (R1's checkpoints have spare rows past the tokenizer's vocabulary). Call it before
-    making the optimizer."""
+    """The id of the meta-token g (paper, Appendix "Compression via Meta-Tokens"), added where the
+    checkpoint lacks it (its row may be trained): a special token whose embedding (and untied LM
+    head) row is the mean of `text`'s tokens' rows; the matrices grow only if g's id has no row (R1
+    has spare rows). Call it before making the optimizer."""
     from tokenizers import AddedToken
     g = tokenizer.token_to_id(token)
     if g is not None and g < model.config.vocab_size:

@@ -16,8 +16,7 @@ import tempfile
 
 
 class Error(ValueError):
-    """Bad input, or a failure a user can act on: the script ends with 'error: <message>',
-    exit code 2."""
+    """Bad input, or a failure a user can act on: the script ends with 'error: <message>'."""
 
 
 class FlagError(Error):
@@ -52,9 +51,9 @@ ASCII = str.maketrans({  # how a console that cannot print a character spells it
 
 
 class Console:
-    """sys.stdout or sys.stderr, whose writes are dropped once its reader is gone (a closed
-    terminal, a pipe whose reader quit): the work and its files go on, only the console lines are
-    lost. What its encoding cannot hold is written in ASCII (ASCII's spellings), never dropped."""
+    """sys.stdout or sys.stderr, whose writes go to /dev/null once its reader is gone (a closed
+    terminal, a pipe whose reader quit): only the lines are lost. What its encoding cannot hold is
+    written in ASCII's spellings."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -72,8 +71,7 @@ class Console:
                 getattr(self.stream, name)(*args)
             except UnicodeEncodeError:
                 getattr(self.stream, name)(*map(self.encodable, args))
-        except (OSError, ValueError):
-            # EIO, EPIPE; ValueError: closed. What is left goes to /dev/null
+        except (OSError, ValueError):  # EIO, EPIPE; ValueError: closed
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
@@ -86,8 +84,7 @@ class Console:
 
 
 def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
-    """An ArgumentParser whose errors are one line (a FlagError, no usage dump), with `doc` as its
-    --help."""
+    """An ArgumentParser whose errors are one line (a FlagError, no usage dump)."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
@@ -98,8 +95,8 @@ def parser(doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
 
 
 def out_of_memory(e: BaseException) -> str | None:
-    """What ran out, in a few words, if e is running out of memory: CUDA's OutOfMemoryError, the CPU
-    allocator's RuntimeError or Python's MemoryError; else None."""
+    """What ran out, in a few words, if e is CUDA's, the CPU allocator's or Python's running out of
+    memory; else None."""
     if type(e).__name__ == "OutOfMemoryError":  # torch's, for CUDA
         return f"OutOfMemoryError: {str(e).split('. ')[0][:160]}"
     if isinstance(e, MemoryError):
@@ -110,11 +107,10 @@ def out_of_memory(e: BaseException) -> str | None:
 
 
 def exits(main=None, *, memory: str = "free memory or use a smaller model"):
-    """A script's main: an Error ends the process with its line and exit code 2 (a SystemExit whose
-    str() is the line), as does running out of memory (the line then says `memory`); a stop signal
-    ends it with one line and 128 + the signal (files.py writes files whole); a signal the process
-    was started ignoring (nohup) stays ignored, and a console that goes away takes no more lines. A
-    main called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
+    """A script's main: an Error, or running out of memory (the line then says `memory`), ends it
+    with its line and exit code 2; a stop signal with one line and 128 + the signal, one ignored
+    from the start (nohup) staying ignored; a console that goes away takes no more lines. A main
+    called inside another (reproduce.py runs eval.main) leaves all this to the outer one."""
     if main is None:  # @exits(memory=...)
         return functools.partial(exits, memory=memory)
 
@@ -167,7 +163,7 @@ def writing():
 
 
 def at_least(n):
-    """A rule for a flag's value: value -> True, or why it is wrong (after "--flag value")."""
+    """A rule: value -> True, or why it is wrong (after "--flag value")."""
     return lambda v: v >= n or f"must be at least {n}"
 
 
@@ -203,8 +199,7 @@ def pyplot(what: str):
 
 
 def check_output_file(path: str, flag: str):
-    """An Error unless `path` (given with `flag`) opens for writing, in open()'s words; a file the
-    check creates is removed."""
+    """An Error unless `path` (given with `flag`) opens for writing; a file created is removed."""
     if not str(path).strip():
         raise Error(f"{flag} is empty; give a file name")
     created = not os.path.exists(path)
@@ -215,8 +210,7 @@ def check_output_file(path: str, flag: str):
 
 
 def make_output_dir(path: str):
-    """Create directory `path` (and its parents) and check that a file can be created in it, or an
-    Error with the system's reason."""
+    """Create directory `path` and its parents, or an Error unless a file can be created in it."""
     if not str(path).strip():
         raise Error("the output directory is empty; give a directory name")
     try:

@@ -1,8 +1,7 @@
 """Output files that are whole or absent: each write goes to a temporary name of its own beside the
-file (`<path>.<pid>-<random>.tmp`), then one rename, so a crash or a full disk can leave a stray
-`.tmp` behind, never half of `<path>`, and two writers of one file each land whole (the last wins).
-A new file gets the mode the user's umask gives; a file or directory replaced keeps its permissions
-(a run directory made readable to a group stays so, whatever the writer's umask)."""
+file, then one rename, so a crash can leave a stray `.tmp`, never half of a file, and two writers
+of one file each land whole. A new file gets the user's umask's mode; a file or directory replaced
+keeps its permissions."""
 import contextlib
 import ctypes
 import errno
@@ -51,8 +50,7 @@ def write_jsonl(path: str, rows):
 
 def save_figure(fig, path: str, dpi: int):
     """A matplotlib figure as PNG; the figure is closed."""
-    # only a caller with a figure gets here: matplotlib is installed
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # a caller with a figure has it
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
     plt.close(fig)
 
@@ -69,8 +67,8 @@ def swap_in(final: str):
     if not os.path.exists(final):
         os.replace(tmp, final)
         return
+    # the directory's own mode (""), then that of each file it replaces
     for name in [""] + [n for n in os.listdir(tmp) if os.path.exists(os.path.join(final, n))]:
-        # "": the directory's own
         shutil.copymode(os.path.join(final, name), os.path.join(tmp, name))
     if exchange(tmp, final):  # <dir>/: the new copy at once; <dir>.tmp/: the old one
         os.replace(tmp, old)

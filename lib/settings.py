@@ -1,16 +1,15 @@
-"""A run's settings: the dataclass below, whose defaults are the paper's Countdown recipe, each
-field with the --help line of train.py's flag and its rule; MATH, the math recipe; their checks.
-
-A run's values are its task's recipe, replaced by the checkpoint's ngc.json where it has one (the
-tiny models' do), replaced in turn by any flag (train.resolve). A run saves every setting but where
-and how it runs (RUN_ONLY) in ngc.json and trainer.pt. A new setting is one field.
-"""
+"""A run's settings: each field with its default (the paper's Countdown recipe), the --help line
+of train.py's flag and its rule; MATH, the math recipe. A run's values are its task's recipe,
+under the checkpoint's ngc.json, under its flags (train.resolve); it saves all but RUN_ONLY in
+ngc.json and trainer.pt. A new setting is one field."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 from dataclasses import dataclass, field, fields, replace
+from types import UnionType
+from typing import get_args, get_origin, get_type_hints
 
 import countdown
 from ngc import Eviction, Sampling
@@ -160,18 +159,22 @@ RECIPES = {"countdown": COUNTDOWN, "math": MATH}
 HELP = {f.name: f.metadata["help"] for f in fields(Settings) if f.metadata["help"]}  # the flags
 CHOICES = {f.name: f.metadata["choices"] for f in fields(Settings) if f.metadata["choices"]}
 RULES = {f.name: f.metadata["rule"] for f in fields(Settings) if f.metadata["rule"]}
-TYPES = {f.name: f.type for f in fields(Settings)}  # "int", "float | None", "tuple[float, ...]"
+TYPES = get_type_hints(Settings)  # int, float | None, tuple[float, ...], ...
 RUN_ONLY = ["model", "out", "overwrite", "resume", "device", "dtype", "compile", "fsdp"]  # unsaved
-SESSION = ["model", "device", "dtype", "compile", "fsdp"]  # unsaved (a resume may run elsewhere),
-# but recorded
+SESSION = ["model", "device", "dtype", "compile", "fsdp"]  # recorded, unsaved: a resume may differ
 SAVED = [name for name in TYPES if name not in RUN_ONLY]
-WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
-         "tuple[float, ...]": 'comma-separated numbers, such as "0.9,0.7,0.5"'}
+WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+         tuple: 'comma-separated numbers, such as "0.9,0.7,0.5"'}
+
+
+def kind(name: str) -> type:
+    """Setting name's type without its None: bool, int, float, str or tuple."""
+    hint = get_args(TYPES[name])[0] if isinstance(TYPES[name], UnionType) else TYPES[name]
+    return get_origin(hint) or hint
 
 
 def eviction(cfg: Settings, rate: float, **how) -> Eviction:
-    """The run's rounds (δ, b, w) at ε = rate; how: Eviction's other fields (greedy, temperature,
-    score)."""
+    """The run's rounds (δ, b, w) at ε = rate; how: Eviction's other fields."""
     return Eviction(cfg.delta, cfg.block, cfg.window, rate, **how)
 
 
@@ -192,17 +195,14 @@ def floats(text) -> tuple[float, ...]:
 
 
 def written(value):
-    """A setting's value as ngc.json and flags write it: a tuple as a comma list ("0.9,0.7,0.5"),
-    else itself."""
+    """A setting's value as ngc.json and flags write it (a tuple as a comma list)."""
     return ",".join(f"{x:g}" for x in value) if isinstance(value, tuple) else value
 
 
 def from_dict(d: dict, base: Settings = COUNTDOWN) -> Settings:
-    """`base` with the values of d (ngc.json, trainer.pt or flags); an Error for a bad comma
-    list."""
+    """`base` with the values of d (ngc.json, trainer.pt or flags)."""
     values = dict(d)
-    lists = [name for name, kind in TYPES.items() if kind.startswith("tuple")]
-    for k in [name for name in lists if values.get(name) is not None]:
+    for k in [name for name in TYPES if kind(name) is tuple and values.get(name) is not None]:
         try:
             values[k] = floats(values[k])
         except ValueError:
@@ -226,19 +226,17 @@ def recorded(cfg: Settings) -> dict:
 
 
 def value_error(name: str, value) -> str | None:
-    """Why `value` (as JSON gives it) cannot be setting `name`'s, in words after "it" (None: it
-    can)."""
-    kind, optional = TYPES[name].removesuffix(" | None"), TYPES[name].endswith(" | None")
+    """Why `value` (as JSON gives it) cannot be setting `name`'s, after "it" (None: it can)."""
+    optional, words = isinstance(TYPES[name], UnionType), WORDS[kind(name)]
     if value is None:
-        return None if optional else f"must be {WORDS[kind]}, not null"
+        return None if optional else f"must be {words}, not null"
     try:
-        python = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
-        fits = (isinstance(value, (str, list)) and bool(floats(value)) if kind.startswith("tuple")
-                else type(value) in python[kind])
+        fits = (isinstance(value, (str, list)) and bool(floats(value)) if kind(name) is tuple
+                else type(value) in {float: (int, float)}.get(kind(name), (kind(name),)))
     except (TypeError, ValueError):
         fits = False
     if not fits:
-        return f"must be {WORDS[kind]}" + (" or null" if optional else "")
+        return f"must be {words}" + (" or null" if optional else "")
     if value not in CHOICES.get(name, [value]):
         return f"must be one of {', '.join(CHOICES[name])}"
     return None if RULES.get(name, lambda v: True)(value) is True else RULES[name](value)
@@ -248,18 +246,17 @@ def check_saved(values, path: str) -> dict:
     """The settings a run saved (ngc.json, trainer.pt's), or an Error naming path and the first key
     or value no setting takes."""
     if not isinstance(values, dict):
-        raise Error(f"{path} holds a JSON {type(values).__name__}; it must be an object of "
-                    f"train.py's settings, such as {{\"steps\": 60}}")
+        raise Error(f"{path} holds a JSON {type(values).__name__}, not an object of settings")
     if unknown := set(values) - set(SAVED):
         raise Error(f"{path} has unknown keys {sorted(unknown)}; the known ones are train.py's "
                     "flags")
+    countdown_run = values.get("task", "countdown") == "countdown"
     for key, value in values.items():
+        if value is None and countdown_run and key in ("prompt", "difficulty"):
+            raise Error(f"{path}: {key} is null; a Countdown run's must be one of "
+                        f"{', '.join(CHOICES[key])}")  # null in a math run's ngc.json
         if wrong := value_error(key, value):
             raise Error(f"{path}: {key} is {json.dumps(value)}; it {wrong}")
-    for key in ("prompt", "difficulty"):  # null in a math run's ngc.json; Countdown's need them
-        if values.get("task", "countdown") == "countdown" and key in values and values[key] is None:
-            raise Error(f"{path}: {key} is null; a Countdown run's must be one of "
-                        f"{', '.join(CHOICES[key])}")
     return values
 
 
@@ -271,9 +268,7 @@ def read_ngc_json(model_dir: str) -> dict:
 
 def run_defaults(model_dir: str, task: str | None = None, flag: str = "--model") -> Settings:
     """The recipe of `task` (else of the task ngc.json names, else Countdown's) under the
-    checkpoint's ngc.json. Every script's check that a model is of the task it needs: an Error if
-    ngc.json names another (the model learned that task's prompts, and ngc.json's values are that
-    task's recipe)."""
+    checkpoint's ngc.json; an Error if ngc.json names another task (every script's check)."""
     extra = read_ngc_json(model_dir)
     trained = extra.get("task", task)
     if task and trained != task:
@@ -299,9 +294,8 @@ def check(cfg: Settings):
                             f"{value:g}, {rule(value)}")
     if cfg.task == "math":
         if not cfg.data or (cfg.eval_every and not cfg.eval_data):
-            raise Error("--task math reads its problems from files: --data FILE (training) and "
-                        "--eval-data FILE (held-out; or --eval-every 0), JSONL or Parquet; see "
-                        "mathtask.py for the datasets")
+            raise Error("--task math reads its problems from files: give --data FILE and "
+                        "--eval-data FILE (or --eval-every 0), JSONL or Parquet (mathtask.py)")
         if cfg.interoception or cfg.blind_tag:
             raise Error("--interoception writes the budget into Countdown's prompts; --task math "
                         "has no such tag")
@@ -309,23 +303,21 @@ def check(cfg: Settings):
             if path and not os.path.isfile(path):
                 raise Error(f"no such file: {path}{mathtask.demo_hint(path)}")
     if cfg.blind_tag and not cfg.interoception:
-        raise Error("--blind-tag is the control for --interoception (the same per-group ε, the "
-                    "rate hidden); add --interoception")
+        raise Error("--blind-tag is the control for --interoception: add --interoception")
 
 
 def add_flags(p, defaults: Settings | None, names=None, helps=None, required=()):
-    """Each setting with a help line (or those in `names`) as a --flag of p in its --help group
-    (GROUPS), defaulting to None (the script fills unset ones). A saved one's help ends with its
-    value in `defaults` (None: not shown); helps: a script's own."""
+    """Each setting with a help line (or those in `names`) as a --flag of p in its --help group,
+    default None (unset); a saved one's help shows its value in `defaults`; helps: the script's."""
     target = p
     for name, line in HELP.items():
         target = p.add_argument_group(GROUPS[name]) if name in GROUPS else target  # shown if used
         if names is not None and name not in names:
             continue
-        kind, default = TYPES[name].removesuffix(" | None"), defaults and getattr(defaults, name)
-        kw = ({"action": argparse.BooleanOptionalAction} if kind == "bool" else
-              {"type": {"int": int, "float": float}.get(kind, str), "choices": CHOICES.get(name)})
-        shown = written(default)
+        kw = ({"action": argparse.BooleanOptionalAction} if kind(name) is bool else
+              {"type": kind(name) if kind(name) in (int, float) else str,
+               "choices": CHOICES.get(name)})
+        shown = written(defaults and getattr(defaults, name))
         help = (helps or {}).get(name, line)
         help += f" (default {shown})" if name in SAVED and shown is not None else ""
         target.add_argument(f"--{name.replace('_', '-')}", default=None,

@@ -13,9 +13,8 @@ SAMPLE = countdown.Problem(nums=(3, 5, 2), target=16)  # a problem to spell each
 
 def load_problems(cfg):
     """(training problems in the data seed's order, held-out problems) of settings cfg: Countdown's
-    generated (held out: the validation split, which train.py evaluates on), math's read from --data
-    and --eval-data (a bad file is a one-line ValueError). The data seed is --data-seed, else
-    --seed."""
+    generated (held out: validation, what train.py evaluates on), math's read from --data and
+    --eval-data."""
     seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     if cfg.task == "countdown":
         difficulty = countdown.DIFFICULTIES[cfg.difficulty]
@@ -31,9 +30,8 @@ def load_problems(cfg):
 
 
 def held_out(cfg, n: int | None = None, split: str = "validation") -> list:
-    """The first n problems (default: the run's eval_problems; None: all) of a run's held-out split,
-    or a one-line ValueError. Countdown: validation (what train.py evaluates on) or test, one set
-    each for every seed; math: --eval-data's problems for either split."""
+    """The first n problems (default: the run's eval_problems; None: all) of a run's held-out split:
+    Countdown's validation or test set (the same for every seed), math's --eval-data."""
     if cfg.task == "math" and not cfg.eval_data:  # a missing file: mathtask.load's message names it
         raise ValueError("--task math needs --eval-data FILE (AIME/AMC as JSONL or Parquet)")
     flag, k = ("--problems", n) if n is not None else ("--eval-problems", cfg.eval_problems)
@@ -49,8 +47,8 @@ def held_out(cfg, n: int | None = None, split: str = "validation") -> list:
 
 
 def prompt_encoder(task: str, style: str | None = None, eviction_rate=None, blind: bool = False):
-    """encode(tokenizer, problem) -> prompt ids for the task (Countdown: in `style`, with the budget
-    tag when eviction_rate is given, the rate hidden when blind)."""
+    """encode(tokenizer, problem) -> prompt ids (Countdown's in `style`, with the budget tag when
+    eviction_rate is given, the rate hidden when blind)."""
     if task == "math":
         return mathtask.encode
     return lambda tokenizer, problem: countdown.encode(tokenizer, problem, style, eviction_rate,
@@ -67,22 +65,26 @@ def prompt_text(cfg, problem, rate=None) -> str:
 def check_prompts(cfg, tokenizer, model_dir: str, problems: list, positions: int | None = None,
                   new_tokens=0):
     """An Error unless the tokenizer of model_dir spells every word of the run's prompts, each
-    budget tag it may write included, and no prompt with its new_tokens passes the model's
-    positions (max_position_embeddings). A word it cannot spell is its unknown token: the run
-    would learn from noise or score 0%. A byte-level tokenizer (R1's) spells every text; one that
-    spells no word of them (the tests' w2, w3, ...) is left alone."""
+    budget tag it may write included (a word written as its unknown token: the run would learn from
+    noise or score 0%), and no prompt with its new_tokens passes the model's positions. A tokenizer
+    that spells none of the words (the tests' w2, w3, ...) is left alone."""
     rates = [k / 100 for k in range(1, 101)] if cfg.interoception and problems else []
     texts = ([prompt_text(cfg, p) for p in problems]
              + [prompt_text(cfg, problems[0], r) for r in rates])
-    unknown, spelled_any, longest = spelling(tokenizer, texts)
-    if unknown and spelled_any:
-        styles = spelled_styles(cfg, tokenizer) if cfg.task == "countdown" else []
+    unknown, words = unspelled(tokenizer, texts)
+    if unknown and len(unknown) < words:
+        rate = 0.5 if cfg.interoception else None
+        styles = [style for style in sorted(countdown.PROMPTS) if cfg.task == "countdown" and not
+                  unspelled(tokenizer, [countdown.PROMPTS[style](SAMPLE, rate, cfg.blind_tag)])[0]]
         fix = (f"it spells the prompt styles {', '.join(styles)}: give one with --prompt"
                if styles and cfg.prompt not in styles
                else "the tokenizer is not this model's, or the prompts are not its task")
         raise Error(f"{model_dir}/tokenizer.json cannot spell {len(unknown)} of this run's prompt "
                     f"words ({', '.join(unknown[:3])}{', ...' * (len(unknown) > 3)}), which would "
                     f"be its unknown token: {fix}")
+    longest = max((len(encoding) for start in range(0, len(texts), 4096)  # R1's recipe: 327,680
+                   for encoding in tokenizer.encode_batch(texts[start:start + 4096],
+                                                          add_special_tokens=False)), default=0)
     longest += len(countdown.encode_prompt(tokenizer, ""))  # R1's chat template, if in the vocab
     if positions and longest + new_tokens > positions:
         raise Error(f"prompts of up to {longest} tokens and {new_tokens} new ones pass the "
@@ -90,25 +92,11 @@ def check_prompts(cfg, tokenizer, model_dir: str, problems: list, positions: int
                     f"config.json): lower --max-new-tokens")
 
 
-def spelling(tokenizer, texts: list[str]) -> tuple[list[str], bool, int]:
-    """Over texts: the words the tokenizer writes as its unknown token (a byte-level one has none),
-    whether it spells any word, and the most tokens of one text."""
+def unspelled(tokenizer, texts: list[str]) -> tuple[list[str], int]:
+    """The words of texts that the tokenizer writes with its unknown token (a byte-level one has
+    none), and how many distinct words texts have."""
     unk = getattr(tokenizer.model, "unk_token", None)
-    unknown, spelled_any, longest = {}, False, 0
-    for start in range(0, len(texts), 4096):  # a few thousand at a time: R1's recipe has 327,680
-        chunk = texts[start:start + 4096]
-        for text, encoding in zip(chunk, tokenizer.encode_batch(chunk, add_special_tokens=False)):
-            pieces = zip(encoding.tokens, encoding.offsets) if unk else ()  # byte-level: none
-            words = [text[a:b] for token, (a, b) in pieces if token == unk]
-            unknown |= dict.fromkeys(words)
-            spelled_any |= len(words) < len(encoding)
-            longest = max(longest, len(encoding))
-    return list(unknown), spelled_any, longest
-
-
-def spelled_styles(cfg, tokenizer) -> list[str]:
-    """The Countdown prompt styles whose every word, budget tag included if run cfg writes one, the
-    tokenizer spells (on a sample problem)."""
-    rate = 0.5 if cfg.interoception else None
-    return [style for style in sorted(countdown.PROMPTS)
-            if not spelling(tokenizer, [countdown.PROMPTS[style](SAMPLE, rate, cfg.blind_tag)])[0]]
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    words = list(dict.fromkeys(word for text in texts for word in text.split()))
+    encodings = tokenizer.encode_batch(words, add_special_tokens=False)
+    return [word for word, encoding in zip(words, encodings) if unk_id in encoding.ids], len(words)
