@@ -76,25 +76,21 @@ def compare(model, tokenizer, cfg, problems, policies, rates, samples=None, batc
     """One row per (policy, rate). tag: --tag (None: the run's); base_model: §5.1's c_base (None:
     `model`); batch_size None: the run's eval_batch, so that the samples are train.py's."""
     n, batch_size = samples or 1, batch_size or cfg.eval_batch
-    sampling = settings.sampling(cfg, held_out=True, greedy=samples is None,
-                                 meta_token=(tokenizer.token_to_id(META_TOKEN) if cfg.meta_token
-                                             else None))
+    meta = tokenizer.token_to_id(META_TOKEN) if cfg.meta_token else None
+    sampling = settings.sampling(cfg, held_out=True, greedy=samples is None, meta_token=meta)
     tagged, blind = (cfg.interoception, cfg.blind_tag) if tag is None else (True, tag == "blind")
 
     def run(name, rate, on=model):
-        evicts = name != "none"
-        written = tag if isinstance(tag, float) else rate
-        encode = prompt_encoder(cfg.task, cfg.prompt, written if tagged and evicts else None, blind)
-        gen = torch.Generator(device=on.lm_head.weight.device).manual_seed(cfg.seed)
-        kind = baselines.POLICIES[name].kind if evicts else None
+        kind = None if name == "none" else baselines.POLICIES[name].kind
+        written = (tag if isinstance(tag, float) else rate) if tagged and kind else None
         per_batch = kind in ("oracle", "bound")  # it reads each batch's reference rollout
         policy = lambda reference: make_eviction(name, cfg, rate, on, tokenizer, reference)
-        return roll_out_and_score(on, tokenizer, problems, sampling,
-                                  None if per_batch else policy(None), encode,
-                                  TASK_REWARD[cfg.task], gen, n, batch_size,
-                                  ((f"{name} ε={rate:g}" if evicts else "no eviction") if progress
-                                   else None), compile,
-                                  policy if per_batch else None, draws if kind == "bound" else None)
+        desc = (f"{name} ε={rate:g}" if kind else "no eviction") if progress else None
+        return roll_out_and_score(
+            on, tokenizer, problems, sampling, None if per_batch else policy(None),
+            prompt_encoder(cfg.task, cfg.prompt, written, blind), TASK_REWARD[cfg.task],
+            torch.Generator(on.lm_head.weight.device).manual_seed(cfg.seed), n, batch_size, desc,
+            compile, policy if per_batch else None, draws if kind == "bound" else None)
 
     def row(name, rate):
         out = own if name == "none" else run(name, rate)

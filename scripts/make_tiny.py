@@ -173,8 +173,6 @@ def main(argv=None):
         run, cfg = ngc_run(task, args)
         pretraining, test = draw_problems(task, args)
         check_out(args.out)
-        # <out>.tmp/ is written beside <out>
-        make_output_dir(os.path.dirname(os.path.abspath(args.out)))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tok = build_tokenizer(task.words)
@@ -244,6 +242,7 @@ def check_out(out: str):
     if other:
         raise Error(f"--out {out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, "
                     f"which a build would delete; choose another --out")
+    make_output_dir(os.path.dirname(os.path.abspath(out)))  # <out>.tmp/ is written beside it
 
 
 def draw_problems(task, args):

@@ -187,10 +187,9 @@ def parse_args(argv=None):
 def check(args):
     """(the run's settings, NGC's evaluation policy, the problems), every flag checked."""
     check_values(args, {"problems": at_least(1)})
-    for flag in ("out", "png"):
-        if getattr(args, flag) is not None:
-            check_output_file(getattr(args, flag), f"--{flag}")
+    check_output_file(args.out, "--out")
     if args.png:
+        check_output_file(args.png, "--png")
         need("matplotlib", "--png")
     args.device = distributed.pick_device(args.device)
     load_config(args.model)  # a missing or foreign checkpoint fails here, before anything is loaded
