@@ -24,7 +24,7 @@ import torch
 # the repository root first
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Qwen2, Qwen2Config, init_weights
-from ngc import Eviction, Sampling, check_eviction, rollout
+from ngc import Sampling, rollout
 from replay import replay
 from lib import distributed, settings
 from lib.checkpoint import from_pretrained, load_config, load_tokenizer
@@ -54,8 +54,7 @@ SHAPES = {"tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384,
 
 
 def timed(fn, device, repeat):
-    """(seconds per call over `repeat` calls after a warm-up, the last output, on CUDA the peak
-    memory's text)."""
+    """(seconds per call after a warm-up, the last output, on CUDA the peak memory's text)."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else lambda: None
     if cuda:
@@ -72,7 +71,7 @@ def timed(fn, device, repeat):
 
 
 def bench(model, args, device):
-    eviction = Eviction(args.delta, args.block, args.window, args.rate)
+    eviction = settings.eviction(args.cfg, args.rate)
     prompts, sampling, eos_ids = bench_prompts(model, args)
     generator = torch.Generator(device=device).manual_seed(0)
     speed = {}
@@ -82,7 +81,6 @@ def bench(model, args, device):
                                                       eos_ids=eos_ids, generator=generator,
                                                       compile=compile), device, args.repeat)
             decoded = rolled.lengths - rolled.prompt_lens
-            # a step's time: prefill and rounds included
             new, step = int(decoded.sum()), sec / int(decoded.max())
             speed[name, compile] = new / sec
             print(f"decode, eviction {name:3s}, "
@@ -117,12 +115,11 @@ def bench_replay(model, rolled, device, repeat):
 
 
 def bench_prompts(model, args):
-    """(prompts, sampling, EOS ids): --model's held-out prompts (--held-out), or random ones that
-    never end."""
+    """(prompts, sampling, EOS ids): --model's held-out prompts, or random ones that never end."""
     if not args.held_out:
         prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                                 generator=torch.Generator().manual_seed(0))
-        return prompts.tolist(), Sampling(args.new_tokens, temperature=1.0), []
+        return prompts.tolist(), settings.sampling(args.cfg), []
     cfg = settings.run_defaults(args.model)
     encode, tokenizer = prompt_encoder(cfg.task, cfg.prompt), load_tokenizer(args.model)
     prompts = [encode(tokenizer, problem) for problem in held_out(cfg, args.batch)]
@@ -131,8 +128,7 @@ def bench_prompts(model, args):
 
 
 def hf_generate(model_dir, prompts, sampling: Sampling, eos_ids, device, dtype, repeat) -> float:
-    """Hugging Face generate's tokens/s (the full cache) on the same prompts, sampling and cap, up
-    to each EOS."""
+    """Hugging Face generate's tokens/s (the full cache) on the same prompts, up to each EOS."""
     transformers = need("transformers", "bench.py --hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     width = max(map(len, prompts))
@@ -175,18 +171,16 @@ def bandwidth(model, rolled, eviction, step_s, args) -> str:
     alive = (rolled.prompt_lens.float().mean().item() + args.new_tokens / 2
              if eviction is None or len(before) == 0
              else before.float().mean().item() - eviction.delta / 2)
-    # K and V
     entry = 2 * cfg.num_key_value_heads * cfg.head_dim * model.lm_head.weight.element_size()
     read = weights + alive * cfg.num_hidden_layers * entry * rolled.tokens.shape[0]  # bytes a step
     return f" ({read / (args.peak_bandwidth * 1e12) / step_s:5.1%} of the bandwidth bound)"
 
 
 def check(args) -> list[str]:
-    """The devices to run on, after every flag is checked."""
     check_values(args, {name: rule for name, (_, _, rule, _) in FLAGS.items() if rule}
                  | {"threads": settings.RULES["threads"]})
     try:
-        check_eviction(args.delta, args.block, args.window, args.rate)
+        settings.eviction(args.cfg, args.rate)
     except ValueError as e:
         raise ValueError(f"--delta {args.delta} --block {args.block} --window {args.window} "
                          f"--rate {args.rate}: {e}")
@@ -205,7 +199,8 @@ def check(args) -> list[str]:
 
 
 def parse_args(argv=None):
-    """bench.py's flags, those of settings.py (SHARED) filled from BENCH where not given."""
+    """bench.py's flags; args.cfg: BENCH with those of settings.py (SHARED) given, sampling
+    --new-tokens at temperature 1."""
     p = parser(__doc__)
     p.add_argument("--shape", choices=list(SHAPES), default="tiny",
                    help="random model without --model: tiny (0.9 M params) or r1 "
@@ -220,12 +215,13 @@ def parse_args(argv=None):
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the "
                    "same prompts (needs transformers and --model)")
     args = p.parse_args(argv)
-    vars(args).update({k: getattr(BENCH, k) for k in SHARED if getattr(args, k) is None})
+    given = {k: getattr(args, k) for k in SHARED if getattr(args, k) is not None}
+    args.cfg = replace(BENCH, **given, max_new_tokens=args.new_tokens, temperature=1.0)
+    vars(args).update({k: getattr(args.cfg, k) for k in SHARED})
     return args
 
 
 def bench_model(args, device, dtype):
-    """--model's weights, or a random Qwen2 of --shape, on device in dtype."""
     if args.model:
         with one_line_errors():
             return from_pretrained(args.model, dtype=dtype, device=device)

@@ -58,8 +58,7 @@ HELPS = {"model": "Qwen2 checkpoint directory (required)",
 
 
 def make_eviction(name, cfg, rate, model, tokenizer, reference=None) -> Eviction | None:
-    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache), or a one-line
-    ValueError."""
+    """--policy `name` at ε = rate with the run's δ, b, w (None: the full cache)."""
     if name == "none":
         return None
     layout = settings.eviction(cfg, rate)
@@ -74,30 +73,24 @@ def pass_at_k(n: int, c, k: int) -> float:
 
 def compare(model, tokenizer, cfg, problems, policies, rates, samples=None, batch_size=None,
             progress=True, compile=False, tag=None, base_model=None, draws=baselines.DRAWS):
-    """One row per (policy, rate). tag: --tag (None: the run's). base_model: §5.1's c_base (None:
-    `model`). batch_size: None, the run's eval_batch, so that the samples are train.py's (a batch's
-    noise depends on its size). draws: the eviction draws of the hindsight bound and its luck
-    control per problem and sample."""
+    """One row per (policy, rate). tag: --tag (None: the run's); base_model: §5.1's c_base (None:
+    `model`); batch_size None: the run's eval_batch, so that the samples are train.py's."""
     n, batch_size = samples or 1, batch_size or cfg.eval_batch
-    sampling = settings.sampling(cfg, held_out=True, greedy=samples is None,
-                                 meta_token=(tokenizer.token_to_id(META_TOKEN) if cfg.meta_token
-                                             else None))
+    meta = tokenizer.token_to_id(META_TOKEN) if cfg.meta_token else None
+    sampling = settings.sampling(cfg, held_out=True, greedy=samples is None, meta_token=meta)
     tagged, blind = (cfg.interoception, cfg.blind_tag) if tag is None else (True, tag == "blind")
 
     def run(name, rate, on=model):
-        evicts = name != "none"
-        written = tag if isinstance(tag, float) else rate
-        encode = prompt_encoder(cfg.task, cfg.prompt, written if tagged and evicts else None, blind)
-        gen = torch.Generator(device=on.lm_head.weight.device).manual_seed(cfg.seed)
-        kind = baselines.POLICIES[name].kind if evicts else None
+        kind = None if name == "none" else baselines.POLICIES[name].kind
+        written = (tag if isinstance(tag, float) else rate) if tagged and kind else None
         per_batch = kind in ("oracle", "bound")  # it reads each batch's reference rollout
         policy = lambda reference: make_eviction(name, cfg, rate, on, tokenizer, reference)
-        return roll_out_and_score(on, tokenizer, problems, sampling,
-                                  None if per_batch else policy(None), encode,
-                                  TASK_REWARD[cfg.task], gen, n, batch_size,
-                                  ((f"{name} ε={rate:g}" if evicts else "no eviction") if progress
-                                   else None), compile,
-                                  policy if per_batch else None, draws if kind == "bound" else None)
+        desc = (f"{name} ε={rate:g}" if kind else "no eviction") if progress else None
+        return roll_out_and_score(
+            on, tokenizer, problems, sampling, None if per_batch else policy(None),
+            prompt_encoder(cfg.task, cfg.prompt, written, blind), TASK_REWARD[cfg.task],
+            torch.Generator(on.lm_head.weight.device).manual_seed(cfg.seed), n, batch_size, desc,
+            compile, policy if per_batch else None, draws if kind == "bound" else None)
 
     def row(name, rate):
         out = own if name == "none" else run(name, rate)
@@ -107,7 +100,6 @@ def compare(model, tokenizer, cfg, problems, policies, rates, samples=None, batc
              "peak_kv": out["peak_kv"].mean().item(),
              "kv_reduction": kv_reduction(base["peak_kv"], out["peak_kv"]),
              "base_length": base["length"].mean().item(), "rewards": out["reward"].tolist()}
-        # any of `draws` solved; one draw
         if name != "none" and baselines.POLICIES[name].kind == "bound":
             r |= {"draws": draws, "draw_accuracy": out["draw_reward"].mean().item()}
         # per problem, the entries one layer of the full cache held: peak(p, c, 0, δ) of §5.1
@@ -138,8 +130,7 @@ def table(rows) -> str:
 
 
 def error_bar(r) -> float:
-    """The sd across seeds (reproduce.py's rows), else 1 SE over problems (older rows: the binomial
-    one)."""
+    """The sd across seeds (reproduce.py's rows), else 1 SE over problems (older rows: binomial)."""
     if r.get("seeds", 1) > 1:
         return r["accuracy_sd"]
     return r["se"] if "se" in r else (r["accuracy"] * (1 - r["accuracy"])
@@ -152,8 +143,7 @@ def error_bar_note(rows) -> str:
 
 
 def plot(rows, path):
-    """pass@1 (pass@k with k samples) against peak-KV reduction, a line per policy or "label"
-    (Figure 3, right)."""
+    """pass@1 (pass@k with k samples) against peak-KV reduction, a line per "label" or policy."""
     plt = pyplot("--plot")
     # reproduce.py's rows over seeds: pass@1
     n = rows[0]["samples"] if "pass_at_k" in rows[0] else 1
@@ -179,7 +169,6 @@ def plot(rows, path):
 
 
 def tag_flag(text: str):
-    """--tag: rate, blind, or a rate in [0, 1]."""
     if text in ("rate", "blind"):
         return text
     with contextlib.suppress(ValueError):
@@ -192,7 +181,8 @@ def flags(argv):
     p = parser(__doc__)
     p.epilog = "policies (--policy):\n" + "\n".join(f"  {name:14s} {text}"
                                                     for name, text in POLICIES.items())
-    p.add_argument("--policy", nargs="+", default=["ngc"], help=" | ".join(POLICIES) + " (below)")
+    p.add_argument("--policy", nargs="+", default=["ngc"], choices=POLICIES, metavar="NAME",
+                   help=" | ".join(POLICIES) + " (below)")
     p.add_argument("--eviction-rate", nargs="+", type=float, default=[0.5],
                    help="ε values: the fraction of blocks evicted per round")
     p.add_argument("--samples", type=int,
@@ -200,32 +190,25 @@ def flags(argv):
     p.add_argument("--tag", type=tag_flag,
                    help="the budget tag in the evicting runs' prompts: rate, blind or a rate")
     p.add_argument("--split", choices=countdown.SPLITS, default="test",
-                   help="Countdown's held-out split: test (default; claims report on it) or "
-                   "validation (train.py evaluates on it; recipes are chosen on it)")
+                   help="Countdown's held-out split: test (default) or validation (train.py's)")
     p.add_argument("--problems", type=int, help="the first N problems of the split "
                    "(default: the run's eval_problems, all if none)")
-    p.add_argument("--draws", type=int, default=baselines.DRAWS,
-                   help="eviction draws per problem and sample of the policies bound and luck "
-                   f"(default {baselines.DRAWS}); a draw costs one rollout")
+    p.add_argument("--draws", type=int, default=baselines.DRAWS, help="eviction draws (rollouts) "
+                   f"per problem and sample of bound and luck (default {baselines.DRAWS})")
     p.add_argument("--base-model",
                    help="the checkpoint whose full cache is the peak-KV reference (§5.1's c_base)")
     p.add_argument("--run-settings", help="score --model under this checkpoint's ngc.json "
-                   "instead of its own (held-out problems, cap, prompt, sampling): "
-                   "a starting model on a trained run's problems")
+                   "instead of its own (a starting model on a trained run's problems)")
     p.add_argument("--out", help="JSONL file, one line per policy x rate")
     p.add_argument("--plot", help="PNG of accuracy against peak-KV reduction (needs matplotlib)")
     p.add_argument("--batch-size", type=int, help="rollouts per batch (default: the run's "
-                   "eval_batch, so that a checkpoint draws the samples train.py's evaluation drew: "
-                   "the noise depends on the batch)")
+                   "eval_batch, so that the samples are train.py's: the noise depends on it)")
     add_flags(p, None, ["model", "device", "dtype", "compile"] + RUN, HELPS, required=["model"])
     return p.parse_args(argv)
 
 
 def run_settings(args) -> Settings:
     """The run's settings with the flags given, every flag checked first."""
-    bad = [x for x in args.policy if x not in POLICIES]
-    if bad:
-        raise ValueError(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
     check_values(args, {"samples": lambda v: v >= 0 or "must be at least 0 (0: greedy tokens)",
                         "problems": at_least(1), "batch_size": at_least(1), "draws": at_least(1)})
     if args.plot:
@@ -234,7 +217,6 @@ def run_settings(args) -> Settings:
         if getattr(args, flag) is not None:
             check_output_file(getattr(args, flag), f"--{flag}")
     args.device = distributed.pick_device(args.device)  # under torchrun: this process's GPU
-    # another task than ngc.json's: its recipe has no prompts for it
     cfg = run_defaults(args.model, args.task)
     if args.run_settings:
         if not os.path.isfile(os.path.join(args.run_settings, "ngc.json")):
@@ -246,7 +228,6 @@ def run_settings(args) -> Settings:
             raise ValueError(f"--{flag.replace('_', '-')} is for --task {task}; "
                              f"this evaluation's task is {cfg.task}")
     cfg = replace(cfg, **{k: getattr(args, k) for k in RUN if getattr(args, k) is not None})
-    # 0: greedy tokens
     args.samples = (cfg.eval_samples if args.samples is None else args.samples) or None
     for rate in args.eviction_rate:
         settings.eviction(cfg, rate)  # one-line errors for bad ε, δ, b, w
@@ -264,8 +245,7 @@ def load_base_model(path, device, cfg, tokenizer):
 
 
 def evaluate_policies(args, cfg, model, tokenizer, problems, base_model=None):
-    """compare() in --dtype, the problems split across torchrun's processes: the rows on the first,
-    None elsewhere."""
+    """compare() in --dtype over torchrun's processes: the rows on the first, None elsewhere."""
     device = torch.device(args.device)
     distributed.start(device)  # after every check: no process fails alone after the rendezvous
     rank = distributed.rank_and_world()[0]
@@ -286,16 +266,14 @@ def main(argv=None):
     with one_line_errors(ValueError, RuntimeError):
         cfg = run_settings(args)
         problems = held_out(cfg, args.problems, args.split)
-        model, tokenizer = load(args.model, args.device,
-                                cfg.meta_token)  # a --meta-token run saved g
+        model, tokenizer = load(args.model, args.device, cfg.meta_token)
         tagged = (cfg if args.tag is None  # --tag: the tags too
                   else replace(cfg, interoception=True, blind_tag=args.tag == "blind"))
         check_prompts(tagged, tokenizer, args.model, problems, model.config.max_position_embeddings,
                       cfg.eval_max_new_tokens or cfg.max_new_tokens)
         base_model = args.base_model and load_base_model(args.base_model, args.device, cfg,
                                                          tokenizer)
-        for name in args.policy:
-            # the tokenizer has what the policy reads
+        for name in args.policy:  # the tokenizer has what the policy reads
             make_eviction(name, cfg, args.eviction_rate[0], model, tokenizer)
     rows = evaluate_policies(args, cfg, model, tokenizer, problems, base_model)
     if rows is None:

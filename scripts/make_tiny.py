@@ -32,7 +32,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import countdown as cd
 from model import Qwen2, Qwen2Config, init_weights
-from ngc import Sampling, check_eviction
+from ngc import Sampling
 from lib import mathtask, settings
 from lib.checkpoint import load, save_pretrained
 from lib.cli import (Error, at_least, check_values, exits, make_output_dir, one_line_errors, parser,
@@ -41,11 +41,9 @@ from lib.files import recover_swap, swap_in, write_text
 from lib.scoring import roll_out_and_score
 from lib.tasks import TASK_REWARD, prompt_encoder
 
-# The default run of `python train.py --task countdown` on this model (tiny/ngc.json): the
-# searches that must leave their first pair, capped at 96 tokens (prompts of 18; δ = 20, so the
-# first round follows the prompt); 120 steps of 8 x 8 rollouts, τ = 0.25 and ε -> 0.55, just
-# stricter than ε* = 0.51 (results/deep/budget.json), as results/toy chose (rows.md, the default
-# run's steps and group shape: at equal rollouts 8 x 8 for 120 steps kept more).
+# `train.py --task countdown`'s default run on this model (tiny/ngc.json): searches that leave
+# their first pair, 96 tokens, δ = 20 (prompts of 18); ε -> 0.55, just stricter than ε* = 0.51
+# (results/deep/budget.json); 120 steps of 8 x 8 rollouts, as results/toy/rows.md chose.
 TINY_RUN = dict(
     task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000,
     eval_problems=None, seed=0, steps=120, prompts=8, group=8, max_new_tokens=96,
@@ -53,9 +51,8 @@ TINY_RUN = dict(
     stage_steps=10, alpha=0.6, mem_norm="joint", interoception_rates="0.35,0.55,0.75",
     eviction_temperature=0.25, lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32,
     eval_every=120, eval_batch=200, save_every=10)
-# The default run of `python train.py --task math` on tiny-math/ (tiny-math/ngc.json), on the demo
-# set: prompts of 29-33 tokens, completions of 22-80, so the first round comes as the question
-# ends (δ = 32) and c must outlive it.
+# `train.py --task math`'s default run on tiny-math/: prompts of 29-33 tokens, so the first round
+# (δ = 32) comes as the question ends.
 MATH_RUN = dict(
     task="math", data="data/math-demo/train.jsonl", eval_data="data/math-demo/test.jsonl", seed=0,
     steps=60, prompts=16, group=8, max_new_tokens=128, temperature=1.0, top_k=0, top_p=1.0,
@@ -92,9 +89,7 @@ RESTATE = 0.25
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 WORDS = ["Countdown", ":", "reach", "with", ".", "[", "]", "+", "*", "-", "/", "=", "no", "yes",
          "back", "<answer>", "</answer>", "(", ")", "<eviction_rate>", "%", "</eviction_rate>",
-         # `none`, the earlier models' failed search, is written no more: it keeps tiny/'s
-         # vocabulary as shipped
-         "none"]
+         "none"]  # written no more (the earlier models' failed search): tiny/'s vocabulary
 # the demo questions' words without their placeholders, R1's instruction, the traces'
 MATH_WORDS = sorted(
     {w for text, _, _ in mathtask.TEMPLATES for w in text.split()} - {"{n}", "{a}", "{b}", "{c}"}
@@ -104,8 +99,7 @@ OUT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "ngc.json"}  
 
 
 def build_tokenizer(words=WORDS) -> Tokenizer:
-    """Word-level: the words and every integer 0..cd.MAX_LEAF (the largest a trace writes) are
-    single tokens."""
+    """Word-level: the words and every integer 0..cd.MAX_LEAF are single tokens."""
     vocab = SPECIALS + words + [str(n) for n in range(cd.MAX_LEAF + 1)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -119,10 +113,8 @@ def split_problems(seed: int, n_test: int, n_train: int = 300_000):
 
 
 def countdown_example(tok, problem, rng, shuffle=0.0):
-    """(prompt ids, completion ids) in tiny/'s prompt style. Half the prompts carry a budget tag of
-    a random whole percent, half of those blind, so that train.py --interoception and its control
-    start from a model that has read it; the trace restates the target with probability RESTATE,
-    its moves shuffled with probability shuffle (countdown.trace)."""
+    """(prompt ids, completion ids) in tiny/'s prompt style, half with a budget tag of a random
+    whole percent (half of those blind) for train.py --interoception; see countdown.trace."""
     rate = rng.randrange(101) / 100 if rng.random() < 0.5 else None
     blind = rate is not None and rng.random() < 0.5
     prompt = cd.encode(tok, problem, TINY_RUN["prompt"], rate, blind)
@@ -135,8 +127,8 @@ def math_example(tok, problem, rng):
 
 
 def batches(tok, problems, rng, n: int, micro: int, example=countdown_example):
-    """n random training examples as micro-batches of similar length: (tokens, targets),
-    targets -100 on the prompt and padding, so only the completion and EOS are learned."""
+    """n random examples as length-sorted micro-batches (tokens, targets): only the completion and
+    EOS are learned (-100 elsewhere)."""
     eos = tok.token_to_id("<eos>")
     examples = []
     for _ in range(n):
@@ -181,8 +173,6 @@ def main(argv=None):
         run, cfg = ngc_run(task, args)
         pretraining, test = draw_problems(task, args)
         check_out(args.out)
-        # <out>.tmp/ is written beside <out>
-        make_output_dir(os.path.dirname(os.path.abspath(args.out)))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tok = build_tokenizer(task.words)
@@ -204,7 +194,6 @@ def main(argv=None):
 
 
 def parse_args(argv):
-    """FLAGS and --task; a flag not given takes its task's default (MATH_BUILD for --task math)."""
     ap = parser(__doc__)
     for name, (kind, default, _, text) in FLAGS.items():
         shown = ("the task's" if default is None else f"{default}" + (
@@ -222,7 +211,6 @@ def parse_args(argv):
 
 
 def check_flags(args):
-    """A one-line Error for the first flag a build cannot use."""
     check_values(args, {name: rule for name, (_, _, rule, _) in FLAGS.items() if rule})
     if args.task == "math" and args.shuffle_order:
         raise Error("--shuffle-order is Countdown's (tiny/): --task math has no search")
@@ -232,8 +220,7 @@ def check_flags(args):
 
 
 def ngc_run(task, args):
-    """(ngc.json's run, its settings): the task's run with --max-new-tokens, --delta and
-    --retention over it, checked as train.py would."""
+    """(ngc.json's run, its settings): the task's run with the run's flags over it, checked."""
     flags = {k: getattr(args, k) for k in ("max_new_tokens", "delta", "retention")}
     run = {**task.run, **{k: value for k, value in flags.items() if value is not None}}
     cfg = settings.from_dict(run, settings.RECIPES[run["task"]])
@@ -241,7 +228,7 @@ def ngc_run(task, args):
         run["retention"] = settings.written(cfg.retention)
     if not all(0 <= rho < 1 for rho in cfg.retention):
         raise Error(f"the run's retention {run['retention']} must lie in [0, 1) (ε = 1 - ρ)")
-    check_eviction(cfg.delta, cfg.block, cfg.window, 1 - cfg.retention[-1])
+    settings.eviction(cfg, 1 - cfg.retention[-1])  # δ, b, w and the last ε
     return run, cfg
 
 
@@ -255,10 +242,10 @@ def check_out(out: str):
     if other:
         raise Error(f"--out {out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, "
                     f"which a build would delete; choose another --out")
+    make_output_dir(os.path.dirname(os.path.abspath(out)))  # <out>.tmp/ is written beside it
 
 
 def draw_problems(task, args):
-    """(pretraining problems, held-out problems), none of the held-out ones among the others."""
     if args.task == "countdown" and args.n_test > cd.SMALL.held_out:
         raise Error(f"--n-test {args.n_test}: the tiny difficulty's held-out set "
                     f"(countdown.held_out) has {cd.SMALL.held_out} problems; ask for fewer")
@@ -276,8 +263,7 @@ def lr_at(step, steps, lr, warmup):
 
 
 def pretrain(model, tok, problems, example, args):
-    """Next-token prediction on --steps batches of --batch examples: AdamW (weight decay on the
-    matrices), lr_at's schedule, gradients clipped at norm 1."""
+    """Next-token prediction: AdamW (weight decay on the matrices), gradients clipped at 1."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -299,8 +285,7 @@ def pretrain(model, tok, problems, example, args):
 
 
 def backward(model, micro) -> float:
-    """Accumulate the gradient of one batch's loss, given as micro-batches: the summed cross-entropy
-    of its completion tokens over their count. Returns the loss."""
+    """Accumulate the gradient of a batch's mean completion-token loss; return the loss."""
     n_targets = sum(int((targets != -100).sum()) for _, targets in micro)
     total = 0.0
     for tokens, targets in micro:
@@ -314,8 +299,7 @@ def backward(model, micro) -> float:
 
 
 def save_build(model, tok, run, out):
-    """The four files, written into <out>.tmp/ and swapped in whole (files.swap_in): --out is the
-    new build or, on a full disk, the one before it, never half of one."""
+    """The four files, written into <out>.tmp/ and swapped in whole (files.swap_in)."""
     final = out.rstrip("/")
     recover_swap(final)  # an earlier build's leftovers
     try:
@@ -329,10 +313,9 @@ def save_build(model, tok, run, out):
 
 
 def report(model, tok, test, task, cfg):
-    """Accuracy (greedy tokens, and pass@1 of one sample at temperature 1, seed 0), the fraction of
-    correct traces and the mean length, with the full cache and at the run's final ε."""
-    eviction = settings.eviction(cfg, 1 - cfg.retention[-1],
-                                 greedy=True)  # as train.py's evaluations
+    """Accuracy (greedy, and pass@1 at temperature 1), valid traces and mean length, with the full
+    cache and at the run's final ε (greedy top-K, as train.py's evaluations)."""
+    eviction = settings.eviction(cfg, 1 - cfg.retention[-1], greedy=True)
     encode, reward = prompt_encoder(cfg.task, cfg.prompt), TASK_REWARD[cfg.task]
     evicting = f"ngc-greedy δ={cfg.delta} b={cfg.block} w={cfg.window} ε={eviction.rate}"
     for name, evicted in [("full cache", None), (evicting, eviction)]:

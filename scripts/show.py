@@ -59,12 +59,11 @@ def fates(rolled, row: int, tokenizer):
 
 
 def rounds_run(runs: dict) -> int:
-    """How many rounds ran in the longest of the runs' rollouts (the colour scale's length)."""
+    """The most rounds any rollout ran: the colour scale's length."""
     return max(int(run["rounds"].max()) + 1 for rs in runs.values() for run in rs)
 
 
 def round_colour(index: int, count: int) -> str:
-    """Round `index` of `count` (0-based) on the viridis scale."""
     position = index / max(count - 1, 1) * (len(VIRIDIS) - 1)
     low = min(int(position), len(VIRIDIS) - 2)
     below, above = (bytes.fromhex(VIRIDIS[j][1:]) for j in (low, low + 1))
@@ -72,8 +71,7 @@ def round_colour(index: int, count: int) -> str:
 
 
 def summary(run) -> str:
-    """The completion's length and the fractions of prompt and of completion keys never evicted,
-    over layers."""
+    """The completion's length, the fractions of prompt and completion keys never evicted."""
     alive = (run["rounds"] == ALIVE).float()  # (L, T)
     prompt_len = run["prompt_len"]
     return (f"{alive.shape[1] - prompt_len} new tokens, not evicted: prompt "
@@ -99,7 +97,6 @@ def trace_rollouts(model, tokenizer, cfg, problems, ev: Eviction):
 
 
 def grid(run) -> str:
-    """A header row of token texts, then a row of fate-coloured cells per layer."""
     prompt_len = run["prompt_len"]
     head = ["<th></th>"]
     for index, text in enumerate(run["tokens"]):
@@ -115,8 +112,7 @@ def grid(run) -> str:
 
 
 def render_html(problems, runs: dict, cfg, ev: Eviction, models: dict) -> str:
-    """The page: settings and legend, then per problem the runs ({name: [run per problem]}) side by
-    side."""
+    """The page: settings and legend, then per problem the runs ({name: [run per problem]})."""
     count = rounds_run(runs)
     colours = "".join(f".r{r}{{background:{round_colour(r, count)}}}" for r in range(count))
     legend = '<span class="key alive"></span>not evicted (in the cache at the end)' + "".join(
@@ -189,13 +185,11 @@ def parse_args(argv=None):
 
 
 def check(args):
-    """(the run's settings, NGC's evaluation policy, the problems), every flag and both checkpoints
-    checked first."""
+    """(the run's settings, NGC's evaluation policy, the problems), every flag checked."""
     check_values(args, {"problems": at_least(1)})
-    for flag in ("out", "png"):
-        if getattr(args, flag) is not None:
-            check_output_file(getattr(args, flag), f"--{flag}")
+    check_output_file(args.out, "--out")
     if args.png:
+        check_output_file(args.png, "--png")
         need("matplotlib", "--png")
     args.device = distributed.pick_device(args.device)
     load_config(args.model)  # a missing or foreign checkpoint fails here, before anything is loaded
@@ -208,11 +202,9 @@ def check(args):
 
 
 def trace_models(args, cfg, problems, ev):
-    """Both models' rollouts."""
     runs = {}
     for name, path in (("untrained", args.before), ("trained", args.model)):
         model, tokenizer = load(path, args.device, cfg.meta_token)
-        # words the model cannot read: one line, not a page
         check_prompts(cfg, tokenizer, path, problems)
         runs[name] = trace_rollouts(model, tokenizer, cfg, problems, ev)
     return runs

@@ -174,7 +174,7 @@ def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tm
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--policy", "lru"], "unknown policy 'lru'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
+    (["--policy", "lru"], "argument --policy: invalid choice: 'lru' (choose from 'ngc', 'ngc-sample'"), (["--eviction-rate", "1.5"], "must lie in (0, 1]"),
     (["--samples", "-1"], "--samples -1 must be at least 0"), (["--problems", "335"], "held-out test split has 334 problems"),
     (["--eviction-rate", "x"], "invalid float"), (["--out", "/no/such/dir/r.jsonl"], "No such file or directory"),
     (["--out", "/tmp"], "/tmp (Is a directory)")])
