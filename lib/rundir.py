@@ -53,12 +53,6 @@ def lock(out: str, check_only: bool = False):
     _held[key] = fd
 
 
-def release(out: str):
-    fd = _held.pop(os.path.realpath(out), None)
-    if fd is not None:
-        os.close(fd)
-
-
 def check_run_dir(out: str, resume: bool, overwrite: bool):
     """Errors before anything is written: a new run never writes over another run (unless
     --overwrite), nor among files not a run's, nor where another process trains."""
@@ -305,8 +299,9 @@ def guard(run: Run, lr: float, fsdp: bool):
         what = e if isinstance(e, SaveFailed) else f"could not write in {run.out} ({e})"
         raise Error(f"{what}; {run.kept()}; make room (or fix the cause), then "
                     f"{run.go_on()}") from None
-    finally:
-        release(run.out)
+    finally:  # let go of the lock
+        if (fd := _held.pop(os.path.realpath(run.out), None)) is not None:
+            os.close(fd)
 
 
 def short_error(e: BaseException) -> str:  # its first sentence, less "[pair.cc:534] "
