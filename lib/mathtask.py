@@ -216,8 +216,7 @@ def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
         misses = misses + 1 if problem.question in drawn else 0
         if misses > patience:
             raise ValueError(f"the demo set has too few distinct problems for {n_train} train "
-                             f"and {n_test} held-out ones (its templates allow about 148,000); "
-                             f"ask for fewer")
+                             f"and {n_test} held-out ones: ask for fewer (at most about 148,000)")
         drawn.setdefault(problem.question, problem)
     problems = list(drawn.values())
     return problems[n_test:], problems[:n_test]
