@@ -1,14 +1,10 @@
-"""The eviction baselines: the paper's heuristics (§5.1: SnapKV, KeyDiff, KNorm, StreamingLLM),
-random blocks, random completion blocks behind the prompt, hand-written rules for Countdown, an
-oracle that looks ahead, and the hindsight bound with its luck control.
+"""The eviction baselines (§5.1: SnapKV, KeyDiff, KNorm, StreamingLLM), random ones, rules for
+Countdown, an oracle that looks ahead, and the hindsight bound with its luck control.
 
-Each is a per-key score for the engine's eviction round, Eviction(score=...), in place of NGC's ψ:
-the round pools it to blocks by the mean and keeps the top K (greedy=True) or samples K by
-Gumbel-top-k with the block means as logits (greedy=False; with log_blocks, log s_j / τ as for ψ),
-with NGC's rounds, blocks and K. A score maps (ψ (N, S), keys (N, Hkv, S, D), alive (N, S),
-context: ngc.Round) to (N, S), higher = keep; dead slots are ignored. A new baseline is one function
-and its line in POLICIES, which eval.py --policy builds by name (`build`) from what it hands every
-policy (PolicyInputs).
+Each is a per-key score in place of NGC's ψ, Eviction(score=...): (ψ (N, S), keys (N, Hkv, S, D),
+alive (N, S), context: ngc.Round) -> (N, S), higher = keep; the round pools it to blocks by the
+mean and keeps the top K (greedy) or Gumbel-top-k samples K. A new baseline is one function and
+its line in POLICIES, which eval.py --policy builds by name (`build`).
 """
 from dataclasses import replace
 from functools import partial
@@ -27,9 +23,7 @@ TARGET_MARKER = "reach"  # the tiny prompt's word before the target
 
 
 def snapkv(psi, keys, alive, context=None):
-    """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order, cut
-    short at the edges."""
-    # alive slots first, in position order
+    """SnapKV (Li et al. 2024): ψ averaged over a window of 5 alive keys in position order."""
     order = torch.argsort((~alive).to(torch.uint8), dim=1, stable=True)
     m = alive.gather(1, order).float()[:, None]  # (N, 1, S)
     x = psi.gather(1, order)[:, None] * m
@@ -48,8 +42,7 @@ def keydiff(psi, keys, alive, context=None):
 
 
 def knorm(psi, keys, alive, context=None):
-    """KNorm (Devoto et al. 2024): −‖k_t‖₂ averaged over KV heads: low-norm keys are
-    kept."""
+    """KNorm (Devoto et al. 2024): −‖k_t‖₂ averaged over KV heads."""
     return -keys.float().norm(dim=-1).mean(1)
 
 
@@ -60,30 +53,25 @@ def streamingllm(psi, keys, alive, context=None):
 
 
 def pinned_then_newest(alive, pinned):
-    """S² for the pinned keys (N, S), else the key's rank among the alive keys (newer = higher): a
-    block holding a pinned key has mean ≥ S²/b ≥ S, above any other (< S), so top-K keeps those
-    blocks, then the newest."""
+    """S² for the pinned keys, else the rank among the alive keys (newer = higher): a block holding
+    a pinned key has mean ≥ S²/b ≥ S, above any other (< S)."""
     S = alive.shape[1]
     return torch.where(pinned, float(S * S), (alive.long().cumsum(1) - 1).float())
 
 
 def uniform(psi, keys, alive, context=None):
-    """Random (with greedy=False): every block scores the same, so Gumbel-top-k keeps K blocks
-    uniformly."""
+    """Random (with greedy=False): Gumbel-top-k keeps K blocks uniformly."""
     return torch.zeros_like(psi)
 
 
 def random_prompt(psi, keys, alive, context):
-    """Random Attention (2026; with greedy=False): a block scores 10⁶ × its share of prompt keys,
-    so whole prompt blocks come first (K of them at random if they exceed K), then one shared with
-    the completion, then random."""
-    # 10⁶: far above any Gumbel noise
+    """Random Attention (2026; greedy=False): a block scores 10⁶ (above any Gumbel noise) × its
+    share of prompt keys: prompt blocks first, then random."""
     return torch.where(context.key_pos < context.prompt_lens[:, None], 1e6, 0.0)
 
 
 def task_rule(marker: int):
-    """Countdown's hand-written rule: the block holding the target (the token after token id
-    `marker`), then the newest blocks (greedy=True)."""
+    """Countdown's rule: the block holding the target (after token `marker`), then the newest."""
     def score(psi, keys, alive, context):
         after = torch.cat([torch.zeros_like(context.prompts[:, :1], dtype=torch.bool),
                            context.prompts[:, :-1] == marker], 1)
@@ -94,8 +82,7 @@ def task_rule(marker: int):
 
 
 def number_rule(is_number):
-    """The blocks holding the prompt's numbers (the tokens where is_number (V,) is True), then the
-    newest."""
+    """The blocks holding the prompt's numbers (is_number (V,)), then the newest."""
     def score(psi, keys, alive, context):
         P = context.prompts.shape[1]
         in_prompt = context.key_pos < context.prompt_lens[:, None]  # (N, S)
@@ -107,8 +94,7 @@ def number_rule(is_number):
 
 @torch.no_grad()
 def future_attention(model, reference: Rollout):
-    """Per layer, (B, T + 1, T): row t sums the attention (mean over heads) the reference's queries
-    < t paid."""
+    """Per layer, (B, T + 1, T): row t sums the attention the reference's queries < t paid."""
     B, T = reference.tokens.shape
     pos = torch.arange(T, device=reference.tokens.device).expand(B, T)
     real = pos < reference.lengths[:, None]  # (B, T): the reference's own tokens
@@ -124,16 +110,13 @@ def future_attention(model, reference: Rollout):
 
 
 def lookahead(cumulative, delta: int):
-    """The oracle (greedy=True): a round after token t scores each key by the attention the
-    full-cache rollout's queries t+1..t+δ paid it (cumulative: its future_attention, made from the
-    same noise), so while the evicting rollout follows it, the round keeps what the next δ tokens
-    will read; ties go to the newer key."""
+    """The oracle: a round after token t scores each key by the attention the full-cache rollout's
+    queries t+1..t+δ paid it (cumulative: its future_attention); ties go to the newer key."""
     def score(psi, keys, alive, context):
         c = cumulative[context.layer]  # (B, T + 1, T): the round's rows read in place, not copied
         T = c.shape[2]
         t = context.query_pos[:, -1].clamp(max=T - 1)  # (N,) the newest token
         ahead = (t + 1 + delta).clamp(max=T)
-        # (N, T) attention of queries t+1..t+δ to each position
         paid = c[context.rows, ahead] - c[context.rows, t + 1]
         rank = (alive.long().cumsum(1) - 1).float() / alive.shape[1]  # in [0, 1): newer higher
         return paid.gather(1, context.key_pos.clamp(0, T - 1)) + 1e-6 * rank
@@ -145,21 +128,17 @@ class PolicyInputs(NamedTuple):  # what eval.py hands every policy it builds
     model: object
     tokenizer: object
     task: str
-    # the batch's full-cache rollout from the same noise; None: a check
-    reference: Callable[[], Rollout] | None = None
+    reference: Callable[[], Rollout] | None = None  # the batch's full-cache rollout; None: a check
 
 
 class Policy(NamedTuple):
     greedy: bool  # keep the top K blocks; False: Gumbel-top-k with the block means as logits
     score: Callable | None  # the per-key score; None: NGC's ψ, or the one bind makes
     help: str  # its line in eval.py --help
-    # bind(inputs) -> the score bound to what it reads (raises a one-line ValueError)
-    bind: Callable | None = None
-    # ngc, agnostic (knows nothing of the task), rule (Countdown only: build), oracle, bound (not a
-    # policy: a problem counts as solved if any of eval.py's --draws eviction draws solves it)
+    bind: Callable | None = None  # bind(inputs) -> the score (or a one-line ValueError)
+    # ngc, agnostic, rule (Countdown only), oracle, bound (solved if any of --draws draws solves)
     kind: str = "agnostic"
-    # Gumbel-top-k over log s_j / temperature (None: over the block means)
-    temperature: float | None = None
+    temperature: float | None = None  # Gumbel-top-k over log s_j / temperature, not the means
 
 
 def build(name: str, inputs: PolicyInputs) -> Eviction:
@@ -181,7 +160,6 @@ def target_marker(inputs: PolicyInputs) -> int:
 
 
 def number_tokens(inputs: PolicyInputs):
-    """(V,) bool on the model's device: True for the tokenizer's tokens that are a number."""
     vocab = inputs.tokenizer.get_vocab()
     is_number = torch.zeros(max(vocab.values()) + 1, dtype=torch.bool)
     is_number[[i for text, i in vocab.items() if text.isdigit()]] = True
@@ -189,8 +167,7 @@ def number_tokens(inputs: PolicyInputs):
 
 
 def oracle(inputs: PolicyInputs):
-    """lookahead on the batch's full-cache rollout; without one, a score that refuses to run (never
-    ψ)."""
+    """lookahead on the batch's full-cache rollout; without one, a score that refuses to run."""
     if inputs.reference is None:
         def unbound(*args):
             raise ValueError("the oracle reads the batch's full-cache rollout: build it with "

@@ -1,8 +1,6 @@
-"""Several processes under torchrun: data parallel, or FSDP2 with --fsdp.
-
-Each process rolls out and replays its share of a step's prompts (whole groups) and the gradients
-are averaged, so one step equals the single-process step over all the rollouts; held-out evaluation
-splits the problems the same way. With one process every function here is a no-op.
+"""Several processes under torchrun: data parallel, or FSDP2 with --fsdp. Each process takes its
+share of a step's groups and the gradients are averaged, so a step equals the single-process one;
+evaluation splits the problems the same way. With one process every function here is a no-op.
 """
 import atexit
 import contextlib
@@ -19,25 +17,23 @@ def launched() -> bool:  # by torchrun
 
 
 def pick_device(name: str | None) -> str:
-    """--device checked (default: cuda when present), or a one-line ValueError. Under torchrun a
-    bare "cuda" is this process's own GPU, cuda:LOCAL_RANK."""
+    """--device checked (default: cuda when present); under torchrun "cuda" is cuda:LOCAL_RANK."""
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N")
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda"
-                                              and not torch.cuda.is_available()):
-        raise ValueError(f"--device {name}: " + ("no CUDA GPU is visible here; use --device cpu"
-                                                 if device.type == "cuda"
-                                                 else "use cpu, cuda or cuda:N"))
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
     return (f"cuda:{os.environ['LOCAL_RANK']}" if name == "cuda" and "LOCAL_RANK" in os.environ
             else name)
 
 
 def start(device: torch.device):
-    """Under torchrun, join the process group (NCCL on GPUs, Gloo on the CPU); else nothing.
-    Call it after every argument check, so that no process fails alone after the rendezvous."""
+    """Under torchrun, join the process group (NCCL on GPUs, Gloo on the CPU), after every argument
+    check, so that no process fails alone after the rendezvous."""
     if not launched():
         return
     if device.type == "cuda":
@@ -53,8 +49,7 @@ def stop():
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether e is a failed collective of several processes: one of them is gone (killed, out of
-    memory)."""
+    """Whether e is a failed collective: a process of the run is gone (killed, out of memory)."""
     return rank_and_world()[1] > 1 and any(
         "torch/distributed" in frame.filename.replace(os.sep, "/")
         for frame in traceback.extract_tb(e.__traceback__))
@@ -70,8 +65,7 @@ def comm_device():  # where collectives run: NCCL needs the tensors on the GPU
 
 
 def average_gradients(params):
-    """Average p.grad over the processes, in place. When no process has one (no learning signal
-    anywhere), they stay None, as in a single process."""
+    """Average p.grad over the processes; when no process has one, they stay None."""
     world = rank_and_world()[1]
     if world == 1:
         return
@@ -97,8 +91,7 @@ def mean_over_processes(values: dict) -> dict:  # each holds the same number of 
 
 
 def gather_in_order(mine: list, n: int) -> list:
-    """All processes' results of n jobs dealt out round-robin (process r took r, r + world, ...), in
-    job order."""
+    """All processes' results of n jobs dealt out round-robin, in job order."""
     world = rank_and_world()[1]
     if world == 1:
         return mine
@@ -108,8 +101,7 @@ def gather_in_order(mine: list, n: int) -> list:
 
 
 def shard(model):
-    """FSDP2 (--fsdp): every decoder layer, and the rest of the model, sharded across the processes
-    (FSDP's reduce-scatter averages the gradients). Only this imports FSDP."""
+    """FSDP2 (--fsdp): every decoder layer, then the rest; its reduce-scatter averages gradients."""
     from torch.distributed.fsdp import fully_shard
     for block in model.layers:
         fully_shard(block)
@@ -122,9 +114,8 @@ def is_sharded(module) -> bool:
 
 
 def pad_micro_batches(model, chunks: list, device) -> list:
-    """Under FSDP each backward is a collective, so every process must run as many: the
-    micro-batches (rows, token advantages, eviction advantages) padded to the most any process has
-    with one row of advantage 0 (a zero gradient)."""
+    """Under FSDP each backward is a collective: the micro-batches (rows, token advantages,
+    eviction advantages) padded to the most any process has with a row of advantage 0."""
     if not is_sharded(model):
         return chunks
     most = torch.tensor([len(chunks)], device=comm_device())
@@ -136,8 +127,8 @@ def pad_micro_batches(model, chunks: list, device) -> list:
 
 @contextlib.contextmanager
 def whole_model(model):
-    """Rollouts under FSDP: gather every layer once and keep it through the decode loop (whose
-    number of forwards differs from process to process), then shard again."""
+    """Rollouts under FSDP: every layer gathered through the decode loop (whose number of forwards
+    differs between processes), then sharded again."""
     units = [m for m in model.modules() if is_sharded(m)]
     for u in units:
         u.unshard()

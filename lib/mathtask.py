@@ -1,13 +1,7 @@
-"""The math task of the NGC paper (§5.4): train on DAPO-Math-17k, evaluate on AMC and AIME. The
-reward is 1.0 when the last \\boxed{...} of the completion equals the answer after normalisation
-(integers and simple fractions compared as exact numbers); answers are read, never evaluated.
-
-Data is read from local files (JSONL, or Parquet with pyarrow); docs/math.md says how to save the
-sets. `load` reads DAPO's layout, AIME/AMC's and others (_question, _answer). The prompt is the
-question, then DeepSeek-R1's instruction for math (INSTRUCTION), in R1's chat template. A CPU-sized
-demo set of word problems in DAPO's layout, with the worked solutions tiny-math/ was pretrained on
-(demo_trace):
-    python -m lib.mathtask --make-demo data/math-demo      # from the repository root
+"""The math task (paper §5.4): DAPO-Math-17k, AMC and AIME from local .jsonl / .parquet files
+(docs/math.md). The reward is 1.0 when the last \\boxed{...} equals the answer after normalisation
+(numbers compared exactly; never evaluated). A CPU-sized demo set, with the worked solutions
+tiny-math/ was pretrained on: python -m lib.mathtask --make-demo data/math-demo
 """
 import json
 import os
@@ -42,8 +36,7 @@ def _first(row, paths):
             return value
 
 def _question(row, field):
-    """A row's question (None if none): the named field, else DAPO's chat `prompt` (its user
-    message), else `problem`, else `question`; DAPO's "Answer: ..." wrapper and R1's instruction
+    """A row's question (None if none), DAPO's "Answer: ..." wrapper and R1's instruction
     stripped (prompt_text adds it)."""
     value = _first(row, [field] if field else ["prompt", "problem", "question"])
     if isinstance(value, list):  # a chat: [{"role": "user", "content": ...}, ...]
@@ -55,15 +48,13 @@ def _question(row, field):
     return value.strip() or None
 
 def _answer(row, field):
-    """A row's answer as a string (None if none): the named field, else reward_model.ground_truth,
-    else answer (AMC's floats like 27.0 are read as the integer 27)."""
+    """A row's answer as a string (None if none)."""
     value = _first(row, [field] if field else ["reward_model.ground_truth", "answer"])
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         return None
     return str(value).strip() or None
 
 def _rows(path):
-    """(line or row number, record) pairs of a .jsonl or .parquet file."""
     if path.endswith(".parquet"):
         pq = need("pyarrow.parquet", "reading .parquet")
         try:
@@ -91,7 +82,6 @@ def _rows(path):
     return rows
 
 def demo_hint(path: str) -> str:
-    """For a missing file of the demo set (train.jsonl, test.jsonl: not shipped), how to make it."""
     if os.path.basename(path) not in ("train.jsonl", "test.jsonl"):
         return ""
     return ("; the demo set is not shipped: make it with python -m lib.mathtask --make-demo "
@@ -99,8 +89,7 @@ def demo_hint(path: str) -> str:
 
 
 def load(path, question_field=None, answer_field=None):
-    """The problems of a local .jsonl / .parquet file, in order; a one-line ValueError naming file
-    and line."""
+    """The problems of a .jsonl / .parquet file; a one-line ValueError naming file and line."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file" + (demo_hint(path)
                                                     or " (datasets are local files: docs/math.md)"))
@@ -124,24 +113,19 @@ def load(path, question_field=None, answer_field=None):
         problems.append(Problem(question, answer))
     return problems
 
-def prompt_text(problem):
-    """The user message: the question, then R1's math instruction unless it is already there."""
+def prompt_text(problem):  # the question, then R1's math instruction
     q = problem.question
     return q if INSTRUCTION in q else f"{q}\n{INSTRUCTION}"
 
 def encode(tokenizer, problem):
-    """A problem's prompt token ids, in the R1 chat template when the vocab has it."""
     return encode_prompt(tokenizer, prompt_text(problem))
-
-# The reward: the last \boxed{...}, normalised, compared exactly; nothing is evaluated
 
 MAX_ANSWER_CHARS = 1000  # longer boxed answers score 0 (and are not scanned past this)
 _BOX = re.compile(r"\\boxed *\{")
 
 def last_boxed(text):
-    """The content of the last \\boxed{...} in text, braces nested; None when there is none, it does
-    not close, or it is over MAX_ANSWER_CHARS long. Linear time."""
-    # the last box's opening brace
+    """The content of the last \\boxed{...}, braces nested; None when there is none, it does not
+    close, or it is over MAX_ANSWER_CHARS long."""
     i = max((m.end() - 1 for m in _BOX.finditer(text)), default=None)
     if i is None:
         return None
@@ -161,9 +145,8 @@ _THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 _VARIABLE = re.compile(r"[a-zA-Z]=")
 
 def normalize(answer):
-    """A canonical string for an answer: \\text{..} unwrapped; spaces, $, \\! \\, \\; \\:, \\left
-    and \\right, ^\\circ dropped; \\dfrac and \\tfrac read as \\frac; thousands commas dropped; a
-    leading "x =" dropped. Numbers are then compared exactly by _number."""
+    """\\text{..} unwrapped; spaces, $, \\! \\, \\; \\:, \\left, \\right, ^\\circ, thousands
+    commas and a leading "x =" dropped; \\dfrac and \\tfrac read as \\frac."""
     s = _TEXT.sub(r"\1", answer)
     s = _DROPPED.sub("", s).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     if _THOUSANDS.fullmatch(s):
@@ -177,8 +160,7 @@ _SLASH = re.compile(r"([-+]?\d+)/(\d+)")             # 3/4, -3/4
 _FRAC = re.compile(r"([-+]?)\\frac\{([-+]?\d+)\}\{([-+]?\d+)\}")  # \frac{3}{4}, -\frac{3}{4}
 
 def _number(s):
-    """The exact value (no float rounding) of a normalised integer, decimal or simple fraction, else
-    None."""
+    """The exact value of a normalised integer, decimal or simple fraction, else None."""
     try:
         if _DECIMAL.fullmatch(s):
             return Fraction(s)
@@ -193,8 +175,6 @@ def _number(s):
     return Fraction(num, den) if den else None
 
 def equivalent(given, truth):
-    """Whether two answers agree: as exact numbers when both are numbers, else as normalised
-    strings."""
     a, b = normalize(given), normalize(truth)
     if not a or not b:
         return False
@@ -202,7 +182,6 @@ def equivalent(given, truth):
     return x == y if x is not None and y is not None else a == b
 
 def reward(completion, problem):
-    """1.0 if the last \\boxed{...} of the completion equals the problem's answer, else 0.0."""
     boxed = last_boxed(completion)
     return 1.0 if boxed is not None and equivalent(boxed, problem.answer) else 0.0
 
@@ -223,7 +202,6 @@ TEMPLATES = [
 ]
 
 def demo_problem(rng):
-    """One word problem with a non-negative integer answer."""
     text, draw_c, answer = rng.choice(TEMPLATES)
     a, b = rng.randint(2, 12), rng.randint(2, 12)
     c = draw_c(rng, a * b)
@@ -238,15 +216,13 @@ def demo_splits(seed=0, n_train=2000, n_test=200, patience=100_000):
         misses = misses + 1 if problem.question in drawn else 0
         if misses > patience:
             raise ValueError(f"the demo set has too few distinct problems for {n_train} train "
-                             f"and {n_test} held-out ones (its templates allow about 148,000); "
-                             f"ask for fewer")
+                             f"and {n_test} held-out ones: ask for fewer (at most about 148,000)")
         drawn.setdefault(problem.question, problem)
     problems = list(drawn.values())
     return problems[n_test:], problems[:n_test]
 
 def make_demo(out_dir, seed=0, n_train=2000, n_test=200):
-    """Write out_dir/train.jsonl and test.jsonl in DAPO-Math-17k's layout (demo_splits' problems,
-    drawn before the folder is made)."""
+    """out_dir/train.jsonl and test.jsonl in DAPO's layout (drawn before the folder is made)."""
     train, test = demo_splits(seed, n_train, n_test)
     make_output_dir(out_dir)
     for name, problems in (("train", train), ("test", test)):
@@ -257,15 +233,12 @@ def make_demo(out_dir, seed=0, n_train=2000, n_test=200):
     return train, test
 
 # The demo set's worked solutions: the traces tiny-math/ was pretrained on
-# (make_tiny.py --task math)
-
 DEMO_LAST_STEP = {  # the unit after b -> the last step as (x, op, y), from the total a·b and c
     "apples": lambda total, c: (total, "-", c), "books": lambda total, c: (total, "+", c),
     "cents": lambda total, c: (c, "-", total), "marbles": lambda total, c: (total, "/", c)}
 
 def columns(x, op, y) -> str:
-    """x + y, or x - y for x >= y, in columns: the units, the tens with the carry or borrow, the two
-    together."""
+    """x + y, or x - y for x >= y, in columns: the units, the tens with carry or borrow, the sum."""
     (tx, ux), (ty, uy) = divmod(x, 10), divmod(y, 10)
     if op == "+":
         units = ux + uy
@@ -281,8 +254,7 @@ def columns(x, op, y) -> str:
             f"{tens} + {units} = {x - y}")
 
 def demo_trace(problem) -> str:
-    """A demo problem's solution: a groups of b counted up to the total, the total and c in columns,
-    and the answer in `\\boxed { N }` (spaced: one word each)."""
+    """a groups of b counted up to the total, the last step in columns, `\\boxed { N }`."""
     words = problem.question.split()
     at = [i for i, w in enumerate(words) if w.isdigit()]  # a, b, c in this order
     unit = words[at[1] + 1].rstrip(".") if len(at) == 3 else None

@@ -1,10 +1,7 @@
-"""A run directory, kept whole through crashes, signals and resumes: log.jsonl (a JSON record per
-optimizer step and per held-out evaluation) and checkpoint/ (a Hugging Face model directory plus
-ngc.json, the settings, and trainer.pt, the step and optimizer state), replaced by a swap
-(files.swap_in). A signal stops the run between an update and the next, never between an update and
-its record, so a resume takes exactly the steps an uninterrupted run would. One process at a time
-trains there, holding a flock on `lock`: the lock ends with the process, so a killed run leaves
-nothing stuck.
+"""A run directory: log.jsonl (a record per step and per evaluation) and checkpoint/ (a Hugging
+Face model directory, ngc.json and trainer.pt), replaced by a swap. A signal stops a run between
+an update and the next, so a resume takes exactly the steps an uninterrupted run would. One process
+trains there, holding a flock on `lock` that ends with the process.
 """
 import contextlib
 import fcntl
@@ -28,15 +25,12 @@ from lib.cli import STOP_SIGNALS, Error, Interrupted, out_of_memory
 from lib.files import recover_swap, swap_in, write_json, write_jsonl
 
 RUN_FILES = ("log.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old")
-# held by the process that trains in the directory; not a file of the run (--overwrite keeps it)
-LOCK = "lock"
-_held = {}  # run directory (real path) -> the open file that holds its lock, for the process's life
+LOCK = "lock"  # not a file of the run: --overwrite keeps it
+_held = {}  # run directory (real path) -> the open file that holds its lock
 
 
-# ---- The lock, and a run's first writes ----------------------------------------------------------
 def lock(out: str, check_only: bool = False):
-    """Take out's lock until release (or the process ends), writing this process's id into it;
-    check_only: only an Error if another process holds it."""
+    """Take out's lock (writing this process's id into it); check_only: an Error if it is held."""
     key, path = os.path.realpath(out), os.path.join(out, LOCK)
     if key in _held or (check_only and not os.path.lexists(path)):
         return
@@ -59,16 +53,9 @@ def lock(out: str, check_only: bool = False):
     _held[key] = fd
 
 
-def release(out: str):
-    fd = _held.pop(os.path.realpath(out), None)
-    if fd is not None:
-        os.close(fd)
-
-
 def check_run_dir(out: str, resume: bool, overwrite: bool):
-    """Errors before anything is written: a new run never writes into a directory that holds another
-    run's checkpoint (unless --overwrite) or files not a run's, nor where another process trains. A
-    run that never saved left nothing to resume: the same command starts again."""
+    """Errors before anything is written: a new run never writes over another run (unless
+    --overwrite), nor among files not a run's, nor where another process trains."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise Error(f"--out {out} is a file; the run directory must be a directory")
     if not os.path.isdir(out):
@@ -84,10 +71,9 @@ def check_run_dir(out: str, resume: bool, overwrite: bool):
 
 
 def prepare(out: str, resumed: dict | None, recorded: dict) -> list[dict]:
-    """The first writes of a run (check_run_dir passed): create the run directory (os.makedirs says
-    why it cannot) and take its lock; a resume keeps (and returns) the log records of the steps
-    before its checkpoint's (resumed: load_trainer_state's) and prints the settings it changes
-    (recorded: settings.recorded's), a new run removes an earlier run's files."""
+    """Create the run directory and take its lock; a resume keeps (and returns) the log records
+    before its checkpoint's step and prints the settings it changes, a new run removes the files of
+    an earlier one."""
     log = os.path.join(out, "log.jsonl")
     earlier = [r for r in read_log(log) if r["step"] < resumed["step"]] if resumed else []
     try:
@@ -113,20 +99,18 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
 
 
 # ---- The checkpoint ------------------------------------------------------------------------------
-class Diverged(Exception):
-    """A non-finite loss, gradient or weight: the run stops and no checkpoint holds it."""
+class Diverged(Exception):  # a non-finite loss, gradient or weight: never saved
+    pass
 
 
-class SaveFailed(Exception):
-    """A checkpoint that could not be written, whatever raised (a full disk is safetensors'
-    SafetensorError, torch.save's RuntimeError); the previous one is kept, the new one gone."""
+class SaveFailed(Exception):  # whatever raised; the previous checkpoint is kept
+    pass
 
 
 def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict,
                     session: dict | None = None):
-    """Write checkpoint/ for the state after `step` optimizer steps, by a swap: settings go to
-    ngc.json and trainer.pt, session (device, dtype, ...) to trainer.pt. Every process calls this
-    (FSDP gathers the shards); the first one writes, never weights not finite (Diverged)."""
+    """Write checkpoint/ for the state after `step` steps, by a swap. Every process calls this
+    (FSDP gathers the shards); process 0 writes, never weights that are not finite."""
     model_state, opt_state = distributed.full_state(model, opt)
     if distributed.rank_and_world()[0] != 0:
         return
@@ -136,23 +120,20 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
     final = os.path.join(run_dir, "checkpoint")
     tmp = final + ".tmp"
     trainer = {"step": step, "optimizer": opt_state, "config": settings, "session": session or {}}
-    writes = {"the earlier save's leftovers": lambda: recover_swap(final),
-              "config.json and model.safetensors": lambda: save_pretrained(model, tmp, model_state),
-              "the tokenizer files": lambda: save_tokenizer(tokenizer, tmp, model.config,
-                                                            source_dir),
-              "ngc.json": lambda: write_json(os.path.join(tmp, "ngc.json"), settings),
-              "trainer.pt": lambda: torch.save(trainer, os.path.join(tmp, "trainer.pt")),
-              "the swap into checkpoint/": lambda: swap_in(final)}
-    for what, write in writes.items():
-        try:
-            write()
-        except Exception as e:  # a kill runs no handler: the next recover_swap finishes its swap
-            with contextlib.suppress(OSError):
-                recover_swap(final, finish=False)
-            free = f"; {shutil.disk_usage(run_dir).free / 2 ** 20:.0f} MiB free on that disk" \
-                if os.path.isdir(run_dir) else ""
-            raise SaveFailed(f"could not save step {step}: writing {what} in {tmp} failed "
-                             f"({type(e).__name__}: {first_line(e, 200)}){free}") from e
+    try:
+        recover_swap(final)
+        save_pretrained(model, tmp, model_state)
+        save_tokenizer(tokenizer, tmp, model.config, source_dir)
+        write_json(os.path.join(tmp, "ngc.json"), settings)
+        torch.save(trainer, os.path.join(tmp, "trainer.pt"))
+        swap_in(final)
+    except Exception as e:  # a kill runs no handler: the next recover_swap finishes its swap
+        with contextlib.suppress(OSError):
+            recover_swap(final, finish=False)
+        free = f"; {shutil.disk_usage(run_dir).free / 2 ** 20:.0f} MiB free on that disk" \
+            if os.path.isdir(run_dir) else ""
+        raise SaveFailed(f"could not save step {step}: writing {tmp} failed "
+                         f"({type(e).__name__}: {first_line(e, 200)}){free}") from e
 
 
 def first_line(e: BaseException, most: int) -> str:
@@ -160,7 +141,7 @@ def first_line(e: BaseException, most: int) -> str:
 
 
 def load_trainer_state(run_dir) -> dict:
-    """The step, optimizer state, settings and session saved in run_dir (after recover_swap)."""
+    """The step, optimizer state, settings and session saved in run_dir."""
     recover_swap(os.path.join(run_dir, "checkpoint"))
     path = os.path.join(run_dir, "checkpoint", "trainer.pt")
     if not os.path.exists(path):
@@ -168,8 +149,8 @@ def load_trainer_state(run_dir) -> dict:
                     f"that never saved starts again by its own command)")
     try:  # weights_only: a state is data; a pickle that would run code is refused, never run
         saved = torch.load(path, weights_only=True)
-        trainer = {**{k: saved[k] for k in ("step", "optimizer", "config")},
-                   "session": saved.get("session", {})}
+        trainer = {"session": {}, **saved}
+        trainer = {k: trainer[k] for k in ("step", "optimizer", "config", "session")}
     except pickle.UnpicklingError:
         raise Error(f"{path} holds more than tensors and numbers (its pickle would run code); "
                     f"refusing to load it: resume only runs you trust, or start again") from None
@@ -179,8 +160,7 @@ def load_trainer_state(run_dir) -> dict:
     return {**trainer, "config": settings.check_saved(trainer["config"], path)}
 
 
-def saved_step(run_dir) -> int | None:
-    """The step of the checkpoint saved in run_dir (None: none, or not readable)."""
+def saved_step(run_dir) -> int | None:  # None: no checkpoint, or not readable
     try:
         return torch.load(os.path.join(run_dir, "checkpoint", "trainer.pt"), weights_only=True,
                           mmap=True)["step"]
@@ -188,7 +168,6 @@ def saved_step(run_dir) -> int | None:
         return None
 
 
-# ---- The log -------------------------------------------------------------------------------------
 def json_safe(value):
     """NaN and ±inf are not JSON: they are written as null."""
     if isinstance(value, dict):
@@ -202,8 +181,7 @@ def write_log(path, record):
 
 
 def read_log(path) -> list[dict]:
-    """The records of log.jsonl; a last line cut short by a crash is dropped, any other line that
-    is not a record with its step is an Error naming the file and the line."""
+    """The records of log.jsonl; a last line cut short by a crash is dropped."""
     try:
         lines = Path(path).read_bytes().splitlines()
     except FileNotFoundError:
@@ -227,10 +205,9 @@ def read_log(path) -> list[dict]:
     return records
 
 
-# ---- The guard: what stops a run ends in one line, and loses nothing -----------------------------
 @contextlib.contextmanager
 def signals_held():
-    """Stop signals (cli.STOP_SIGNALS) that arrive inside the block are delivered when it ends."""
+    """Stop signals that arrive inside the block are delivered when it ends."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         yield
@@ -238,16 +215,15 @@ def signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def check_finite(values: dict):
-    """Diverged unless every value (None: not measured) is finite."""
+def check_finite(values: dict):  # None: not measured
     checked = {k: v for k, v in values.items() if v is not None}
     if not all(map(math.isfinite, checked.values())):
         raise Diverged(", ".join(f"{k} {v:.4g}" for k, v in checked.items()))
 
 
 class Run:
-    """A run's progress as its guard sees it: `step`, the optimizer steps taken; `saved`, the step
-    of the newest checkpoint on disk (None: none yet); write(step) saves the state after `step`."""
+    """`step`: the optimizer steps taken; `saved`: the step of the checkpoint on disk (None: none);
+    write(step) saves the state after `step`."""
 
     def __init__(self, out: str, write, saved: int | None = None):
         self.out, self.write, self.saved = out, write, saved
@@ -259,7 +235,6 @@ class Run:
         self.saved = self.step
 
     def try_save(self) -> bool:
-        """A failed save keeps the previous checkpoint and says so in one line; training goes on."""
         try:
             self.save()
             return True
@@ -277,8 +252,8 @@ class Run:
 
 
 def stopped(run: Run, fsdp: bool) -> str:
-    """What a stop saves: the state after run.step, written by process 0 (not under --fsdp: its save
-    is a collective the processes may not all reach), or else which checkpoint is kept."""
+    """Process 0 saves the state after run.step (not under --fsdp: its save is a collective the
+    processes may not all reach); the line says what is saved or kept."""
     rank, world = distributed.rank_and_world()
     if rank:
         later = f" (process 0, if alive, saves step {run.step})" if run.step != run.saved else ""
@@ -294,11 +269,9 @@ def stopped(run: Run, fsdp: bool) -> str:
 
 @contextlib.contextmanager
 def guard(run: Run, lr: float, fsdp: bool):
-    """The training loop of `run`, inside a main under cli.exits (where a stop signal raises
-    Interrupted). A signal saves the state after run.step steps (stopped) and exits with 128 + the
-    signal, in one line of each process (process 0's on stdout); a lost process of the run or
-    running out of memory saves it too, then is an Error, as are divergence and a failed save or
-    write, saying which checkpoint is kept. The lock is let go at the end."""
+    """The training loop, under cli.exits. A signal saves (stopped) and exits with 128 + signum in
+    one line per process; out of memory and a lost peer save too, then are an Error, as are
+    divergence and a failed save or write, saying which checkpoint is kept."""
     try:
         yield run
     except Interrupted as e:
@@ -326,11 +299,11 @@ def guard(run: Run, lr: float, fsdp: bool):
         what = e if isinstance(e, SaveFailed) else f"could not write in {run.out} ({e})"
         raise Error(f"{what}; {run.kept()}; make room (or fix the cause), then "
                     f"{run.go_on()}") from None
-    finally:
-        release(run.out)
+    finally:  # let go of the lock
+        if (fd := _held.pop(os.path.realpath(run.out), None)) is not None:
+            os.close(fd)
 
 
-def short_error(e: BaseException) -> str:
-    """Its type and its message's first sentence, less a source location ("[pair.cc:534] ")."""
+def short_error(e: BaseException) -> str:  # its first sentence, less "[pair.cc:534] "
     text = re.sub(r"^\[[^\]]*\] ", "", first_line(e, 10 ** 6))
     return f"{type(e).__name__}: {text.split('. ')[0][:160]}"

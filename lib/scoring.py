@@ -17,13 +17,10 @@ DRAW_SEED = 1_000_003
 def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, encode=None,
                        reward_fn=countdown.reward, generator=None, samples=1, batch_size=64,
                        desc=None, compile=False, policy=None, draws=None):
-    """`samples` completions per problem: rewards, lengths, rounds and peak KV entries, each
-    (problems, samples), and the texts. policy: in place of eviction, policy(reference) -> each
-    batch's Eviction, reference() rolling out the batch's full cache from the same noise. draws (the
-    hindsight bound): each batch rolls out `draws` times from the same token noise, the evictions
-    drawn from a generator of each draw's own; a rollout's reward is 1 if any draw solved it
-    (`draw_reward`: the mean over draws), the rest their means, the texts draw 0's. Under torchrun
-    each process rolls out every world-th job."""
+    """`samples` completions per problem: rewards, lengths, rounds and peak KV, each (problems,
+    samples), and the texts. policy(reference) -> each batch's Eviction, reference() its full-cache
+    rollout from the same noise. draws (the hindsight bound): a reward is 1 if any draw solved it
+    (`draw_reward`: the mean over draws), the rest are means, the texts draw 0's."""
     encode = encode or countdown.encode
     rank, world = distributed.rank_and_world()
     jobs = [p for p in problems for _ in range(samples)]
@@ -61,9 +58,8 @@ def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, enco
 
 def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_job: int, desc,
                   compile):
-    """`draws` rollouts of one batch from the token noise `generator` holds now, each draw's
-    evictions from a generator seeded by (the batch's first job, the draw), left where draw 0 left
-    it, so that the next batch's token noise does not depend on the draws. draws None: one rollout,
+    """`draws` rollouts of a batch from the same token noise, each draw's evictions seeded by (the
+    batch's first job, the draw); generator is left where draw 0 left it. draws None: one rollout,
     its evictions from `generator` too."""
     device = model.lm_head.weight.device
     start = None if generator is None or draws is None else generator.get_state()
@@ -84,8 +80,7 @@ def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_jo
 
 
 def kv_reduction(ref_peak, peak) -> float:
-    """§5.1: mean over problems of peak(no eviction) / peak(policy), a problem's peak the mean over
-    its samples."""
+    """§5.1: the mean over problems of peak(full cache) / peak(policy), each over its samples."""
     return (ref_peak.mean(1) / peak.mean(1)).mean().item()
 
 
@@ -100,8 +95,7 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, sampling: Sampling,
              reward_fn=countdown.reward, batch_size=64, progress=False, meta_token=None,
              compile=False, samples=0, seed=0):
     """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and
-    under `eviction` (greedy top-K), and with `samples` pass@1 ± 1 SE at `sampling`, each within
-    its max_new_tokens; meta_token: g's id, forced before each round."""
+    under `eviction` (greedy top-K); with `samples`, pass@1 ± 1 SE at `sampling`."""
     greedy = replace(eviction, greedy=True)
 
     def score(s, ev, k, what):
