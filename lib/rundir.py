@@ -120,20 +120,23 @@ def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, setti
     final = os.path.join(run_dir, "checkpoint")
     tmp = final + ".tmp"
     trainer = {"step": step, "optimizer": opt_state, "config": settings, "session": session or {}}
-    try:
-        recover_swap(final)
-        save_pretrained(model, tmp, model_state)
-        save_tokenizer(tokenizer, tmp, model.config, source_dir)
-        write_json(os.path.join(tmp, "ngc.json"), settings)
-        torch.save(trainer, os.path.join(tmp, "trainer.pt"))
-        swap_in(final)
-    except Exception as e:  # a kill runs no handler: the next recover_swap finishes its swap
-        with contextlib.suppress(OSError):
-            recover_swap(final, finish=False)
-        free = f"; {shutil.disk_usage(run_dir).free / 2 ** 20:.0f} MiB free on that disk" \
-            if os.path.isdir(run_dir) else ""
-        raise SaveFailed(f"could not save step {step}: writing {tmp} failed "
-                         f"({type(e).__name__}: {first_line(e, 200)}){free}") from e
+    writes = {"the earlier save's leftovers": lambda: recover_swap(final),
+              "config.json and model.safetensors": lambda: save_pretrained(model, tmp, model_state),
+              "the tokenizer files": lambda: save_tokenizer(tokenizer, tmp, model.config,
+                                                            source_dir),
+              "ngc.json": lambda: write_json(os.path.join(tmp, "ngc.json"), settings),
+              "trainer.pt": lambda: torch.save(trainer, os.path.join(tmp, "trainer.pt")),
+              "the swap into checkpoint/": lambda: swap_in(final)}
+    for what, write in writes.items():
+        try:
+            write()
+        except Exception as e:  # a kill runs no handler: the next recover_swap finishes its swap
+            with contextlib.suppress(OSError):
+                recover_swap(final, finish=False)
+            free = f"; {shutil.disk_usage(run_dir).free / 2 ** 20:.0f} MiB free on that disk" \
+                if os.path.isdir(run_dir) else ""
+            raise SaveFailed(f"could not save step {step}: writing {what} in {tmp} failed "
+                             f"({type(e).__name__}: {first_line(e, 200)}){free}") from e
 
 
 def first_line(e: BaseException, most: int) -> str:

@@ -320,6 +320,7 @@ def test_a_save_past_a_real_file_size_limit_keeps_the_previous_checkpoint(train_
     error = proc.stderr.strip()
     assert error.startswith("error: could not save step 3: writing ") and "\n" not in error, out
     assert {"model.safetensors": "SafetensorError", "trainer.pt": "RuntimeError"}[fails] in error
+    assert f"writing {'config.json and ' * (fails == 'model.safetensors')}{fails} in " in error
     assert f"the checkpoint of step 1 is kept in {tmp_path}/checkpoint" in error
     assert "warning: could not save step 2" in proc.stdout and "step 3/3" in proc.stdout
     assert run_dir_state(tmp_path / "checkpoint") == before  # the checkpoint of step 1, byte for byte
