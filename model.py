@@ -239,24 +239,23 @@ class KVCache:
                                   device, tight) for _ in range(cfg.num_hidden_layers)]
 
     def keep_rows(self, rows):
-        for layer in self.layers:
-            layer.keep_rows(rows)
+        for kv in self.layers:
+            kv.keep_rows(rows)
 
     def alive_counts(self):
         """(B, L) number of alive entries per row and layer."""
-        return torch.stack([layer.fill for layer in self.layers], dim=1)
+        return torch.stack([kv.fill for kv in self.layers], dim=1)
 
     def slots(self) -> int:
         """Entries physically allocated per row, summed over layers."""
-        return sum(layer.size for layer in self.layers)
+        return sum(kv.size for kv in self.layers)
 
     def check(self):
-        for layer in self.layers:
-            layer.check()
+        for kv in self.layers:
+            kv.check()
 
     def buffers(self):
-        return [t for layer in self.layers
-                for t in (layer.k, layer.v, layer.pos, layer.alive, layer.fill)]
+        return [t for kv in self.layers for t in (kv.k, kv.v, kv.pos, kv.alive, kv.fill)]
 
 
 def init_weights(model: Qwen2, std: float = 0.02, seed: int = 0):
