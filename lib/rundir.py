@@ -99,12 +99,12 @@ def changed_settings(saved: dict, now: dict) -> list[str]:
 
 
 # ---- The checkpoint ------------------------------------------------------------------------------
-class Diverged(Exception):  # a non-finite loss, gradient or weight: never saved
-    pass
+class Diverged(Exception):
+    """A non-finite loss, gradient or weight: the run stops and no checkpoint holds it."""
 
 
-class SaveFailed(Exception):  # whatever raised; the previous checkpoint is kept
-    pass
+class SaveFailed(Exception):
+    """A checkpoint that could not be written, whatever raised; the previous one is kept."""
 
 
 def save_checkpoint(run_dir, model, opt, tokenizer, source_dir, step: int, settings: dict,

@@ -59,8 +59,9 @@ def roll_out_and_score(model, tokenizer, problems, sampling, eviction=None, enco
 def draw_rollouts(model, prompts, sampling, eviction, generator, draws, first_job: int, desc,
                   compile):
     """`draws` rollouts of a batch from the same token noise, each draw's evictions seeded by (the
-    batch's first job, the draw); generator is left where draw 0 left it. draws None: one rollout,
-    its evictions from `generator` too."""
+    batch's first job, the draw); generator is left where draw 0 left it, so that the next batch's
+    token noise does not depend on the draws. draws None: one rollout, its evictions from
+    `generator` too."""
     device = model.lm_head.weight.device
     start = None if generator is None or draws is None else generator.get_state()
     outs, after_first = [], None
