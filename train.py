@@ -217,21 +217,21 @@ def main(argv=None, reward_fn=None):
                                                settings.saved(cfg), settings.session(cfg))
     run = rundir.Run(cfg.out, save, saved=resumed and resumed["step"])  # a resume: its saved step
     log_path = os.path.join(cfg.out, "log.jsonl")
-    say = tqdm.write if master else lambda text: None
+    write = tqdm.write if master else lambda text: None
     log = functools.partial(rundir.write_log, log_path) if master else lambda record: None
     with one_line_errors():  # the directory, its lock, the log cut to run.step, a resume's changes
-        kept = rundir.prepare(cfg.out, resumed, settings.recorded(cfg)) if master else []
+        earlier = rundir.prepare(cfg.out, resumed, settings.recorded(cfg)) if master else []
     interactive = master and sys.stderr.isatty()  # bars on a terminal; plain lines in a log file
-    say(banner(cfg, model, run.step))
+    write(banner(cfg, model, run.step))
     reward_fn = reward_fn or TASK_REWARD[cfg.task]
     rate, evaluate_held_out = evaluator(cfg, model, tokenizer, test, reward_fn, amp, interactive)
-    evals = [r["eval"] for r in kept if "eval" in r]  # a resume's, too
+    evals = [r["eval"] for r in earlier if "eval" in r]  # a resume's, too
 
     def run_evaluation():
         t0 = time.perf_counter()
         evals.append(r := evaluate_held_out())
         log({"step": run.step, "eval": r, "eval_time": time.perf_counter() - t0})
-        say(eval_line(run.step, r, rate))
+        write(eval_line(run.step, r, rate))
 
     t_start = time.time()
     with rundir.guard(run, cfg.lr, cfg.fsdp):
@@ -248,7 +248,7 @@ def main(argv=None, reward_fn=None):
                 run.step += 1
                 log(m)
             bar.update(1)
-            say(step_line(m, cfg.steps))
+            write(step_line(m, cfg.steps))
             if cfg.save_every and run.step % cfg.save_every == 0 and run.step < cfg.steps:
                 run.try_save()
         bar.close()
@@ -257,10 +257,10 @@ def main(argv=None, reward_fn=None):
         run.save()
     distributed.stop()
     minutes = (time.time() - t_start) / 60
-    say(f"\ndone in {minutes:.1f} min; checkpoint in {cfg.out}/checkpoint, log in {log_path}")
+    write(f"\ndone in {minutes:.1f} min; checkpoint in {cfg.out}/checkpoint, log in {log_path}")
     if evals:
         split = "validation" if cfg.task == "countdown" else "held-out"  # tasks.load_problems
-        say(before_after(evals, rate, time.time() - t_start, len(test), split))
+        write(before_after(evals, rate, time.time() - t_start, len(test), split))
 
 
 # ---- The command line ----------------------------------------------------------------------------
@@ -286,8 +286,8 @@ def resolve(args, resumed=None) -> settings.Settings:
         base = settings.from_dict({**resumed["config"], "model": start, "out": args.resume})
     else:
         base = settings.run_defaults(args.model or settings.COUNTDOWN.model, args.task)
-    own = ("model", "out") if args.resume else ()  # with --resume: the run's own (resumed_state)
-    flags = {k: v for k, v in vars(args).items() if v is not None and k not in own}
+    fixed = ("model", "out") if args.resume else ()  # with --resume: the run's own (resumed_state)
+    flags = {k: v for k, v in vars(args).items() if v is not None and k not in fixed}
     cfg = settings.from_dict(flags, base)
     settings.check(cfg)
     check_eviction(cfg.delta, cfg.block, cfg.window, final_eviction_rate(cfg))  # one-line errors
@@ -314,9 +314,9 @@ def resumed_state(args) -> dict:
     flags given with it that a run cannot change (model, task, directory) are the run's own."""
     rundir.lock(args.resume, check_only=True)
     resumed = rundir.load_trainer_state(args.resume)
-    own = {**resumed["session"], "task": resumed["config"]["task"], "out": args.resume}
+    saved = {**resumed["session"], "task": resumed["config"]["task"], "out": args.resume}
     path = os.path.realpath
-    same = lambda k, v: k in own and (v == own[k] if k == "task" else path(v) == path(own[k]))
+    same = lambda k, v: k in saved and (v == saved[k] if k == "task" else path(v) == path(saved[k]))
     given = [f"--{k} {v}" for k in ("model", "task", "out")
              if (v := getattr(args, k)) and not same(k, v)]
     given += ["--overwrite"] if args.overwrite else []

@@ -242,10 +242,10 @@ class Run:
             self.save()
             return True
         except SaveFailed as e:
-            tqdm.write(f"warning: {e}; {self.kept()}; training goes on")
+            tqdm.write(f"warning: {e}; {self.kept_note()}; training goes on")
             return False
 
-    def kept(self) -> str:
+    def kept_note(self) -> str:
         return (f"the checkpoint of step {self.saved} is kept in {self.out}/checkpoint"
                 if self.saved is not None else "no checkpoint was written")
 
@@ -260,14 +260,14 @@ def stopped(run: Run, fsdp: bool) -> str:
     rank, world = distributed.rank_and_world()
     if rank:
         later = f" (process 0, if alive, saves step {run.step})" if run.step != run.saved else ""
-        return f"process {rank} of {world} stopped; {run.kept()}{later}"
+        return f"process {rank} of {world} stopped; {run.kept_note()}{later}"
     if fsdp:
-        return f"with --fsdp a stop does not save; {run.kept()}"
+        return f"with --fsdp a stop does not save; {run.kept_note()}"
     try:
         return (f"saved step {run.step} to {run.out}/checkpoint" if run.try_save() else
-                f"step {run.step} is not saved; {run.kept()}")
+                f"step {run.step} is not saved; {run.kept_note()}")
     except Diverged as d:  # weights that are not finite are never saved
-        return f"step {run.step} is not saved ({d}); {run.kept()}"
+        return f"step {run.step} is not saved ({d}); {run.kept_note()}"
 
 
 @contextlib.contextmanager
@@ -296,11 +296,11 @@ def guard(run: Run, lr: float, fsdp: bool):
         raise Error(f"a process of this run is gone ({short_error(e)}); {stopped(run, fsdp)}; "
                     f"{run.go_on()} (on as many processes)") from None
     except Diverged as e:
-        raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept()}; lower --lr "
-                    f"(now {lr:g})") from None
+        raise Error(f"training diverged at step {run.step + 1} ({e}); {run.kept_note()}; "
+                    f"lower --lr (now {lr:g})") from None
     except (SaveFailed, OSError) as e:  # a checkpoint, or the log
         what = e if isinstance(e, SaveFailed) else f"could not write in {run.out} ({e})"
-        raise Error(f"{what}; {run.kept()}; make room (or fix the cause), then "
+        raise Error(f"{what}; {run.kept_note()}; make room (or fix the cause), then "
                     f"{run.go_on()}") from None
     finally:  # let go of the lock
         if (fd := _held.pop(os.path.realpath(run.out), None)) is not None:

@@ -93,7 +93,7 @@ def compare(model, tokenizer, cfg, problems, policies, rates, samples=None, batc
             compile, policy if per_batch else None, draws if kind == "bound" else None)
 
     def row(name, rate):
-        out = own if name == "none" else run(name, rate)
+        out = own_full if name == "none" else run(name, rate)
         r = {"policy": name, "eviction_rate": rate, "problems": len(problems), "samples": n,
              "accuracy": out["reward"].mean().item(), "se": standard_error(out["reward"]),
              "length": out["length"].mean().item(), "rounds": out["rounds"].mean().item(),
@@ -111,8 +111,8 @@ def compare(model, tokenizer, cfg, problems, policies, rates, samples=None, batc
             r["pass_at_k"] = {str(k): pass_at_k(n, out["reward"].sum(1), k) for k in ks}
         return r
 
-    own = run("none", 0.0)
-    base = own if base_model is None else run("none", 0.0, on=base_model)
+    own_full = run("none", 0.0)
+    base = own_full if base_model is None else run("none", 0.0, on=base_model)
     return [row(name, rate) for name in policies for rate in ([0.0] if name == "none" else rates)]
 
 

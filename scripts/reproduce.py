@@ -58,7 +58,7 @@ NOT_IN_TRAIN_ARGS = ("model", "out", "resume", "overwrite", "seed")  # reproduce
 STOP_WAIT = 300  # seconds a stopped train.py may take to save its step
 
 
-def say(text: str) -> str:
+def report(text: str) -> str:
     line = f"[{time.strftime('%H:%M:%S')}] {text}"
     print(line, flush=True)
     return line
@@ -158,7 +158,7 @@ def train_all(out, model, jobs, runs, extra):
                 cmd = train_command(out, name, model, threads_per_run(jobs), flags, extra)
                 os.makedirs(os.path.join(out, name), exist_ok=True)
                 log = open(os.path.join(out, name) + ".log", "a")
-                print(say(f"start {name}: {' '.join(cmd[1:])}"), file=log, flush=True)
+                print(report(f"start {name}: {' '.join(cmd[1:])}"), file=log, flush=True)
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
                 running.append((name, proc, log, time.time()))
@@ -168,7 +168,7 @@ def train_all(out, model, jobs, runs, extra):
                 name, proc, log, t0 = run
                 log.close()
                 status = f"FAILED (exit {proc.returncode}, see {log.name})"
-                say(f"{name} {status if proc.returncode else 'done'} in "
+                report(f"{name} {status if proc.returncode else 'done'} in "
                     f"{(time.time() - t0) / 60:.1f} min")
                 if proc.returncode:
                     raise Error(f"training run {name} failed; see {log.name}")
@@ -204,7 +204,7 @@ def stop_runs(running, signum):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.close()
-            say(f"{name} stopped (exit {proc.returncode}, see {log.name})")
+            report(f"{name} stopped (exit {proc.returncode}, see {log.name})")
 
 
 # Evaluation: eval.py on each final checkpoint, its rows over seeds, their table
@@ -235,7 +235,7 @@ def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
     argv += ["--run-settings", base] if run == UNTRAINED else []  # the runs' problems, cap, prompt
     argv += ["--problems", str(args.problems)] if args.problems else []
     if not evaluated(path, argv, [model, base]):
-        say(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")
+        report(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")
         evaluation.main(argv)
         write_text(path + ".argv", " ".join(argv) + "\n")
     with open(path) as f:
@@ -268,7 +268,7 @@ def budget(args) -> float:
         "block": recipe.block, "reference_length": full["length"], "reference":
         "the no-evict model's full cache (seed 0), evals/reference-seed0.jsonl"}, indent=1) + "\n")
     short = reduction < TARGET and f" (the most these completions allow; the target is {TARGET:g}x)"
-    say(f"budget: ε* = {rate:g}, {reduction:.2f}x by §5.1's peak formula on no-evict's "
+    report(f"budget: ε* = {rate:g}, {reduction:.2f}x by §5.1's peak formula on no-evict's "
         f"completions{short or ''}")
     return rate
 
@@ -466,7 +466,7 @@ def run_studies(args):
     write_text(os.path.join(args.out, "claims.md"),
                f"# The paper's Countdown claims on {os.path.relpath(args.model)}"
                f" ({args.seeds} seed{'s' if args.seeds > 1 else ''})\n\n{claims}\n")
-    say("show: what ngc forgets")
+    report("show: what ngc forgets")
     forgets = os.path.join(args.out, "forgets")
     show.main(["--model", os.path.join(args.out, "runs", "ngc", "checkpoint"),
                "--before", args.model, "--out", forgets + ".html"]
