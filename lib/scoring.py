@@ -96,7 +96,8 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, sampling: Sampling,
              reward_fn=countdown.reward, batch_size=64, progress=False, meta_token=None,
              compile=False, samples=0, seed=0):
     """train.py's held-out numbers: greedy accuracy and peak-KV reduction with the full cache and
-    under `eviction` (greedy top-K); with `samples`, pass@1 ± 1 SE at `sampling`."""
+    under `eviction` (greedy top-K); with `samples`, pass@1 ± 1 SE at `sampling` and the peak-KV
+    reduction of those completions (§5.1 measures both on the same ones)."""
     greedy = replace(eviction, greedy=True)
 
     def score(s, ev, k, what):
@@ -117,12 +118,15 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, sampling: Sampling,
                         score(s, greedy, samples, "ε, sampled"))
         r |= {"samples": samples, "pass1_full": full["reward"].mean().item(),
               "pass1_full_se": standard_error(full["reward"]),
-              "pass1": pruned["reward"].mean().item(), "pass1_se": standard_error(pruned["reward"])}
+              "pass1": pruned["reward"].mean().item(), "pass1_se": standard_error(pruned["reward"]),
+              "pass1_kv_reduction": kv_reduction(full["peak_kv"], pruned["peak_kv"])}
     return r
 
 
 def eval_line(step, r, rate) -> str:
-    sampled = f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}" if "pass1" in r else ""
+    sampled = (f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%}"
+               + (f" at {r['pass1_kv_reduction']:.2f}x" if "pass1_kv_reduction" in r else "")
+               if "pass1" in r else "")
     return (f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={rate:g} "
             f"{r['acc']:.1%} (greedy tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
@@ -138,10 +142,13 @@ def before_after(evals, rate, seconds, problems=None, split="held-out") -> str:
         lines += [f"{sampled:32s} {pm(first, 'pass1_full')} {pm(last, 'pass1_full')}",
                   f"{f'ε = {rate:g}, pass@1 (greedy top-K)':32s} {pm(first, 'pass1')} "
                   f"{pm(last, 'pass1')}"]
+        if "pass1_kv_reduction" in first:  # of the completions pass@1 scores (a log before: none)
+            lines += [f"{'peak-KV reduction, sampled':32s} {first['pass1_kv_reduction']:11.2f}x "
+                      f"{last['pass1_kv_reduction']:11.2f}x"]
     lines += [f"{'full cache, greedy tokens':32s} {first['acc_full']:12.1%} "
               f"{last['acc_full']:12.1%}",
               f"{f'ε = {rate:g}, greedy tokens':32s} {first['acc']:12.1%} {last['acc']:12.1%}",
-              f"{'peak-KV reduction':32s} {first['kv_reduction']:11.2f}x "
+              f"{'peak-KV reduction, greedy tokens':32s} {first['kv_reduction']:11.2f}x "
               f"{last['kv_reduction']:11.2f}x",
               f"{'wall time':32s} {'':>12s} {seconds / 60:9.1f} min"]
     return "\n".join(lines)

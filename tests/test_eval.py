@@ -167,10 +167,13 @@ def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tm
         out = tmp_path / f"eval{len(batch)}.jsonl"
         evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "--eviction-rate",
                          "0.5", "--out", str(out), *batch])  # TRAIN_DEFAULTS' retention ends at 0.5
-        return [json.loads(line)["accuracy"] for line in out.read_text().splitlines()]
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        return [(r["accuracy"], r["kv_reduction"]) for r in rows]
 
-    assert evaluated("--split", "validation") == [logged["pass1_full"], logged["pass1"]]
-    assert evaluated("--split", "validation", "--batch-size", "64") != [logged["pass1_full"], logged["pass1"]]
+    printed = [(logged["pass1_full"], 1.0), (logged["pass1"], logged["pass1_kv_reduction"])]
+    assert evaluated("--split", "validation") == printed  # the reduction of the same completions
+    assert logged["pass1_kv_reduction"] != logged["kv_reduction"]  # not the greedy tokens' one
+    assert evaluated("--split", "validation", "--batch-size", "64") != printed
 
 
 @pytest.mark.parametrize("flags, message", [
