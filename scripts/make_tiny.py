@@ -42,12 +42,12 @@ from lib.scoring import roll_out_and_score
 from lib.tasks import TASK_REWARD, prompt_encoder
 
 # `train.py --task countdown`'s default run on this model (tiny/ngc.json): searches that leave
-# their first pair, 96 tokens, δ = 20 (prompts of 18); ε -> 0.55, just stricter than ε* = 0.51
-# (results/deep/budget.json); 120 steps of 8 x 8 rollouts, as results/toy/rows.md chose.
+# their first pair, 96 tokens, δ = 20 (prompts of 18); ε -> 0.5, 2.3-2.4x on the samples'
+# completions; 120 steps of 8 x 8 rollouts, as results/toy/rows.md chose.
 TINY_RUN = dict(
     task="countdown", prompt="tiny-shift", difficulty="tiny-deep", train_problems=20_000,
     eval_problems=None, seed=0, steps=120, prompts=8, group=8, max_new_tokens=96,
-    temperature=1.0, top_k=0, delta=20, block=4, window=4, retention="0.9,0.7,0.45",
+    temperature=1.0, top_k=0, delta=20, block=4, window=4, retention="0.9,0.7,0.5",
     stage_steps=10, alpha=0.6, mem_norm="joint", interoception_rates="0.35,0.55,0.75",
     eviction_temperature=0.25, lr=1e-4, beta2=0.99, adam_eps=1e-8, micro_batch=32,
     eval_every=120, eval_batch=200, save_every=10)

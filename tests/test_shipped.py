@@ -464,7 +464,7 @@ def test_default_run_starts_from_the_shipped_model(tmp_path, capsys):
                 "--group", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-every", "1"])
     printed = capsys.readouterr().out
     assert "model " + TINY_DIR in printed and f"δ={TINY_RUN['delta']}" in printed
-    assert "ε = 0.55, pass@1 (greedy top-K)" in printed and "peak-KV reduction" in printed
+    assert "ε = 0.5, pass@1 (greedy top-K)" in printed and "peak-KV reduction" in printed
     steps = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert [s["step"] for s in steps if "reward" in s] == [0] and sum("eval" in s for s in steps) == 2
     assert settings.run_defaults(str(tmp_path / "checkpoint")).prompt == "tiny-shift"
