@@ -125,7 +125,7 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, sampling: Sampling,
 
 def eval_line(step, r, rate) -> str:
     sampled = (f"; pass@1 {r['pass1_full']:.1%} and {r['pass1']:.1%} at "
-               f"{r['pass1_kv_reduction']:.2f}x" if "pass1" in r else "")  # evaluate's, never a log's
+               f"{r['pass1_kv_reduction']:.2f}x" if "pass1" in r else "")  # evaluate's r
     return (f"eval @ step {step}: accuracy full cache {r['acc_full']:.1%}, at ε={rate:g} "
             f"{r['acc']:.1%} (greedy tokens){sampled}, peak-KV reduction {r['kv_reduction']:.2f}x")
 
