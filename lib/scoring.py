@@ -106,7 +106,7 @@ def evaluate(model, tokenizer, problems, eviction: Eviction, sampling: Sampling,
                                   encode, reward_fn, gen, k, batch_size,
                                   desc=f"eval {what}" if progress else None, compile=compile)
 
-    plain = Sampling(max_new_tokens=sampling.max_new_tokens, greedy=True)
+    plain = replace(sampling, greedy=True)
     full, pruned = (score(plain, None, 1, "full cache"),
                     score(plain, greedy, 1, f"ε={eviction.rate:g}"))
     r = {"acc_full": full["reward"].mean().item(), "acc": pruned["reward"].mean().item(),

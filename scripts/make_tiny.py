@@ -32,7 +32,6 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import countdown as cd
 from model import Qwen2, Qwen2Config, init_weights
-from ngc import Sampling
 from lib import mathtask, settings
 from lib.checkpoint import load, save_pretrained
 from lib.cli import (Error, at_least, check_values, exits, make_output_dir, one_line_errors, parser,
@@ -313,14 +312,14 @@ def save_build(model, tok, run, out):
 
 
 def report(model, tok, test, task, cfg):
-    """Accuracy (greedy, and pass@1 at temperature 1), valid traces and mean length, with the full
-    cache and at the run's final ε (greedy top-K, as train.py's evaluations)."""
+    """Accuracy (greedy, and pass@1 sampled as train.py's evaluations sample), valid traces and
+    mean length, with the full cache and at the run's final ε (greedy top-K)."""
     eviction = settings.eviction(cfg, 1 - cfg.retention[-1], greedy=True)
     encode, reward = prompt_encoder(cfg.task, cfg.prompt), TASK_REWARD[cfg.task]
     evicting = f"ngc-greedy δ={cfg.delta} b={cfg.block} w={cfg.window} ε={eviction.rate}"
     for name, evicted in [("full cache", None), (evicting, eviction)]:
         for tokens, greedy in [("greedy tokens", True), ("pass@1", False)]:
-            sampling = Sampling(max_new_tokens=cfg.max_new_tokens, greedy=greedy, temperature=1.0)
+            sampling = settings.sampling(cfg, held_out=True, greedy=greedy)
             out = roll_out_and_score(model, tok, test, sampling, evicted, encode=encode,
                                      reward_fn=reward, batch_size=128,
                                      generator=torch.Generator().manual_seed(0))
