@@ -25,7 +25,8 @@ from gumbel import block_means, gumbel_topk, keep_count, kept_keys, ordered_topk
 from model import KVCache, LayerCache
 from ngc import Eviction, Sampling, rollout
 from replay import death_times, replay, visibility
-from lib import baselines, settings
+from evaluation import baselines
+from lib import settings
 from lib.checkpoint import from_pretrained
 from conftest import EOS, EV, TINY_MODEL, hand_built_cache, one_round, prompts_of, psi_by_hand
 

@@ -28,7 +28,7 @@ from replay import replay
 from lib import distributed, rundir, settings
 from lib.checkpoint import META_TOKEN, load
 from lib.cli import Error, exits, one_line_errors, parser
-from lib.scoring import before_after, eval_line, evaluate
+from evaluation.scoring import before_after, eval_line, evaluate
 from lib.tasks import TASK_REWARD, check_prompts, load_problems, prompt_encoder
 
 LOSSES = ("L_token", "L_mem")  # the loss's terms (policy_losses); the step's record follows them

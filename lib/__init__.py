@@ -1,2 +1,2 @@
 """The plumbing that train.py and scripts/ import: settings, the command line, run directories,
-checkpoints, files, several processes, the tasks, the baselines and held-out scoring."""
+checkpoints, files, several processes, the tasks."""

@@ -7,7 +7,7 @@ Every share is of the no-evict model's full cache on the same problems and promp
 (baselines.py) on NGC's model solves at least TESTABLE."""
 import numpy as np
 
-from lib import baselines
+from evaluation import baselines
 
 # they know nothing of the task
 AGNOSTIC = [name for name, p in baselines.POLICIES.items() if p.kind == "agnostic"]

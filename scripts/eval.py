@@ -30,12 +30,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import countdown
 from ngc import Eviction
-from lib import baselines, distributed, settings
+from evaluation import baselines
+from lib import distributed, settings
 from lib.checkpoint import META_TOKEN, load
 from lib.cli import (Error, at_least, check_output_file, check_values, exits, need, one_line_errors,
                      parser, pyplot, writing)
 from lib.files import save_figure, write_jsonl
-from lib.scoring import kv_reduction, roll_out_and_score, standard_error
+from evaluation.scoring import kv_reduction, roll_out_and_score, standard_error
 from lib.settings import Settings, add_flags, run_defaults
 from lib.tasks import TASK_REWARD, check_prompts, held_out, prompt_encoder
 

@@ -37,7 +37,7 @@ from lib.checkpoint import load, save_pretrained
 from lib.cli import (Error, at_least, check_values, exits, make_output_dir, one_line_errors, parser,
                      positive)
 from lib.files import recover_swap, swap_in, write_text
-from lib.scoring import roll_out_and_score
+from evaluation.scoring import roll_out_and_score
 from lib.tasks import TASK_REWARD, prompt_encoder
 
 # `train.py --task countdown`'s default run on this model (tiny/ngc.json): searches that leave

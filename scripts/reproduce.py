@@ -35,12 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import countdown
 import ngc
 import train
-from lib import baselines, rundir, settings
+from evaluation import baselines
+from lib import rundir, settings
 from lib.checkpoint import from_pretrained
 from lib.cli import (Error, FlagError, Interrupted, at_least, check_values, exits, have,
                      make_output_dir, one_line_errors, parser, pyplot)
 from lib.files import recover_swap, save_figure, write_jsonl, write_text
-import eval as evaluation  # scripts/, beside this file
+import eval as eval_script  # scripts/, beside this file
 import show
 from claims import BASELINES, RULES, TAG_CHECK, TESTABLE, cell, claims_markdown, table, testable
 
@@ -218,7 +219,7 @@ def evaluate(args, name, run, policies, rates, flags, seeds) -> list:
                        for r in eval_seed(args, name, run, policies, rates, flags, seed)])
     write_jsonl(os.path.join(args.out, name + ".jsonl"), rows)
     if have("matplotlib"):
-        evaluation.plot(rows, os.path.join(args.out, name + ".png"))
+        eval_script.plot(rows, os.path.join(args.out, name + ".png"))
     return rows
 
 
@@ -236,7 +237,7 @@ def eval_seed(args, name, run, policies, rates, flags, seed) -> list:
     argv += ["--problems", str(args.problems)] if args.problems else []
     if not evaluated(path, argv, [model, base]):
         report(f"eval {name}: {run_name(run, seed)} {' '.join(policies)} at ε {rates}")
-        evaluation.main(argv)
+        eval_script.main(argv)
         write_text(path + ".argv", " ".join(argv) + "\n")
     with open(path) as f:
         return [dict(json.loads(line), run=run, seed=seed) for line in f]
@@ -295,7 +296,7 @@ def over_seeds(rows):
                  **{k: statistics.fmean(r[k] for r in rs) for k in means
                     if all(k in r for r in rs)},
                  accuracy_sd=statistics.stdev(r["accuracy"] for r in rs) if len(rs) > 1 else 0.0,
-                 accuracy_se=statistics.fmean(evaluation.error_bar(r) for r in rs),
+                 accuracy_se=statistics.fmean(eval_script.error_bar(r) for r in rs),
                  **({"rewards": [r["rewards"] for r in rs]}
                     if all("rewards" in r for r in rs) else {}))
             for (run, policy, rate), rs in groups.items()]
@@ -352,7 +353,7 @@ def figures(out, studies, ablation_seeds):
     curve = [dict(r, label=f"{r['policy']} ({'NGC' if r['run'] == 'ngc' else r['run']})")
              for r in studies["baselines"][:1] + studies["curve"] + studies["curve-bound"]
              + studies["curve-baselines"]]
-    evaluation.plot(curve, os.path.join(out, "curve.png"))
+    eval_script.plot(curve, os.path.join(out, "curve.png"))
     if "ablation-token-only" in studies:
         curves(out, ["ngc", "token-only", "targeted-dropout"], ablation_seeds,
                os.path.join(out, "ablations.png"))
@@ -361,11 +362,11 @@ def figures(out, studies, ablation_seeds):
     fig, ax = pyplot("plots").subplots(figsize=(5.5, 4))
     for label, study in [("NGC", "interoception-ngc"), ("NGC + interoception", "interoception"),
                          ("NGC + blind tag (control)", "interoception-blind")]:
-        pts = sorted((r["eviction_rate"], r["accuracy"], evaluation.error_bar(r))
+        pts = sorted((r["eviction_rate"], r["accuracy"], eval_script.error_bar(r))
                      for r in studies[study])
         ax.errorbar(*zip(*pts), marker="o", capsize=3, label=label)  # x, y, yerr
     ax.set(xlabel="eviction rate ε", ylabel="held-out pass@1")
-    ax.set_title(evaluation.error_bar_note(studies["interoception-ngc"]), fontsize=9)
+    ax.set_title(eval_script.error_bar_note(studies["interoception-ngc"]), fontsize=9)
     ax.legend()
     fig.tight_layout()
     save_figure(fig, os.path.join(out, "interoception-vs-ngc.png"), dpi=120)

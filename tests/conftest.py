@@ -18,7 +18,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from lib import baselines, mathtask, rundir, settings
+from evaluation import baselines
+from lib import mathtask, rundir, settings
 import ngc
 import train
 

@@ -1,10 +1,10 @@
-"""The hindsight bound and its luck control (lib/baselines.py, lib/scoring.py), and the claims' intervals
+"""The hindsight bound and its luck control (evaluation/baselines.py, evaluation/scoring.py), and the claims' intervals
 (scripts/claims.py): what the instruments measure, each with a control that shows it can fail."""
 import numpy as np
 import pytest
 import torch
 
-from lib import baselines, scoring
+from evaluation import baselines, scoring
 from lib.checkpoint import load_tokenizer
 import claims
 import ngc

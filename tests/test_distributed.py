@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-import eval as evaluation
+import eval as eval_script
 from lib import rundir
 import train
 
@@ -91,7 +91,7 @@ def test_two_processes_take_the_single_process_step(train_ckpt, sampled, tmp_pat
 def test_eval_over_two_processes_gives_the_rows_of_one(train_ckpt, tmp_path):
     flags = ["--model", train_ckpt, "--policy", "none", "ngc", "knorm", "--eviction-rate", "0.5", "--problems", "4",
              "--batch-size", "3", "--samples", "0"]  # greedy tokens: sampled ones draw per-process noise
-    evaluation.main(flags + ["--out", str(tmp_path / "one.jsonl")])
+    eval_script.main(flags + ["--out", str(tmp_path / "one.jsonl")])
     torchrun(tmp_path, "scripts/eval.py", *flags, "--out", str(tmp_path / "two.jsonl"))
     one, two = ((tmp_path / f"{n}.jsonl").read_text().splitlines() for n in ("one", "two"))
     assert len(one) == 3 and one == two

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 
-from lib import baselines
+from evaluation import baselines
 import ngc
 
 from gumbel import block_means, keep_count, ordered_topk

@@ -12,10 +12,11 @@ import types
 import pytest
 import torch
 
-from lib import baselines, scoring, tasks
+from evaluation import baselines, scoring
+from lib import tasks
 import bench
 import countdown as cd
-import eval as evaluation
+import eval as eval_script
 import make_tiny
 import reproduce
 import show
@@ -43,11 +44,11 @@ def test_peak_kv_reduction_of_a_constructed_case(model):
         peaks.append((int(full.peak_kv), int(evicted.peak_kv)))
     assert peaks == [(72, 42), (48, 36)]
     ref, pol = torch.tensor([[72.0], [48.0]], dtype=torch.float64), torch.tensor([[42.0], [36.0]], dtype=torch.float64)
-    assert abs(evaluation.kv_reduction(ref, pol) - (72 / 42 + 48 / 36) / 2) < 1e-12  # = 32/21
+    assert abs(eval_script.kv_reduction(ref, pol) - (72 / 42 + 48 / 36) / 2) < 1e-12  # = 32/21
     # Negative control: the ratio of mean peaks (a different estimator) differs.
-    assert abs(evaluation.kv_reduction(ref, pol) - 120 / 78) > 1e-3
+    assert abs(eval_script.kv_reduction(ref, pol) - 120 / 78) > 1e-3
     # With samples, a problem's peak is the mean over its samples.
-    assert abs(evaluation.kv_reduction(torch.tensor([[10.0, 30.0]]), torch.tensor([[5.0, 10.0]])) - 20 / 7.5) < 1e-6
+    assert abs(eval_script.kv_reduction(torch.tensor([[10.0, 30.0]]), torch.tensor([[5.0, 10.0]])) - 20 / 7.5) < 1e-6
 
 
 def test_every_row_divides_the_no_evict_models_full_cache(train_ckpt, monkeypatch):
@@ -66,31 +67,31 @@ def test_every_row_divides_the_no_evict_models_full_cache(train_ckpt, monkeypatc
         return {"reward": one([1.0, 0.0]), "length": one([lengths[key]] * 2), "rounds": one([0.0, 0.0]),
                 "peak_kv": one(peaks[key]), "texts": [[""], [""]]}
 
-    monkeypatch.setattr(evaluation, "roll_out_and_score", by_hand)
-    monkeypatch.setattr(evaluation, "make_eviction", lambda name, *args: None if name == "none" else Eviction(8, 2, 3, 0.5))
-    c = evaluation.run_defaults(train_ckpt)
-    rows = evaluation.compare(evaluated, None, c, [0, 1], ["none", "ngc"], [0.5], samples=None, progress=False,
+    monkeypatch.setattr(eval_script, "roll_out_and_score", by_hand)
+    monkeypatch.setattr(eval_script, "make_eviction", lambda name, *args: None if name == "none" else Eviction(8, 2, 3, 0.5))
+    c = eval_script.run_defaults(train_ckpt)
+    rows = eval_script.compare(evaluated, None, c, [0, 1], ["none", "ngc"], [0.5], samples=None, progress=False,
                               base_model=base)
     none, ngc = rows
     assert ngc["kv_reduction"] == pytest.approx(1.75) and none["kv_reduction"] == pytest.approx(0.75)
     assert ngc["base_length"] == none["base_length"] == 70.0 and ngc["length"] == 30.0
     assert none["full_cache_entries"] == [60.0, 30.0]  # per problem, one layer's entries: 120 / 2, 60 / 2
     # Negative control: against its own full cache (the old reference) ngc's row would read (3 + 1.5)/2 = 2.25.
-    own = evaluation.compare(evaluated, None, c, [0, 1], ["none", "ngc"], [0.5], samples=None, progress=False)
+    own = eval_script.compare(evaluated, None, c, [0, 1], ["none", "ngc"], [0.5], samples=None, progress=False)
     assert own[1]["kv_reduction"] == pytest.approx(2.25) and own[0]["kv_reduction"] == 1.0
 
 
 def test_cli_base_model_is_the_reference_of_every_row(train_ckpt, tmp_path, capsys):
     base = write_checkpoint(tmp_path / "base", seed=7)  # the same tokenizer, other weights
     out = tmp_path / "rows.jsonl"
-    evaluation.main(["--model", train_ckpt, "--base-model", base, "--policy", "none", "ngc", "--problems", "2",
+    eval_script.main(["--model", train_ckpt, "--base-model", base, "--policy", "none", "ngc", "--problems", "2",
                      "--samples", "0", "--out", str(out)])
     assert f"against {base}'s full cache" in capsys.readouterr().out
     none, ngc = [json.loads(line) for line in out.read_text().splitlines()]
     assert none["base_length"] == ngc["base_length"] and len(none["full_cache_entries"]) == 2
-    assert one_line_error(lambda: evaluation.main(["--model", train_ckpt, "--base-model", str(tmp_path / "nothing"),
+    assert one_line_error(lambda: eval_script.main(["--model", train_ckpt, "--base-model", str(tmp_path / "nothing"),
                                                    "--problems", "2"])).startswith("error: ")
-    assert one_line_error(lambda: evaluation.main(["--model", train_ckpt, "--run-settings", base])) == (
+    assert one_line_error(lambda: eval_script.main(["--model", train_ckpt, "--run-settings", base])) == (
         f"error: --run-settings {base} has no ngc.json: give a run's checkpoint directory")
 
 
@@ -101,11 +102,11 @@ def test_pass_at_k_matches_its_closed_form():
             subsets = list(itertools.combinations(range(n), k))
             brute = sum(any(i < c for i in s) for s in subsets) / len(subsets)
             stable = 1.0 if n - c < k else 1 - math.prod(1 - k / i for i in range(n - c + 1, n + 1))
-            got = evaluation.pass_at_k(n, [c], k)
+            got = eval_script.pass_at_k(n, [c], k)
             assert abs(got - brute) < 1e-12 and abs(got - stable) < 1e-12
-    assert evaluation.pass_at_k(4, [0, 4, 2], 1) == pytest.approx((0 + 1 + 0.5) / 3)
+    assert eval_script.pass_at_k(4, [0, 4, 2], 1) == pytest.approx((0 + 1 + 0.5) / 3)
     # Negative control: the biased plug-in estimate 1 - (1 - c/n)^k is not the same.
-    assert abs(evaluation.pass_at_k(8, [2], 4) - (1 - (1 - 2 / 8) ** 4)) > 1e-2
+    assert abs(eval_script.pass_at_k(8, [2], 4) - (1 - (1 - 2 / 8) ** 4)) > 1e-2
 
 
 # ---------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
 
     monkeypatch.setattr(scoring, "rollout", counting)
     out = tmp_path / "results.jsonl"
-    evaluation.main(["--model", train_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
+    eval_script.main(["--model", train_ckpt, "--task", "countdown", "--policy", "ngc", "knorm", "--eviction-rate", "0.5",
              "0.75", "--problems", "3", "--samples", "0", "--out", str(out)])  # 0: greedy tokens
     printed = capsys.readouterr().out
     print(printed)
@@ -140,7 +141,7 @@ def test_cli_two_policies_two_rates_share_one_reference(train_ckpt, tmp_path, mo
 
     calls.clear()  # sampled: k completions per problem, pass@k, `none` is the reference itself
     monkeypatch.setitem(tasks.TASK_REWARD, "countdown", lambda text, problem: float(len(text) % 2))  # some variance
-    evaluation.main(["--model", train_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
+    eval_script.main(["--model", train_ckpt, "--policy", "none", "ngc-sample", "--eviction-rate", "0.5", "--samples", "3",
              "--problems", "2", "--out", str(out)])
     assert [c[0] for c in calls] == [6, 6] and calls[1][1] == (None, False, 0.5)  # ngc-sample: Gumbel-top-k
     none, sampled = [json.loads(line) for line in out.read_text().splitlines()]
@@ -165,7 +166,7 @@ def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tm
 
     def evaluated(*batch):
         out = tmp_path / f"eval{len(batch)}.jsonl"
-        evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "--eviction-rate",
+        eval_script.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "--eviction-rate",
                          "0.5", "--out", str(out), *batch])  # TRAIN_DEFAULTS' retention ends at 0.5
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         return [(r["accuracy"], r["kv_reduction"]) for r in rows]
@@ -184,24 +185,24 @@ def test_eval_on_a_runs_checkpoint_prints_its_training_evaluation(train_ckpt, tm
 def test_cli_bad_input_fails_with_one_line(train_ckpt, flags, message, monkeypatch):
     monkeypatch.setattr(scoring, "rollout", None)  # nothing may run
     with pytest.raises(SystemExit) as err:
-        evaluation.main(["--model", train_ckpt, *flags])
+        eval_script.main(["--model", train_ckpt, *flags])
     assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_eval_out_of_memory_is_one_line_naming_the_flag(train_ckpt, monkeypatch):
     """The CPU's allocator failing mid-evaluation (for real: an allocation it cannot make)."""
-    monkeypatch.setattr(evaluation, "evaluate_policies", lambda *a: torch.empty(2 ** 60, dtype=torch.uint8))
+    monkeypatch.setattr(eval_script, "evaluate_policies", lambda *a: torch.empty(2 ** 60, dtype=torch.uint8))
     with pytest.raises(SystemExit) as err:
-        evaluation.main(["--model", train_ckpt, "--policy", "ngc", "--problems", "1"])
+        eval_script.main(["--model", train_ckpt, "--policy", "ngc", "--problems", "1"])
     assert str(err.value) == ("error: out of memory (CPU: can't allocate memory: you tried to allocate "
                               "1152921504606846976 bytes); lower --batch-size")
 
 
 def test_cli_plot_without_matplotlib_fails_early(train_ckpt, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
-    monkeypatch.setattr(evaluation, "load", None)  # fails before loading anything
+    monkeypatch.setattr(eval_script, "load", None)  # fails before loading anything
     with pytest.raises(SystemExit) as err:
-        evaluation.main(["--model", train_ckpt, "--plot", str(tmp_path / "acc.png")])
+        eval_script.main(["--model", train_ckpt, "--plot", str(tmp_path / "acc.png")])
     assert str(err.value) == "error: --plot needs matplotlib: pip install matplotlib"
 
 
@@ -215,7 +216,7 @@ def output_under_a_file(tmp_path, ckpt, train_ckpt):
     blocker.write_text("x")
     return blocker, {
         "train": lambda: train.main(["--model", train_ckpt, "--out", str(blocker / "run")]),
-        "eval": lambda: evaluation.main(["--model", train_ckpt, "--out", str(blocker / "r.jsonl")]),
+        "eval": lambda: eval_script.main(["--model", train_ckpt, "--out", str(blocker / "r.jsonl")]),
         "show": lambda: show.main(["--model", train_ckpt, "--before", ckpt, "--out", str(blocker / "f.html")]),
         "make_tiny": lambda: make_tiny.main(["--out", str(blocker / "tiny"), "--steps", "1"]),
         "reproduce": lambda: reproduce.main(["--out", str(blocker / "results")]),
@@ -250,10 +251,10 @@ def test_cli_evaluates_another_layout_than_the_runs(train_ckpt, monkeypatch):
 
     monkeypatch.setattr(scoring, "rollout", spy)
     flags = ["--model", train_ckpt, "--policy", "ngc", "knorm", "--problems", "2"]
-    evaluation.main(flags + ["--delta", "9", "--block", "3", "--window", "2"])
+    eval_script.main(flags + ["--delta", "9", "--block", "3", "--window", "2"])
     assert seen == [None, (9, 3, 2), (9, 3, 2)]  # the full-cache reference, then each policy
     seen.clear()
-    evaluation.main(flags)
+    eval_script.main(flags)
     run = (TRAIN_DEFAULTS["delta"], TRAIN_DEFAULTS["block"], TRAIN_DEFAULTS["window"])
     assert seen == [None, run, run] and run != (9, 3, 2)
 
@@ -267,10 +268,10 @@ def test_cli_evaluates_another_problem_preset_than_the_runs(train_ckpt, monkeypa
         seen.append(list(problems))
         raise Reached
 
-    monkeypatch.setattr(evaluation, "roll_out_and_score", spy)
+    monkeypatch.setattr(eval_script, "roll_out_and_score", spy)
     for flags in ([], ["--difficulty", "tiny-back"]):
         with pytest.raises(Reached):
-            evaluation.main(["--model", train_ckpt, "--problems", "12"] + flags)
+            eval_script.main(["--model", train_ckpt, "--problems", "12"] + flags)
     run, back = seen
     assert back == cd.held_out(cd.SMALL_BACK, "test")[:12] != run
     assert all(cd.backtracks(p) for p in back) and not all(cd.backtracks(p) for p in run)
@@ -288,15 +289,15 @@ def test_eval_tag_writes_the_budget_tag_it_is_given(train_ckpt, monkeypatch, tag
         seen.append((eviction_rate, blind))
         return tasks.prompt_encoder(task, style, eviction_rate, blind)
 
-    monkeypatch.setattr(evaluation, "prompt_encoder", spy)
-    evaluation.main(["--model", train_ckpt, "--policy", "ngc", "--eviction-rate", "0.5", "--problems", "2",
+    monkeypatch.setattr(eval_script, "prompt_encoder", spy)
+    eval_script.main(["--model", train_ckpt, "--policy", "ngc", "--eviction-rate", "0.5", "--problems", "2",
                      "--samples", "0"] + (["--tag", tag] if tag else []))
     assert seen[0][0] is None and seen[1] == written  # the full-cache reference (no tag), then ngc at ε = 0.5
 
 
 def test_eval_refuses_a_tag_it_cannot_write(train_ckpt):
     with pytest.raises(SystemExit) as err:
-        evaluation.main(["--model", train_ckpt, "--tag", "1.5"])
+        eval_script.main(["--model", train_ckpt, "--tag", "1.5"])
     assert "argument --tag: '1.5': give rate, blind or a rate in [0, 1]" in str(err.value)
 
 
@@ -320,11 +321,11 @@ def countdown_run(tmp_path_factory):
 @pytest.mark.parametrize("script", ["train", "eval", "show", "bench"])
 def test_a_device_that_is_not_here_is_the_same_one_line_in_every_script(train_ckpt, tmp_path, monkeypatch, script,
                                                                          device, message):
-    for module, name in ((evaluation, "load"), (show, "load"), (train, "load"), (bench, "bench"),
+    for module, name in ((eval_script, "load"), (show, "load"), (train, "load"), (bench, "bench"),
                          (bench, "from_pretrained")):
         monkeypatch.setattr(module, name, reached)  # nothing may be loaded or run
     run = {"train": lambda: train.main(["--model", train_ckpt, "--out", str(tmp_path / "run"), "--device", device]),
-           "eval": lambda: evaluation.main(["--model", train_ckpt, "--out", str(tmp_path / "r.jsonl"), "--device", device]),
+           "eval": lambda: eval_script.main(["--model", train_ckpt, "--out", str(tmp_path / "r.jsonl"), "--device", device]),
            "show": lambda: show.main(["--model", train_ckpt, "--before", train_ckpt, "--out", str(tmp_path / "f.html"),
                                       "--device", device]),
            "bench": lambda: bench.main(["--device", device])}
@@ -335,16 +336,16 @@ def test_a_device_that_is_not_here_is_the_same_one_line_in_every_script(train_ck
 def test_a_checkpoint_trained_on_one_task_is_refused_for_the_other(math_run, countdown_run, tmp_path, monkeypatch):
     """A math run's checkpoint has no Countdown prompt (ngc.json: null): eval.py --task countdown
     used to raise KeyError: None; show.py compared it with tiny/, a Countdown model."""
-    for module in (evaluation, show):
+    for module in (eval_script, show):
         monkeypatch.setattr(module, "load", reached)
     monkeypatch.setattr(reproduce.subprocess, "Popen", reached)  # nothing may train
     out = tmp_path / "out"
     refused = lambda flag, path, trained, task: (  # settings.run_defaults: the one check of every script
         f"error: {flag} {path} was trained on {trained} (its ngc.json), not {task}: give a {task} model, such as "
         f"{os.path.relpath(show.BEFORE[task])}, or a copy of {path} without ngc.json to start from its weights")
-    assert one_line_error(lambda: evaluation.main(["--model", math_run, "--task", "countdown", "--out", str(out)])) == \
+    assert one_line_error(lambda: eval_script.main(["--model", math_run, "--task", "countdown", "--out", str(out)])) == \
         refused("--model", math_run, "math", "countdown")
-    assert one_line_error(lambda: evaluation.main(["--model", countdown_run, "--task", "math", "--eval-data",
+    assert one_line_error(lambda: eval_script.main(["--model", countdown_run, "--task", "math", "--eval-data",
                                                    "x.jsonl"])) == \
         refused("--model", countdown_run, "countdown", "math")
     assert one_line_error(lambda: show.main(["--model", math_run, "--before", countdown_run, "--out", str(out)])) == \
@@ -357,7 +358,7 @@ def test_a_checkpoint_trained_on_one_task_is_refused_for_the_other(math_run, cou
     # the control: each checkpoint with its own task passes every check and gets to its loading
     for argv in (["--model", math_run], ["--model", math_run, "--task", "math"], ["--model", countdown_run]):
         with pytest.raises(Reached):
-            evaluation.main(argv + ["--problems", "1"])
+            eval_script.main(argv + ["--problems", "1"])
     with pytest.raises(Reached) as r:  # show.py's --before follows the run's task: tiny-math/ for math
         show.main(["--model", math_run, "--problems", "1", "--out", str(out)])
     assert r.value.args[0] == show.BEFORE["math"] and list(tmp_path.iterdir()) == []
@@ -371,40 +372,40 @@ def test_a_checkpoint_trained_on_one_task_is_refused_for_the_other(math_run, cou
     ("missing.jsonl", None, ": no such file")])
 def test_math_eval_data_that_cannot_be_read_is_one_line_naming_the_file(math_run, tmp_path, monkeypatch, name,
                                                                         content, message):
-    monkeypatch.setattr(evaluation, "load", reached)
+    monkeypatch.setattr(eval_script, "load", reached)
     path = tmp_path / name
     if content is not None:
         path.write_bytes(content)
     before = files_under(tmp_path)
-    error = one_line_error(lambda: evaluation.main(["--model", math_run, "--eval-data", str(path), "--out",
+    error = one_line_error(lambda: eval_script.main(["--model", math_run, "--eval-data", str(path), "--out",
                                                     str(tmp_path / "r.jsonl")]))
     assert error.startswith(f"error: {path}{message}"), error
     assert files_under(tmp_path) == before
 
 
 def test_eval_reads_the_fields_it_is_told_and_refuses_them_for_countdown(math_run, train_ckpt, tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluation, "load", reached)
+    monkeypatch.setattr(eval_script, "load", reached)
     rows = tmp_path / "sol.jsonl"
     rows.write_text('{"question": "Q?", "sol": "1"}\n')
     with pytest.raises(Reached):  # --answer-field, the flag the missing-answer error names
-        evaluation.main(["--model", math_run, "--eval-data", str(rows), "--answer-field", "sol"])
-    assert one_line_error(lambda: evaluation.main(["--model", train_ckpt, "--answer-field", "sol"])) == \
+        eval_script.main(["--model", math_run, "--eval-data", str(rows), "--answer-field", "sol"])
+    assert one_line_error(lambda: eval_script.main(["--model", train_ckpt, "--answer-field", "sol"])) == \
         "error: --answer-field is for --task math; this evaluation's task is countdown"
 
 
 def test_eval_draws_progress_bars_only_on_a_terminal(train_ckpt, monkeypatch):
     seen = []
-    monkeypatch.setattr(evaluation, "compare", lambda *args, **kw: seen.append(kw["progress"]) or reached())
+    monkeypatch.setattr(eval_script, "compare", lambda *args, **kw: seen.append(kw["progress"]) or reached())
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
     with pytest.raises(Reached):  # pytest's stderr is not a terminal: a log file gets no bars
-        evaluation.main(["--model", train_ckpt, "--problems", "1"])
+        eval_script.main(["--model", train_ckpt, "--problems", "1"])
     monkeypatch.setattr(sys, "stderr", Terminal())
     with pytest.raises(Reached):
-        evaluation.main(["--model", train_ckpt, "--problems", "1"])
+        eval_script.main(["--model", train_ckpt, "--problems", "1"])
     assert seen == [False, True]
 
 

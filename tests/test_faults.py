@@ -20,10 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import bench
-import eval as evaluation
+import eval as eval_script
 import make_tiny
 import reproduce
-from lib import rundir, scoring
+from evaluation import scoring
+from lib import rundir
 import show
 import train
 from lib.checkpoint import from_pretrained
@@ -40,7 +41,7 @@ TINY, TINY_MATH = os.path.join(ROOT, "tiny"), os.path.join(ROOT, "tiny-math")
 
 SCRIPTS = {  # each script that reads a model directory, as a user runs it; what it would write goes under out
     "train": lambda model, out: train.main(["--model", model, "--out", str(out / "run")]),
-    "eval": lambda model, out: evaluation.main(["--model", model, "--out", str(out / "r.jsonl")]),
+    "eval": lambda model, out: eval_script.main(["--model", model, "--out", str(out / "r.jsonl")]),
     "show": lambda model, out: show.main(["--model", model, "--before", model, "--out", str(out / "f.html")]),
     "reproduce": lambda model, out: reproduce.main(["--model", model, "--out", str(out / "results")]),
     "bench": lambda model, out: bench.main(["--model", model, "--device", "cpu"]),
@@ -75,7 +76,7 @@ def edited_copy(src, dest, file, key, value):
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Every script stops at the first thing it does once its checks have passed."""
-    for module, name in ((rundir, "prepare"), (evaluation, "compare"), (show, "trace_rollouts"),
+    for module, name in ((rundir, "prepare"), (eval_script, "compare"), (show, "trace_rollouts"),
                          (bench, "bench"), (reproduce.subprocess, "Popen")):
         monkeypatch.setattr(module, name, reached)
 
@@ -157,7 +158,7 @@ def test_a_broken_shard_index_is_one_line_naming_it(ckpt, tmp_path, text, says):
     with pytest.raises(Error) as err:
         from_pretrained(str(model))
     assert str(err.value).startswith(f"{index} {says}")
-    assert one_line_error(lambda: evaluation.main(["--model", str(model)])).startswith(f"error: {index} {says}")
+    assert one_line_error(lambda: eval_script.main(["--model", str(model)])).startswith(f"error: {index} {says}")
     names = from_pretrained(ckpt).state_dict().keys() - {"lm_head.weight"}
     index.write_text(json.dumps({"weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}))
     from_pretrained(str(model))  # the control: the index repaired
@@ -238,21 +239,21 @@ def test_a_lock_that_cannot_be_opened_is_one_line(train_ckpt, tmp_path, monkeypa
 
 def test_eval_refuses_a_policy_the_model_cannot_use_before_any_rollout(math_run, ckpt, monkeypatch):
     monkeypatch.setattr(scoring, "rollout", reached)
-    assert one_line_error(lambda: evaluation.main(["--model", math_run, "--policy", "none", "task-rule"])) == (
+    assert one_line_error(lambda: eval_script.main(["--model", math_run, "--policy", "none", "task-rule"])) == (
         "error: --policy task-rule keeps the block of a Countdown prompt's target; this evaluation's task is math: "
         "leave task-rule out")
-    assert one_line_error(lambda: evaluation.main(["--model", ckpt, "--policy", "none", "task-rule"])) == (
+    assert one_line_error(lambda: eval_script.main(["--model", ckpt, "--policy", "none", "task-rule"])) == (
         "error: --policy task-rule keeps the token after 'reach' (the tiny prompt's target); this tokenizer has no "
         "such token")
     with pytest.raises(Reached):  # the control: the shipped tiny/ has the word
-        evaluation.main(["--model", TINY, "--policy", "none", "task-rule", "--problems", "1"])
+        eval_script.main(["--model", TINY, "--policy", "none", "task-rule", "--problems", "1"])
 
 
 def test_an_empty_output_path_is_refused_before_any_work(ckpt, train_ckpt, tmp_path, monkeypatch, nothing_runs):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(make_tiny, "build_tokenizer", reached)  # pretraining would start here
-    cases = [(lambda: evaluation.main(["--model", train_ckpt, "--out", ""]), "--out is empty; give a file name"),
-             (lambda: evaluation.main(["--model", train_ckpt, "--plot", ""]), "--plot is empty; give a file name"),
+    cases = [(lambda: eval_script.main(["--model", train_ckpt, "--out", ""]), "--out is empty; give a file name"),
+             (lambda: eval_script.main(["--model", train_ckpt, "--plot", ""]), "--plot is empty; give a file name"),
              (lambda: show.main(["--model", train_ckpt, "--before", ckpt, "--out", ""]), "--out is empty"),
              (lambda: make_tiny.main(["--out", "", "--steps", "1"]), "--out is empty"),
              (lambda: train.main(["--model", train_ckpt, "--out", ""]), "--out is empty; give the run directory"),
@@ -264,16 +265,16 @@ def test_an_empty_output_path_is_refused_before_any_work(ckpt, train_ckpt, tmp_p
 
 def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
     """--prompt plain on tiny/: most of its tokens were <unk>, and it evaluated to 0% without a word."""
-    monkeypatch.setattr(evaluation, "compare", reached)
+    monkeypatch.setattr(eval_script, "compare", reached)
     monkeypatch.setattr(rundir, "prepare", reached)
     says = ("words (Using, the, numbers, ...), which would be its unknown token: it spells the prompt styles "
             "tiny-shift, tiny-shift-unseen: give one with --prompt")
-    for run in (lambda: evaluation.main(["--model", TINY, "--prompt", "plain", "--problems", "1"]),
+    for run in (lambda: eval_script.main(["--model", TINY, "--prompt", "plain", "--problems", "1"]),
                 lambda: train.main(["--model", TINY, "--prompt", "plain", "--out", str(tmp_path / "r")])):
         said = one_line_error(run)
         assert said.startswith(f"error: {TINY}/tokenizer.json cannot spell ") and said.endswith(says), said
     with pytest.raises(Reached):  # the control: a layout tiny/ never trained on, but spelled
-        evaluation.main(["--model", TINY, "--prompt", "tiny-shift-unseen", "--problems", "1"])
+        eval_script.main(["--model", TINY, "--prompt", "tiny-shift-unseen", "--problems", "1"])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -298,7 +299,7 @@ def test_a_tokenizer_that_is_not_the_model_s_is_refused_in_one_line(tmp_path, mo
     with pytest.raises(Reached):  # no tag, no interoception: every word is there
         SCRIPTS["train"](str(model), tmp_path)
     for run in (lambda: train.main(["--model", str(model), "--out", str(tmp_path / "r"), "--interoception"]),
-                lambda: evaluation.main(["--model", str(model), "--tag", "rate"])):  # eval.py's tag too
+                lambda: eval_script.main(["--model", str(model), "--tag", "rate"])):  # eval.py's tag too
         assert one_line_error(run).startswith(f"error: {model}/tokenizer.json cannot spell 1 of this run's prompt "
                                               f"words (%), which")
     assert one_line_error(lambda: train.main(["--model", TINY, "--out", str(tmp_path / "r"), "--max-new-tokens",
@@ -316,7 +317,7 @@ def test_the_math_demo_files_that_are_not_shipped_say_how_to_make_them(tmp_path,
     make = "the demo set is not shipped: make it with python -m lib.mathtask --make-demo data/math-demo"
     assert one_line_error(lambda: train.main(["--model", TINY_MATH, "--out", "run"])) == \
         f"error: no such file: data/math-demo/train.jsonl; {make}"
-    assert one_line_error(lambda: evaluation.main(["--model", TINY_MATH])) == \
+    assert one_line_error(lambda: eval_script.main(["--model", TINY_MATH])) == \
         f"error: data/math-demo/test.jsonl: no such file; {make}"
     assert list(tmp_path.iterdir()) == []
 
@@ -500,7 +501,7 @@ def test_an_ascii_console_gets_every_line_spelled_in_ascii(train_ckpt, tmp_path,
         console.flush()
         return console.buffer.getvalue()
 
-    for main in (train.main, evaluation.main, show.main):
+    for main in (train.main, eval_script.main, show.main):
         text = printed(main, "--help")
         assert b"--model" in text and b"eps" in text and text.endswith(b"\n"), main.__module__
     text = printed(train.main, "--model", train_ckpt, "--out", str(tmp_path / "run"), "--steps", "1",

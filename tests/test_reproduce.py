@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import claims
-import eval as evaluation
+import eval as eval_script
 import reproduce
 from lib import settings
 import train
@@ -50,7 +50,7 @@ def test_reproduce_plots_pass_at_1_of_rows_over_seeds(tmp_path):
     rows = reproduce.over_seeds([dict(run="ngc", policy=p, eviction_rate=e, seed=0, accuracy=0.3, samples=2,
                                       problems=200, length=100.0, rounds=4.0, kv_reduction=2.0 + e,
                                       pass_at_k={"1": 0.3, "2": 0.4}) for p in ("ngc", "oracle") for e in (0.4, 0.5)])
-    evaluation.plot(rows, str(tmp_path / "curve.png"))
+    eval_script.plot(rows, str(tmp_path / "curve.png"))
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -77,8 +77,8 @@ def test_reproduce_tables_give_the_spread_across_seeds_and_the_binomial_error():
         "| ngc | ngc | 40.0% ± 14.1 (2.50×) | 10.0% (2.00×) |", "| ngc | oracle | 40.0% ± 14.1 (2.50×) | - |"]
     assert [reproduce.run_name("ngc", k) for k in range(3)] == ["ngc", "ngc-seed1", "ngc-seed2"]
     # the plots' error bars: the spread across seeds, else one evaluation's binomial standard error
-    assert evaluation.error_bar(two) == two["accuracy_sd"] and evaluation.error_bar(one) == one["accuracy_se"]
-    assert evaluation.error_bar(dict(accuracy=0.3, problems=200, samples=2)) == (0.21 / 400) ** 0.5
+    assert eval_script.error_bar(two) == two["accuracy_sd"] and eval_script.error_bar(one) == one["accuracy_se"]
+    assert eval_script.error_bar(dict(accuracy=0.3, problems=200, samples=2)) == (0.21 / 400) ** 0.5
 
 
 def claims_studies(budget, below, stricter):
@@ -379,7 +379,7 @@ def test_reproduce_scores_the_untrained_model_on_the_trained_runs_problems_and_c
     untrained = reproduce.eval_seed(args, "untrained", reproduce.UNTRAINED, ["none"], [0.5], [], 0)[0]
     assert untrained["problems"] == 3 and 0 < untrained["length"] <= 10
     # Negative control: the same evaluation without --run-settings (the old argv) reads --model's ngc.json.
-    evaluation.main(["--model", train_ckpt, "--policy", "none", "--samples", "1", "--out", str(tmp_path / "own.jsonl")])
+    eval_script.main(["--model", train_ckpt, "--policy", "none", "--samples", "1", "--out", str(tmp_path / "own.jsonl")])
     own = json.loads((tmp_path / "own.jsonl").read_text())
     assert own["problems"] == 4 and own["length"] > 10
     trained = reproduce.eval_seed(args, "reference", "no-evict", ["none"], [0.5], [], 0)[0]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import countdown as cd
-import eval as evaluation
-from lib import scoring, settings, tasks
+import eval as eval_script
+from evaluation import scoring
+from lib import settings, tasks
 import show
 
 from lib.checkpoint import load_tokenizer
@@ -150,7 +151,7 @@ def test_show_prompts_are_evals_with_the_interoception_tag(train_ckpt, tmp_path,
     monkeypatch.setattr(scoring, "rollout", recording("eval"))
     show.main(["--model", str(run), "--before", str(run), "--problems", "2", "--eviction-rate", "0.25",
                "--out", str(tmp_path / "f.html")])
-    evaluation.main(["--model", str(run), "--policy", "ngc", "--eviction-rate", "0.25", "--problems", "2", "--samples", "0"])
+    eval_script.main(["--model", str(run), "--policy", "ngc", "--eviction-rate", "0.25", "--problems", "2", "--samples", "0"])
     assert seen["show"] == [seen["eval"][1]] * 2  # eval's ngc run (its first is the full-cache reference)
     plain = seen["eval"][0]  # no eviction: no tag
     assert all(len(a) > len(b) for a, b in zip(seen["show"][0], plain))  # Negative control

@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from lib import checkpoint, files, rundir, scoring, settings, tasks
-import eval as evaluation
+from evaluation import scoring
+from lib import checkpoint, files, rundir, settings, tasks
+import eval as eval_script
 import make_tiny
 from lib import mathtask as mt
 import train
@@ -711,7 +712,7 @@ def test_train_and_eval_run_the_math_task_end_to_end(train_ckpt, tmp_path, monke
                            f"or a copy of {tmp_path}/run/checkpoint without ngc.json to start from its weights" if task
                            else "error: no such file: /no/such.jsonl")
     monkeypatch.setattr(scoring, "rollout", counting_rollout(seen := []))
-    evaluation.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
+    eval_script.main(["--model", str(tmp_path / "run" / "checkpoint"), "--policy", "none", "ngc", "knorm", "--samples", "2",
              "--out", str(tmp_path / "math.jsonl")])
     rows = [json.loads(line) for line in (tmp_path / "math.jsonl").read_text().splitlines()]
     assert [r["policy"] for r in rows] == ["none", "ngc", "knorm"] and all(set(r["pass_at_k"]) == {"1", "2"} for r in rows)
@@ -805,7 +806,7 @@ def test_train_meta_token_saves_g_and_eval_forces_it(train_ckpt, tmp_path, monke
     row = back.model.embed_tokens.weight[g].clone()
     assert add_meta_token(back, tok) == g and torch.equal(back.model.embed_tokens.weight[g], row)
     seen.clear()
-    evaluation.main(["--model", out, "--policy", "none", "ngc", "--problems", "2"])
+    eval_script.main(["--model", out, "--policy", "none", "ngc", "--problems", "2"])
     assert [meta for meta, _, _ in seen] == [g, g] and seen[1][2]
     seen.clear()
     run_train(train_ckpt, tmp_path / "plain", "--steps", "1")
