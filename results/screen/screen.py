@@ -17,22 +17,24 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-CONTROL = ["--model", "tiny", "--group", "16", "--eval-every", "0"]  # the claims' recipe, seed 0
+# the claims' recipe, seed 0, at the final rate tiny/ngc.json had when the screen ran (ε = 0.55)
+CONTROL = ["--model", "tiny", "--group", "16", "--eval-every", "0",
+           "--retention", "0.9,0.7,0.45"]
 NO_EVICT = "no-evict"  # the reference: its full cache is every share's denominator
 RATE, DRAWS, SAMPLES = 0.51, 16, 4
 PROBLEMS = 47  # the whole validation split (the copied runs' eval_problems predates it)
 HEADER = f"""# The screen toward the hindsight bound (written by screen.py)
 
-Each row is the claims' recipe (train.py on tiny/, 8 prompts x 16, 120 steps, seed 0) with one
-factor changed from the row it builds on: the control, or the run it resumes ("resumes ROW":
-more steps of that run) or starts from (`--model .../no-evict/checkpoint`: NGC trained from the
-no-evict run's weights). Each is scored by `scripts/eval.py --split validation` (the 47
-validation problems, {SAMPLES} samples each, pass@1 ± 1 SE) at ε = {RATE}: the full cache, NGC,
-and the hindsight bound ({DRAWS} eviction draws per problem and sample, solved if any draw
-solves) on the same model. Peak-KV reductions are of the no-evict row's full cache; "NGC /
-no-evict full" divides by that row's 120-step full cache. The reward is the mean of the last 20
-training steps. Commands and consoles: logs/ROW.txt; evaluations: evals.jsonl (an eval.py row
-per line, with its screen row). Notes: notes.md.
+Each row is the claims' recipe (train.py on tiny/, 8 prompts x 16, 120 steps, seed 0, toward ε =
+0.55: `--retention 0.9,0.7,0.45`) with one factor changed from the row it builds on: the
+control, or the run it resumes ("resumes ROW": more steps of that run) or starts from (`--model
+.../no-evict/checkpoint`: NGC trained from the no-evict run's weights). Each is scored by
+`scripts/eval.py --split validation` (the 47 validation problems, {SAMPLES} samples each, pass@1
+± 1 SE) at ε = {RATE}: the full cache, NGC, and the hindsight bound ({DRAWS} eviction draws per
+problem and sample, solved if any draw solves) on the same model. Peak-KV reductions are of the
+no-evict row's full cache; "NGC / no-evict full" divides by that row's 120-step full cache. The
+reward is the mean of the last 20 training steps. Commands and consoles: logs/ROW.txt;
+evaluations: evals.jsonl (an eval.py row per line, with its screen row). Notes: notes.md.
 """
 def from_no_evict(run):
     """NGC trained from the weights of the no-evict row `run`."""
@@ -59,12 +61,20 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-block-2-slow": ([*FROM_NO_EVICT, "--block", "2", "--stage-steps", "30"], None),
     "from-no-evict-group-64-draws-4": ([*FROM_NO_EVICT, "--group", "64", "--eviction-draws", "4"], None),
     "from-no-evict-group-64": ([*FROM_NO_EVICT, "--group", "64"], None),
+    # the same flags from the rerun no-evict start (runs diverge from step 30 across commits)
+    "from-no-evict-group-64-rerun": ([*FROM_NO_EVICT, "--group", "64"], None),
+    # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
+    "no-evict-group-64": ([*FROM_NO_EVICT[:2], "--mode", "no-evict", "--eval-problems",
+                           str(PROBLEMS), "--group", "64"], None),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
     # the seeds of two rows, each after the no-evict run of its seed that it starts from
     **{f"from-no-evict-{row}-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}"), *flags, "--seed", str(k)], None)
        for row, flags in (("steps-240", ["--steps", "240"]), ("group-64", ["--group", "64"]))
        for k in (1, 2)},
+    **{f"no-evict-group-64-seed{k}": (
+        [*from_no_evict(f"{NO_EVICT}-seed{k}")[:2], "--mode", "no-evict", "--eval-problems",
+         str(PROBLEMS), "--group", "64", "--seed", str(k)], None) for k in (1, 2)},
 }
 
 
