@@ -36,9 +36,9 @@ no-evict row's full cache; "NGC / no-evict full" divides by that row's 120-step 
 reward is the mean of the last 20 training steps. Commands and consoles: logs/ROW.txt;
 evaluations: evals.jsonl (an eval.py row per line, with its screen row). Notes: notes.md.
 """
-def from_no_evict(run):
-    """NGC trained from the weights of the no-evict row `run`."""
-    return ["--model", os.path.join(HERE, "runs", run, "checkpoint"), "--mode", "ngc",
+def from_no_evict(run, mode="ngc"):
+    """`mode` (NGC, or no-evict trained on) from the weights of the no-evict row `run`."""
+    return ["--model", os.path.join(HERE, "runs", run, "checkpoint"), "--mode", mode,
             "--eval-problems", str(PROBLEMS)]  # its ngc.json: the pool before the split
 
 
@@ -61,11 +61,10 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-block-2-slow": ([*FROM_NO_EVICT, "--block", "2", "--stage-steps", "30"], None),
     "from-no-evict-group-64-draws-4": ([*FROM_NO_EVICT, "--group", "64", "--eviction-draws", "4"], None),
     "from-no-evict-group-64": ([*FROM_NO_EVICT, "--group", "64"], None),
-    # the same flags from the rerun no-evict start (runs diverge from step 30 across commits)
+    # the same flags from no-evict trained again (it parts from the first by float rounding)
     "from-no-evict-group-64-rerun": ([*FROM_NO_EVICT, "--group", "64"], None),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
-    "no-evict-group-64": ([*FROM_NO_EVICT[:2], "--mode", "no-evict", "--eval-problems",
-                           str(PROBLEMS), "--group", "64"], None),
+    "no-evict-group-64": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
     # the seeds of two rows, each after the no-evict run of its seed that it starts from
     **{f"from-no-evict-{row}-seed{k}": (
@@ -73,8 +72,8 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
        for row, flags in (("steps-240", ["--steps", "240"]), ("group-64", ["--group", "64"]))
        for k in (1, 2)},
     **{f"no-evict-group-64-seed{k}": (
-        [*from_no_evict(f"{NO_EVICT}-seed{k}")[:2], "--mode", "no-evict", "--eval-problems",
-         str(PROBLEMS), "--group", "64", "--seed", str(k)], None) for k in (1, 2)},
+        [*from_no_evict(f"{NO_EVICT}-seed{k}", "no-evict"), "--group", "64", "--seed", str(k)],
+        None) for k in (1, 2)},
 }
 
 
