@@ -144,8 +144,9 @@ def step_gradients(model, tokenizer, problems, step, cfg, amp, reward_fn, progre
         rates = group_eps.repeat_interleave(G)
     batch = [problems[(step * cfg.prompts + rank * P + i) % len(problems)] for i in range(P)]
     rate = lambda i: None if group_eps is None else float(group_eps[i])
-    prompts = [prompt_encoder(cfg.task, cfg.prompt, rate(i), cfg.blind_tag)(tokenizer, p)
-               for i, p in enumerate(batch) for _ in range(G)]
+    encoded = [prompt_encoder(cfg.task, cfg.prompt, rate(i), cfg.blind_tag)(tokenizer, p)
+               for i, p in enumerate(batch)]
+    prompts = [ids for ids in encoded for _ in range(G)]  # each group's G rollouts share it
     meta = tokenizer.token_to_id(META_TOKEN) if cfg.meta_token else None
     sampling = settings.sampling(cfg, meta_token=meta)
     K = cfg.eviction_draws  # members of a group that share their token noise
