@@ -63,6 +63,9 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-group-64": ([*FROM_NO_EVICT, "--group", "64"], None),
     # the same flags from no-evict trained again (it parts from the first by float rounding)
     "from-no-evict-group-64-rerun": ([*FROM_NO_EVICT, "--group", "64"], None),
+    # 120 more steps of the group-64 claims' seed-0 NGC run (byte for byte the rerun row)
+    "from-no-evict-group-64-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)],
+                                         "from-no-evict-group-64-rerun"),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
     "no-evict-group-64": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
