@@ -66,6 +66,9 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # 120 more steps of the group-64 claims' seed-0 NGC run (byte for byte the rerun row)
     "from-no-evict-group-64-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)],
                                          "from-no-evict-group-64-rerun"),
+    # the rerun row's blocks sampled nearer the greedy top-K that evaluation keeps (τ 0.25 there)
+    "from-no-evict-group-64-tau-0.125": (
+        [*FROM_NO_EVICT, "--group", "64", "--eviction-temperature", "0.125"], None),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
     "no-evict-group-64": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
