@@ -6,11 +6,12 @@
     python scripts/reproduce.py --jobs 2        # two training runs at a time, one CPU thread each
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'
                                                 # every seed on the same problems
-    python scripts/reproduce.py --seeds 3 --jobs 2 --start-steps 120 \\
-        --train-args '--group 16 --steps 240 --eval-every 0'
-                                                # RESULTS §0's two-phase recipe: 120 no-evict
-                                                # steps per seed, then every run 240 steps from
-                                                # there (about 4 hours)
+    python scripts/reproduce.py --seeds 3 --jobs 2 --start-steps 120 --start-args '--group 16' \\
+        --train-args '--group 64 --steps 120 --eval-every 0'
+                                                # 120 no-evict steps of 8 x 16 per seed, then
+                                                # every run 120 steps of 8 x 64 from there:
+                                                # RESULTS §0's recipe (its command there, with
+                                                # one ablation seed: about 3.5 hours)
 
 It trains RUNS from --model into OUT/runs/ (each unless finished; with --start-steps from each
 seed's no-evict start), scores them with eval.py on the test split (OUT/evals/) and writes
