@@ -71,6 +71,9 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
         [*FROM_NO_EVICT, "--group", "64", "--eviction-temperature", "0.125"], None),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
     "no-evict-group-64": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
+    # its 120 more steps: the reference of from-no-evict-group-64-steps-240
+    "no-evict-group-64-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)],
+                                    "no-evict-group-64"),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
     # the seeds of two rows, each after the no-evict run of its seed that it starts from
     **{f"from-no-evict-{row}-seed{k}": (
