@@ -63,17 +63,19 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-group-64": ([*FROM_NO_EVICT, "--group", "64"], None),
     # the same flags from no-evict trained again (it parts from the first by float rounding)
     "from-no-evict-group-64-rerun": ([*FROM_NO_EVICT, "--group", "64"], None),
-    # 120 more steps of the group-64 claims' seed-0 NGC run (byte for byte the rerun row)
+    # 120 more steps of the group-64 row (from the no-evict row's first run, as this one)
     "from-no-evict-group-64-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)],
-                                         "from-no-evict-group-64-rerun"),
-    # the rerun row's blocks sampled nearer the greedy top-K that evaluation keeps (τ 0.25 there)
+                                         "from-no-evict-group-64"),
+    # the group-64 row's blocks sampled nearer the greedy top-K that evaluation keeps (τ 0.25 there)
     "from-no-evict-group-64-tau-0.125": (
         [*FROM_NO_EVICT, "--group", "64", "--eviction-temperature", "0.125"], None),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
     "no-evict-group-64": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
-    # its 120 more steps: the reference of from-no-evict-group-64-steps-240
-    "no-evict-group-64-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)],
-                                    "no-evict-group-64"),
+    # the same from the no-evict row's first run, the start of from-no-evict-group-64 (the row
+    # above started from its second, trained again: logs/no-evict.rerun.txt), and 120 more steps
+    "no-evict-group-64-first-start": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
+    "no-evict-group-64-first-start-steps-240": (
+        ["--steps", "240", "--eval-problems", str(PROBLEMS)], "no-evict-group-64-first-start"),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
     # the seeds of two rows, each after the no-evict run of its seed that it starts from
     **{f"from-no-evict-{row}-seed{k}": (
