@@ -69,8 +69,6 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # the group-64 row's blocks sampled nearer the greedy top-K that evaluation keeps (τ 0.25 there)
     "from-no-evict-group-64-tau-0.125": (
         [*FROM_NO_EVICT, "--group", "64", "--eviction-temperature", "0.125"], None),
-    # the group-64 row at twice its learning rate (1e-4 there): 4x the rollouts of a step
-    "from-no-evict-group-64-lr-2e-4": ([*FROM_NO_EVICT, "--group", "64", "--lr", "2e-4"], None),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
     "no-evict-group-64": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
     # the same from the no-evict row's first run, the start of from-no-evict-group-64 (the row
@@ -83,6 +81,10 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     **{f"from-no-evict-{row}-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}"), *flags, "--seed", str(k)], None)
        for row, flags in (("steps-240", ["--steps", "240"]), ("group-64", ["--group", "64"]))
+       for k in (1, 2)},
+    # from-no-evict-group-64-steps-240 at seeds 1 and 2: 120 more steps of each seed's group-64 row
+    **{f"from-no-evict-group-64-steps-240-seed{k}": (
+        ["--steps", "240", "--eval-problems", str(PROBLEMS)], f"from-no-evict-group-64-seed{k}")
        for k in (1, 2)},
     **{f"no-evict-group-64-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}", "no-evict"), "--group", "64", "--seed", str(k)],
