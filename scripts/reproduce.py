@@ -8,10 +8,9 @@
                                                 # every seed on the same problems
     python scripts/reproduce.py --seeds 3 --jobs 2 --start-steps 120 --start-args '--group 16' \\
         --train-args '--group 64 --steps 120 --eval-every 0'
-                                                # 120 no-evict steps of 8 x 16 per seed, then
-                                                # every run 120 steps of 8 x 64 from there:
-                                                # RESULTS §0's recipe (its command there, with
-                                                # one ablation seed: about 3.5 hours)
+                                                # RESULTS §0's recipe: 120 no-evict steps of
+                                                # 8 x 16 per seed, then every run 120 of 8 x 64
+                                                # (with one ablation seed: about 3.5 hours)
 
 It trains RUNS from --model into OUT/runs/ (each unless finished; with --start-steps from each
 seed's no-evict start), scores them with eval.py on the test split (OUT/evals/) and writes

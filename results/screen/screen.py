@@ -42,40 +42,45 @@ def from_no_evict(run, mode="ngc"):
             "--eval-problems", str(PROBLEMS)]  # its ngc.json: the pool before the split
 
 
+def resumed(steps):
+    """The flags of a row that resumes another up to `steps`."""
+    return ["--steps", str(steps), "--eval-problems", str(PROBLEMS)]
+
+
 FROM_NO_EVICT = from_no_evict(NO_EVICT)
+GROUP_64_REFERENCE = [*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"]
 EVALS = os.path.join(HERE, "evals.jsonl")
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| reward ([\d.]+)")
 ROWS = {  # name: (train.py flags beyond the control's, the row whose last checkpoint it resumes)
     "control": ([], None),
     NO_EVICT: (["--mode", "no-evict"], None),
     "block-2": (["--block", "2"], None),
-    "steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], "control"),
+    "steps-240": (resumed(240), "control"),
     "eviction-draws-4": (["--eviction-draws", "4"], None),
     "from-no-evict": (FROM_NO_EVICT, None),
-    "from-no-evict-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], "from-no-evict"),
+    "from-no-evict-steps-240": (resumed(240), "from-no-evict"),
     "from-no-evict-block-2": ([*FROM_NO_EVICT, "--block", "2"], None),
     "from-no-evict-draws-4": ([*FROM_NO_EVICT, "--eviction-draws", "4"], None),
-    "no-evict-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)], NO_EVICT),
-    "steps-360": (["--steps", "360", "--eval-problems", str(PROBLEMS)], "steps-240"),
-    "no-evict-360": (["--steps", "360", "--eval-problems", str(PROBLEMS)], "no-evict-240"),
+    "no-evict-240": (resumed(240), NO_EVICT),
+    "steps-360": (resumed(360), "steps-240"),
+    "no-evict-360": (resumed(360), "no-evict-240"),
     "from-no-evict-block-2-slow": ([*FROM_NO_EVICT, "--block", "2", "--stage-steps", "30"], None),
-    "from-no-evict-group-64-draws-4": ([*FROM_NO_EVICT, "--group", "64", "--eviction-draws", "4"], None),
+    "from-no-evict-group-64-draws-4": (
+        [*FROM_NO_EVICT, "--group", "64", "--eviction-draws", "4"], None),
     "from-no-evict-group-64": ([*FROM_NO_EVICT, "--group", "64"], None),
     # the same flags from no-evict trained again (it parts from the first by float rounding)
     "from-no-evict-group-64-rerun": ([*FROM_NO_EVICT, "--group", "64"], None),
     # 120 more steps of the group-64 row (from the no-evict row's first run, as this one)
-    "from-no-evict-group-64-steps-240": (["--steps", "240", "--eval-problems", str(PROBLEMS)],
-                                         "from-no-evict-group-64"),
+    "from-no-evict-group-64-steps-240": (resumed(240), "from-no-evict-group-64"),
     # the group-64 row's blocks sampled nearer the greedy top-K that evaluation keeps (τ 0.25 there)
     "from-no-evict-group-64-tau-0.125": (
         [*FROM_NO_EVICT, "--group", "64", "--eviction-temperature", "0.125"], None),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
-    "no-evict-group-64": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
+    "no-evict-group-64": (GROUP_64_REFERENCE, None),
     # the same from the no-evict row's first run, the start of from-no-evict-group-64 (the row
     # above started from its second, trained again: logs/no-evict.rerun.txt), and 120 more steps
-    "no-evict-group-64-first-start": ([*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"], None),
-    "no-evict-group-64-first-start-steps-240": (
-        ["--steps", "240", "--eval-problems", str(PROBLEMS)], "no-evict-group-64-first-start"),
+    "no-evict-group-64-first-start": (GROUP_64_REFERENCE, None),
+    "no-evict-group-64-first-start-steps-240": (resumed(240), "no-evict-group-64-first-start"),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
     # the seeds of two rows, each after the no-evict run of its seed that it starts from
     **{f"from-no-evict-{row}-seed{k}": (
@@ -84,8 +89,7 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
        for k in (1, 2)},
     # from-no-evict-group-64-steps-240 at seeds 1 and 2: 120 more steps of each seed's group-64 row
     **{f"from-no-evict-group-64-steps-240-seed{k}": (
-        ["--steps", "240", "--eval-problems", str(PROBLEMS)], f"from-no-evict-group-64-seed{k}")
-       for k in (1, 2)},
+        resumed(240), f"from-no-evict-group-64-seed{k}") for k in (1, 2)},
     **{f"no-evict-group-64-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}", "no-evict"), "--group", "64", "--seed", str(k)],
         None) for k in (1, 2)},
