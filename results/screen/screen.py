@@ -93,6 +93,9 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     **{f"no-evict-group-64-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}", "no-evict"), "--group", "64", "--seed", str(k)],
         None) for k in (1, 2)},
+    # each seed's group-64 reference trained as long as from-no-evict-group-64-steps-240-seed{k}
+    **{f"no-evict-group-64-steps-240-seed{k}": (
+        resumed(240), f"no-evict-group-64-seed{k}") for k in (1, 2)},
 }
 
 
