@@ -47,6 +47,12 @@ def resumed(steps):
     return ["--steps", str(steps), "--eval-problems", str(PROBLEMS)]
 
 
+def seed_reference(k):
+    """The group-64 reference row at seed k, from that seed's no-evict row."""
+    flags = [*from_no_evict(f"{NO_EVICT}-seed{k}", "no-evict"), "--group", "64", "--seed", str(k)]
+    return flags, None
+
+
 FROM_NO_EVICT = from_no_evict(NO_EVICT)
 GROUP_64_REFERENCE = [*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"]
 EVALS = os.path.join(HERE, "evals.jsonl")
@@ -90,12 +96,13 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # from-no-evict-group-64-steps-240 at seeds 1 and 2: 120 more steps of each seed's group-64 row
     **{f"from-no-evict-group-64-steps-240-seed{k}": (
         resumed(240), f"from-no-evict-group-64-seed{k}") for k in (1, 2)},
-    **{f"no-evict-group-64-seed{k}": (
-        [*from_no_evict(f"{NO_EVICT}-seed{k}", "no-evict"), "--group", "64", "--seed", str(k)],
-        None) for k in (1, 2)},
+    **{f"no-evict-group-64-seed{k}": seed_reference(k) for k in (1, 2)},
+    # the same from each seed's no-evict run as trained here, the start of
+    # from-no-evict-group-64-seed{k} (the row above started from its second: logs/*.rerun.txt)
+    **{f"no-evict-group-64-first-start-seed{k}": seed_reference(k) for k in (1, 2)},
     # each seed's group-64 reference trained as long as from-no-evict-group-64-steps-240-seed{k}
     **{f"no-evict-group-64-steps-240-seed{k}": (
-        resumed(240), f"no-evict-group-64-seed{k}") for k in (1, 2)},
+        resumed(240), f"no-evict-group-64-first-start-seed{k}") for k in (1, 2)},
 }
 
 
