@@ -32,13 +32,10 @@ from ngc import Eviction, Sampling, rollout
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
 os.environ["OMP_NUM_THREADS"] = "1"  # the same for the scripts the tests start (torch reads it)
-# A suite started in a script's background (`pytest &`) inherits SIGINT ignored, one under nohup
-# SIGHUP, and so would every script the signal tests start: they test the default, so the suite
-# restores it for its children.
+# A suite started in a script's background (`pytest &`) inherits SIGINT ignored, and so would every
+# script the signal tests start: they test the default, so the suite restores it for its children.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 EOS = 1
 TINY_MODEL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS)  # GQA: 2 query heads per KV head

@@ -341,7 +341,8 @@ def test_a_signal_saves_and_exits_nonzero_and_resume_continues_exactly(train_ckp
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-c", SIGNAL_RUN, "--model", train_ckpt, "--out", str(run),
                              "--threads", "1", "--steps", "200"], cwd=os.path.dirname(train.__file__),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))  # even under nohup
     wait_for_log_lines(run / "log.jsonl", 2)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
