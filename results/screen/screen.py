@@ -47,14 +47,15 @@ def resumed(steps):
     return ["--steps", str(steps), "--eval-problems", str(PROBLEMS)]
 
 
-def seed_reference(k):
-    """The group-64 reference row at seed k, from that seed's no-evict row."""
-    flags = [*from_no_evict(f"{NO_EVICT}-seed{k}", "no-evict"), "--group", "64", "--seed", str(k)]
-    return flags, None
+def group_64_reference(seed=0):
+    """The claims' reference's flags: the no-evict row of `seed` trained on at a group of 64."""
+    if not seed:
+        return [*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"]
+    start = f"{NO_EVICT}-seed{seed}"
+    return [*from_no_evict(start, "no-evict"), "--group", "64", "--seed", str(seed)]
 
 
 FROM_NO_EVICT = from_no_evict(NO_EVICT)
-GROUP_64_REFERENCE = [*from_no_evict(NO_EVICT, "no-evict"), "--group", "64"]
 EVALS = os.path.join(HERE, "evals.jsonl")
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| reward ([\d.]+)")
 ROWS = {  # name: (train.py flags beyond the control's, the row whose last checkpoint it resumes)
@@ -82,10 +83,10 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     "from-no-evict-group-64-tau-0.125": (
         [*FROM_NO_EVICT, "--group", "64", "--eviction-temperature", "0.125"], None),
     # the group-64 claims' reference: the no-evict run's next 120 steps at a group of 64
-    "no-evict-group-64": (GROUP_64_REFERENCE, None),
+    "no-evict-group-64": (group_64_reference(), None),
     # the same from the no-evict row's first run, the start of from-no-evict-group-64 (the row
     # above started from its second, trained again: logs/no-evict.rerun.txt), and 120 more steps
-    "no-evict-group-64-first-start": (GROUP_64_REFERENCE, None),
+    "no-evict-group-64-first-start": (group_64_reference(), None),
     "no-evict-group-64-first-start-steps-240": (resumed(240), "no-evict-group-64-first-start"),
     **{f"no-evict-seed{k}": (["--mode", "no-evict", "--seed", str(k)], None) for k in (1, 2)},
     # the seeds of two rows, each after the no-evict run of its seed that it starts from
@@ -96,10 +97,10 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # from-no-evict-group-64-steps-240 at seeds 1 and 2: 120 more steps of each seed's group-64 row
     **{f"from-no-evict-group-64-steps-240-seed{k}": (
         resumed(240), f"from-no-evict-group-64-seed{k}") for k in (1, 2)},
-    **{f"no-evict-group-64-seed{k}": seed_reference(k) for k in (1, 2)},
+    **{f"no-evict-group-64-seed{k}": (group_64_reference(k), None) for k in (1, 2)},
     # the same from each seed's no-evict run as trained here, the start of
     # from-no-evict-group-64-seed{k} (the row above started from its second: logs/*.rerun.txt)
-    **{f"no-evict-group-64-first-start-seed{k}": seed_reference(k) for k in (1, 2)},
+    **{f"no-evict-group-64-first-start-seed{k}": (group_64_reference(k), None) for k in (1, 2)},
     # each seed's group-64 reference trained as long as from-no-evict-group-64-steps-240-seed{k}
     **{f"no-evict-group-64-steps-240-seed{k}": (
         resumed(240), f"no-evict-group-64-first-start-seed{k}") for k in (1, 2)},
