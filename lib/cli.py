@@ -199,14 +199,16 @@ def pyplot(what: str):
 
 
 def check_output_file(path: str, flag: str):
-    """An Error unless `path` (given with `flag`) opens for writing; a file created is removed."""
+    """An Error unless `path` (given with `flag`) opens for writing; a file created is removed
+    (under torchrun each process checks, and another may have removed it first)."""
     if not str(path).strip():
         raise Error(f"{flag} is empty; give a file name")
     created = not os.path.exists(path)
     with writing():
         open(path, "a").close()
     if created:
-        os.remove(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def make_output_dir(path: str):

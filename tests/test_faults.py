@@ -24,7 +24,7 @@ import eval as eval_script
 import make_tiny
 import reproduce
 from evaluation import scoring
-from lib import rundir
+from lib import cli, rundir
 import show
 import train
 from lib.checkpoint import from_pretrained
@@ -261,6 +261,19 @@ def test_an_empty_output_path_is_refused_before_any_work(ckpt, train_ckpt, tmp_p
     for run, says in cases:
         assert one_line_error(run).startswith(f"error: {says}")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_file_another_process_removed_first_is_no_error(tmp_path, monkeypatch):
+    """Under torchrun each process checks --out; both can create the probe file and one removes it."""
+    path, real_open = tmp_path / "rows.jsonl", open
+
+    def open_then_lose_it(*args, **kwargs):  # the other process removes it between open and remove
+        handle = real_open(*args, **kwargs)
+        os.remove(path)
+        return handle
+    monkeypatch.setattr(cli, "open", open_then_lose_it, raising=False)
+    cli.check_output_file(str(path), "--out")
+    assert not path.exists()
 
 
 def test_a_prompt_the_tokenizer_cannot_spell_is_refused(tmp_path, monkeypatch):
