@@ -264,7 +264,7 @@ def test_an_empty_output_path_is_refused_before_any_work(ckpt, train_ckpt, tmp_p
 
 
 def test_an_output_file_another_process_removed_first_is_no_error(tmp_path, monkeypatch):
-    """Under torchrun each process checks --out; both can create the probe file and one removes it."""
+    """Under torchrun each process checks --out: both can create the probe, one removes it."""
     path, real_open = tmp_path / "rows.jsonl", open
 
     def open_then_lose_it(*args, **kwargs):  # the other process removes it between open and remove
