@@ -106,10 +106,11 @@ def rollout(model: Qwen2, prompts: list[list[int]], sampling: Sampling,
             progress=False, compile=False, eviction_generator=None,
             token_noise_rows=None) -> Rollout:
     """Sample a completion for each prompt, evicting every δ tokens (eviction=None: full cache).
-    rates: per-row ε (B,) in place of eviction.rate (interoception); generator: the token noise's,
-    and the Gumbel noise's unless eviction_generator is given; token_noise_rows (B,): the row whose
-    token noise each row takes (rows that share it differ by their evictions alone); compile: the
-    decode step through torch.compile, same results."""
+    rates: per-row ε (B,) in place of eviction.rate (interoception; 0: the row keeps its full
+    cache); generator: the token noise's, and the Gumbel noise's unless eviction_generator is
+    given; token_noise_rows (B,): the row whose token noise each row takes (rows that share it
+    differ by their evictions alone); compile: the decode step through torch.compile, same
+    results."""
     state = RolloutState(model, prompts, sampling, eviction, rates, generator, compile,
                          eviction_generator, token_noise_rows)
     logits = prefill(state)
@@ -472,7 +473,11 @@ def check_rollout(prompts, meta, vocab_size: int, ev: Eviction | None, rates):
     if meta is not None and not 0 <= meta < vocab_size:
         raise ValueError(f"meta_token={meta} is not a token id of this model ({vocab_size})")
     if ev is not None and rates is not None:
-        check_eviction(ev.delta, ev.block, ev.window, torch.as_tensor(rates))
+        rates = torch.as_tensor(rates)
+        if (rates < 0).any():
+            raise ValueError(f"per-row eviction rates {rates.tolist()} must not be negative (0: "
+                             f"the row keeps its full cache)")
+        check_eviction(ev.delta, ev.block, ev.window, rates[rates > 0])
 
 
 # ---- The decode step, captured whole by torch.compile (rollout(..., compile=True)) ----------

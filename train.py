@@ -142,6 +142,9 @@ def step_gradients(model, tokenizer, problems, step, cfg, amp, reward_fn, progre
         drawn = torch.randint(len(choices), (P,), generator=gen, device=gen.device).cpu()
         group_eps = choices[drawn].clamp(0.01, 1)
         rates = group_eps.repeat_interleave(G)
+    elif cfg.full_cache_groups and ev is not None:  # the step's last groups keep every entry
+        full = rank * P + torch.arange(P) >= cfg.prompts - cfg.full_cache_groups  # (P,)
+        rates = torch.where(full, 0.0, eps).repeat_interleave(G)
     batch = [problems[(step * cfg.prompts + rank * P + i) % len(problems)] for i in range(P)]
     rate = lambda i: None if group_eps is None else float(group_eps[i])
     encoded = [prompt_encoder(cfg.task, cfg.prompt, rate(i), cfg.blind_tag)(tokenizer, p)
@@ -162,6 +165,8 @@ def step_gradients(model, tokenizer, problems, step, cfg, amp, reward_fn, progre
     adv = group_advantages(reward, G).to(device)
     # eviction draws: an eviction's advantage is over the members that share its token noise
     adv_mem = group_advantages(reward, K).to(device) if K > 1 else None
+    if cfg.full_cache_groups and rates is not None:  # a full-cache row takes no eviction action
+        adv_mem = (adv if adv_mem is None else adv_mem) * (rates > 0).to(device)
     t_replay = time.perf_counter()
     losses = backward(model, ro, adv, cfg, amp, adv_mem)
     t_replay = time.perf_counter() - t_replay
@@ -301,6 +306,12 @@ def resolve(args, resumed=None) -> settings.Settings:
                     f"(a group is sets of members that share their token noise)")
     if cfg.eviction_draws > 1 and not MODES[cfg.mode].eviction_loss:
         raise Error(f"--eviction-draws needs a mode with an eviction loss, not --mode {cfg.mode}")
+    if cfg.full_cache_groups and (not MODES[cfg.mode].evict or cfg.interoception):
+        raise Error("--full-cache-groups sets some groups' ε to 0: it needs an evicting --mode "
+                    "and no --interoception (which sets each group's ε itself)")
+    if cfg.full_cache_groups >= cfg.prompts:
+        raise Error(f"--full-cache-groups {cfg.full_cache_groups} must be below --prompts "
+                    f"{cfg.prompts}: some group must evict")
     if cfg.prompts % world:
         raise Error(f"--prompts {cfg.prompts} must be a multiple of the {world} processes (each "
                     f"takes whole groups)")

@@ -115,6 +115,9 @@ class Settings:
     eviction_draws: int = setting(1, "K: a group's members share their token noise in sets of K, "
                                   "which differ by their eviction draws; L_mem's advantage is over "
                                   "the set (1: the paper's; docs/departures.md)", at_least(1))
+    full_cache_groups: int = setting(0, "the last N prompt groups of each step roll out with the "
+                                     "full cache (ε = 0) and teach the tokens alone (0: the "
+                                     "paper's; docs/departures.md)", at_least(0))
     # Optimisation
     lr: float = setting(5e-6, "AdamW learning rate, constant", positive)
     beta1: float = setting(0.9, "AdamW β1", in_unit(low_open=False))

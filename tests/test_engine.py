@@ -270,6 +270,22 @@ def test_rows_that_share_token_noise_differ_by_their_evictions_alone(model):
     assert run(EV, torch.arange(3)) == run(EV, None)
 
 
+def test_a_row_at_rate_zero_writes_and_replays_what_the_full_cache_does(model):
+    """rates with zeros (train.py's --full-cache-groups): those rows keep every entry, so with the
+    Gumbel noise apart they sample the full cache's tokens, and replay's masks give them the causal
+    log-probs. Control: the rows at ε = 0.5 write and replay otherwise."""
+    prompts, sampling = prompts_of([9, 9, 7, 7]), Sampling(max_new_tokens=40, temperature=1.5)
+    run = lambda ev, rates: rollout(model, prompts, sampling, ev, rates=rates,
+                                    generator=torch.Generator().manual_seed(0),
+                                    eviction_generator=torch.Generator().manual_seed(1))
+    mixed, full = run(EV, torch.tensor([0.0, 0.5, 0.0, 0.5])), run(None, None)
+    same = [a == b for a, b in zip(mixed.completions(), full.completions())]
+    assert same == [True, False, True, False] and (mixed.n_rounds > 0).all()
+    masked, causal = replay(model, mixed)[0], replay(model, mixed, causal=True)[0]
+    close = [torch.allclose(masked[i], causal[i], atol=1e-5) for i in range(4)]
+    assert close == [True, False, True, False]
+
+
 # ---------------------------------------------------------------------------------------
 # Each baseline's scores equal its formula (§5.1, baselines.py)
 

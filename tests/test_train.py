@@ -107,6 +107,22 @@ def test_eviction_draws_share_token_noise_in_sets_and_compare_evictions_within_t
     assert not torch.equal(adv_mem, adv)
 
 
+def test_full_cache_groups_roll_out_at_rate_zero_and_teach_the_tokens_alone(
+        train_ckpt, tmp_path, monkeypatch):
+    """--full-cache-groups 1 of 2 prompts: the last group's rows roll out at ε = 0 and their L_mem
+    advantage is 0; the first group's rows evict at the step's ε and keep adv for L_mem."""
+    seen = {}
+    spy = lambda f, key: lambda *a, **k: seen.setdefault(key, (a, k)) and f(*a, **k)
+    monkeypatch.setattr(train, "rollout", spy(train.rollout, "rollout"))
+    monkeypatch.setattr(train, "backward", spy(train.backward, "backward"))
+    run_train(train_ckpt, tmp_path, "--steps", "1", "--full-cache-groups", "1")
+    rates = seen["rollout"][1]["rates"]
+    assert rates[4:].tolist() == [0.0] * 4 and (rates[:4] > 0).all() and len(set(rates[:4].tolist())) == 1
+    (_, _, adv, _, _, adv_mem), _ = seen["backward"]
+    assert torch.equal(adv_mem[:4], adv[:4]) and torch.equal(adv_mem[4:], torch.zeros(4))
+    assert adv[4:].abs().sum() > 0  # the control: the full-cache group still teaches its tokens
+
+
 @pytest.mark.parametrize("norm", ["paper", "joint"])
 def test_the_logged_losses_are_those_of_the_whole_batch(ckpt, sampled, norm):
     """train.backward in micro-batches of 2 logs each term as policy_losses gives it on the whole batch,
@@ -576,6 +592,8 @@ BAD_TRAIN_FLAGS = [
     (["--eviction-temperature", "0"], "--eviction-temperature 0.0 must be positive"),
     (["--eviction-draws", "3"], "--eviction-draws 3 must divide --group 4"),
     (["--eviction-draws", "2", "--mode", "no-evict"], "--eviction-draws needs a mode with an eviction loss"),
+    (["--full-cache-groups", "2"], "--full-cache-groups 2 must be below --prompts 2"),
+    (["--full-cache-groups", "1", "--mode", "no-evict"], "--full-cache-groups sets some groups' ε to 0"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA GPU is visible")])
 BAD_FILES = [("model.safetensors", "empty", "not a readable safetensors file"),
              ("model.safetensors", "truncated", "not a readable safetensors file"),
