@@ -56,6 +56,8 @@ def group_64_reference(seed=0):
 
 
 FROM_NO_EVICT = from_no_evict(NO_EVICT)
+THIRD_START = f"{NO_EVICT}-third-start"
+THIRD_GROUP_64 = [*from_no_evict(THIRD_START), "--group", "64", "--steps", "240"]
 EVALS = os.path.join(HERE, "evals.jsonl")
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| reward ([\d.]+)")
 ROWS = {  # name: (train.py flags beyond the control's, the row whose last checkpoint it resumes)
@@ -104,6 +106,16 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # each seed's group-64 reference trained as long as from-no-evict-group-64-steps-240-seed{k}
     **{f"no-evict-group-64-steps-240-seed{k}": (
         resumed(240), f"no-evict-group-64-first-start-seed{k}") for k in (1, 2)},
+    # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
+    # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
+    # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then that NGC run with one
+    # factor changed: a quarter of each step's groups (2 of 8) roll out with the full cache
+    THIRD_START: (["--mode", "no-evict"], None),
+    f"from-{THIRD_START}-group-64-steps-240": (THIRD_GROUP_64, None),
+    f"{THIRD_START}-group-64-steps-240": (
+        [*from_no_evict(THIRD_START, "no-evict"), "--group", "64", "--steps", "240"], None),
+    f"from-{THIRD_START}-full-cache-groups-2": (
+        [*THIRD_GROUP_64, "--full-cache-groups", "2"], None),
 }
 
 
