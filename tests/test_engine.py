@@ -95,6 +95,8 @@ def test_bad_eviction_arguments(kwargs, message):
 def test_bad_rollout_arguments(model):
     with pytest.raises(ValueError, match="must lie in"):
         rollout(model, prompts_of([4]), Sampling(max_new_tokens=4), EV, rates=[1.2])
+    with pytest.raises(ValueError, match="must not be negative"):
+        rollout(model, prompts_of([4]), Sampling(max_new_tokens=4), EV, rates=[-0.1])
     with pytest.raises(ValueError, match="temperature"):
         Sampling(temperature=0)
     with pytest.raises(ValueError, match="at least one token"):
