@@ -117,7 +117,8 @@ def test_full_cache_groups_roll_out_at_rate_zero_and_teach_the_tokens_alone(
     monkeypatch.setattr(train, "backward", spy(train.backward, "backward"))
     run_train(train_ckpt, tmp_path, "--steps", "1", "--full-cache-groups", "1")
     rates = seen["rollout"][1]["rates"]
-    assert rates[4:].tolist() == [0.0] * 4 and (rates[:4] > 0).all() and len(set(rates[:4].tolist())) == 1
+    assert rates[4:].tolist() == [0.0] * 4
+    assert (rates[:4] > 0).all() and len(set(rates[:4].tolist())) == 1  # the step's ε
     (_, _, adv, _, _, adv_mem), _ = seen["backward"]
     assert torch.equal(adv_mem[:4], adv[:4]) and torch.equal(adv_mem[4:], torch.zeros(4))
     assert adv[4:].abs().sum() > 0  # the control: the full-cache group still teaches its tokens
