@@ -106,10 +106,14 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # each seed's group-64 reference trained as long as from-no-evict-group-64-steps-240-seed{k}
     **{f"no-evict-group-64-steps-240-seed{k}": (
         resumed(240), f"no-evict-group-64-first-start-seed{k}") for k in (1, 2)},
+    # the 240-step group-64 row with one factor changed: a quarter of each step's groups (2 of 8)
+    # roll out with the full cache (from the first start, as that row: an Intel Xeon retrains it
+    # step for step)
+    "from-no-evict-group-64-full-cache-groups-2": (
+        [*FROM_NO_EVICT, "--group", "64", "--steps", "240", "--full-cache-groups", "2"], None),
     # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
     # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
-    # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then that NGC run with one
-    # factor changed: a quarter of each step's groups (2 of 8) roll out with the full cache
+    # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then the row above from it
     THIRD_START: (["--mode", "no-evict"], None),
     f"from-{THIRD_START}-group-64-steps-240": (THIRD_GROUP_64, None),
     f"{THIRD_START}-group-64-steps-240": (
