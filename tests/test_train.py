@@ -91,14 +91,20 @@ def test_l_mem_takes_the_eviction_advantages_when_given(monkeypatch):
     assert terms["L_token"].item() == pytest.approx(1 / 40, abs=1e-9)  # as with adv alone
 
 
+def spy_on_step(monkeypatch) -> dict:
+    """{"rollout", "backward": (args, kwargs) of train.py's first call to each}, calls passed on."""
+    seen = {}
+    spy = lambda f, key: lambda *a, **k: seen.setdefault(key, (a, k)) and f(*a, **k)
+    for name in ("rollout", "backward"):
+        monkeypatch.setattr(train, name, spy(getattr(train, name), name))
+    return seen
+
+
 def test_eviction_draws_share_token_noise_in_sets_and_compare_evictions_within_them(
         train_ckpt, tmp_path, monkeypatch):
     """--eviction-draws 2 with groups of 4: rows 2k and 2k+1 take row 2k's token noise, and L_mem's
     advantage of each is half its reward's difference from its partner's (adv gives r_i - r_j)."""
-    seen = {}
-    spy = lambda f, key: lambda *a, **k: seen.setdefault(key, (a, k)) and f(*a, **k)
-    monkeypatch.setattr(train, "rollout", spy(train.rollout, "rollout"))
-    monkeypatch.setattr(train, "backward", spy(train.backward, "backward"))
+    seen = spy_on_step(monkeypatch)
     run_train(train_ckpt, tmp_path, "--steps", "1", "--eviction-draws", "2")
     assert seen["rollout"][1]["token_noise_rows"].tolist() == [0, 0, 2, 2, 4, 4, 6, 6]
     (_, _, adv, _, _, adv_mem), _ = seen["backward"]
@@ -111,10 +117,7 @@ def test_full_cache_groups_roll_out_at_rate_zero_and_teach_the_tokens_alone(
         train_ckpt, tmp_path, monkeypatch):
     """--full-cache-groups 1 of 2 prompts: the last group's rows roll out at ε = 0 and their L_mem
     advantage is 0; the first group's rows evict at the step's ε and keep adv for L_mem."""
-    seen = {}
-    spy = lambda f, key: lambda *a, **k: seen.setdefault(key, (a, k)) and f(*a, **k)
-    monkeypatch.setattr(train, "rollout", spy(train.rollout, "rollout"))
-    monkeypatch.setattr(train, "backward", spy(train.backward, "backward"))
+    seen = spy_on_step(monkeypatch)
     run_train(train_ckpt, tmp_path, "--steps", "1", "--full-cache-groups", "1")
     rates = seen["rollout"][1]["rates"]
     assert rates[4:].tolist() == [0.0] * 4
