@@ -111,6 +111,11 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # step for step)
     "from-no-evict-group-64-full-cache-groups-2": (
         [*FROM_NO_EVICT, "--group", "64", "--steps", "240", "--full-cache-groups", "2"], None),
+    # the same at seeds 1 and 2, each from its seed's no-evict row (an Intel Xeon retrains both
+    # step for step), against from-no-evict-group-64-steps-240-seed{k}
+    **{f"from-no-evict-group-64-full-cache-groups-2-seed{k}": (
+        [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--group", "64", "--steps", "240",
+         "--full-cache-groups", "2", "--seed", str(k)], None) for k in (1, 2)},
     # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
     # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
     # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then the row above from it
