@@ -5,6 +5,7 @@ written from the evaluations in evals.jsonl.
 
     python results/screen/screen.py [ROW ...]     # train and score these rows (default: all)
     python results/screen/screen.py --table       # only rewrite rows.md
+    python results/screen/screen.py --versus ROW:CONTROL ...  # paired differences, seeds stacked
 """
 import argparse
 import json
@@ -228,13 +229,51 @@ def table():
     write_whole(os.path.join(HERE, "rows.md"), "\n".join(lines) + "\n")
 
 
+def versus(pairs):
+    """versus/ROW-vs-CONTROL.md (of the first pair): each policy's pass@1 of the rows minus their
+    controls in points, with a paired bootstrap's 95% interval over seeds (a pair each) and
+    problems."""
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+    import claims
+    rows, controls = zip(*(pair.split(":") for pair in pairs))
+    head = (f"# {', '.join(rows)} against {', '.join(controls)} (written by screen.py --versus)\n"
+            "\n| policy | rows | controls | rows − controls, points [95% paired interval] |\n"
+            + "|---" * 4 + "|")
+    lines = [head]
+    labels = {"none": "full cache", "ngc": f"NGC at ε = {RATE}", "bound": "bound"}
+    for policy, label in labels.items():
+        stack = lambda names: [evaluation(name).get(policy) for name in names]
+        mine, theirs = stack(rows), stack(controls)
+        if None in mine + theirs:
+            continue
+        seeds = lambda evals: {"accuracy": sum(e["accuracy"] for e in evals) / len(evals),
+                               "rewards": [e["rewards"] for e in evals]}  # (seeds, problems, k)
+        d, lo, hi = claims.difference(seeds(mine), seeds(theirs))
+        at = lambda evals: " ".join(f"{100 * e['accuracy']:.1f}" for e in evals)
+        lines.append(f"| {label} | {at(mine)} | {at(theirs)} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] |")
+    os.makedirs(os.path.join(HERE, "versus"), exist_ok=True)
+    path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}.md")
+    write_whole(path, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("rows", nargs="*", help=f"of {', '.join(ROWS)} (default: all)")
     p.add_argument("--table", action="store_true", help="only rewrite rows.md")
+    p.add_argument("--versus", nargs="+", metavar="ROW:CONTROL",
+                   help="only write versus/ROW-vs-CONTROL.md: rows against their controls, a "
+                   "pair a seed")
     args = p.parse_args()
-    if unknown := set(args.rows) - set(ROWS):
+    named = [n for pair in args.versus or [] for n in pair.split(":")] + args.rows
+    if unknown := set(named) - set(ROWS):
         p.error(f"no row {', '.join(sorted(unknown))}: the rows are {', '.join(ROWS)}")
+    if args.versus:
+        if bad := [pair for pair in args.versus if pair.count(":") != 1]:
+            p.error(f"--versus takes ROW:CONTROL pairs, not {', '.join(bad)}")
+        if unscored := [n for n in named if not evaluation(n)]:
+            p.error(f"not scored yet: {', '.join(unscored)}; run screen.py {' '.join(unscored)}")
+        return versus(args.versus)
     os.makedirs(os.path.join(HERE, "logs"), exist_ok=True)
     for name in [] if args.table else args.rows or ROWS:
         train(NO_EVICT)
