@@ -117,6 +117,9 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     **{f"from-no-evict-group-64-full-cache-groups-2-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--group", "64", "--steps", "240",
          "--full-cache-groups", "2", "--seed", str(k)], None) for k in (1, 2)},
+    # the seed-0 row with half of each step's groups (4 of 8) at the full cache: the dose
+    "from-no-evict-group-64-full-cache-groups-4": (
+        [*FROM_NO_EVICT, "--group", "64", "--steps", "240", "--full-cache-groups", "4"], None),
     # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
     # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
     # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then the row above from it
@@ -230,9 +233,9 @@ def table():
 
 
 def versus(pairs):
-    """versus/ROW-vs-CONTROL.md (of the first pair): each policy's pass@1 of the rows minus their
-    controls in points, with a paired bootstrap's 95% interval over seeds (a pair each) and
-    problems."""
+    """versus/ROW-vs-CONTROL[-N-pairs].md (of the first pair): each policy's pass@1 of the rows
+    minus their controls in points, with a paired bootstrap's 95% interval over seeds (a pair
+    each) and problems."""
     sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
     import claims
     rows, controls = zip(*(pair.split(":") for pair in pairs))
@@ -252,7 +255,8 @@ def versus(pairs):
         at = lambda evals: " ".join(f"{100 * e['accuracy']:.1f}" for e in evals)
         lines.append(f"| {label} | {at(mine)} | {at(theirs)} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] |")
     os.makedirs(os.path.join(HERE, "versus"), exist_ok=True)
-    path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}.md")
+    pairs = f"-{len(pairs)}-pairs" if len(pairs) > 1 else ""
+    path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}{pairs}.md")
     write_whole(path, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -262,8 +266,8 @@ def main():
     p.add_argument("rows", nargs="*", help=f"of {', '.join(ROWS)} (default: all)")
     p.add_argument("--table", action="store_true", help="only rewrite rows.md")
     p.add_argument("--versus", nargs="+", metavar="ROW:CONTROL",
-                   help="only write versus/ROW-vs-CONTROL.md: rows against their controls, a "
-                   "pair a seed")
+                   help="only write versus/ROW-vs-CONTROL[-N-pairs].md: rows against their "
+                   "controls, a pair a seed")
     args = p.parse_args()
     named = [n for pair in args.versus or [] for n in pair.split(":")] + args.rows
     if unknown := set(named) - set(ROWS):
