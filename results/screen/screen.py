@@ -117,9 +117,13 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     **{f"from-no-evict-group-64-full-cache-groups-2-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--group", "64", "--steps", "240",
          "--full-cache-groups", "2", "--seed", str(k)], None) for k in (1, 2)},
-    # the seed-0 row with half of each step's groups (4 of 8) at the full cache: the dose
+    # the seed-0 row with half of each step's groups (4 of 8) at the full cache: the dose; then
+    # at seeds 1 and 2, against from-no-evict-group-64-full-cache-groups-2-seed{k}
     "from-no-evict-group-64-full-cache-groups-4": (
         [*FROM_NO_EVICT, "--group", "64", "--steps", "240", "--full-cache-groups", "4"], None),
+    **{f"from-no-evict-group-64-full-cache-groups-4-seed{k}": (
+        [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--group", "64", "--steps", "240",
+         "--full-cache-groups", "4", "--seed", str(k)], None) for k in (1, 2)},
     # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
     # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
     # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then the row above from it
@@ -255,8 +259,8 @@ def versus(pairs):
         at = lambda evals: " ".join(f"{100 * e['accuracy']:.1f}" for e in evals)
         lines.append(f"| {label} | {at(mine)} | {at(theirs)} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] |")
     os.makedirs(os.path.join(HERE, "versus"), exist_ok=True)
-    pairs = f"-{len(pairs)}-pairs" if len(pairs) > 1 else ""
-    path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}{pairs}.md")
+    several = f"-{len(pairs)}-pairs" if len(pairs) > 1 else ""
+    path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}{several}.md")
     write_whole(path, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -269,12 +273,14 @@ def main():
                    help="only write versus/ROW-vs-CONTROL[-N-pairs].md: rows against their "
                    "controls, a pair a seed")
     args = p.parse_args()
+    if bad := [pair for pair in args.versus or [] if pair.count(":") != 1]:
+        p.error(f"--versus takes ROW:CONTROL pairs, not {', '.join(bad)}")
+    if args.versus and (args.rows or args.table):
+        p.error("--versus only compares scored rows: give it alone")
     named = [n for pair in args.versus or [] for n in pair.split(":")] + args.rows
     if unknown := set(named) - set(ROWS):
         p.error(f"no row {', '.join(sorted(unknown))}: the rows are {', '.join(ROWS)}")
     if args.versus:
-        if bad := [pair for pair in args.versus if pair.count(":") != 1]:
-            p.error(f"--versus takes ROW:CONTROL pairs, not {', '.join(bad)}")
         if unscored := [n for n in named if not evaluation(n)]:
             p.error(f"not scored yet: {', '.join(unscored)}; run screen.py {' '.join(unscored)}")
         return versus(args.versus)
