@@ -14,7 +14,7 @@ AGNOSTIC = [name for name, p in baselines.POLICIES.items() if p.kind == "agnosti
 # simple rules that could beat NGC
 RULES = [name for name, p in baselines.POLICIES.items() if p.kind == "rule"]
 BASELINES = AGNOSTIC + RULES
-TAG_CHECK = 0.75  # the tag check's ε: the strictest tag trained on
+TAG_CHECK = 0.75  # the tag check's ε: the strictest of the default training rates (and tiny/'s)
 TESTABLE = 0.2
 UNTESTABLE = "untestable"
 MET = {True: "yes", False: "**no**", None: "-",
