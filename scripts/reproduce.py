@@ -7,9 +7,11 @@
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'
                                                 # every seed on the same problems
     python scripts/reproduce.py --seeds 3 --jobs 2 --start-steps 120 --start-args '--group 16' \\
-        --train-args '--group 64 --steps 240 --eval-every 0'
+        --train-args '--group 64 --steps 240 --eval-every 0' --ngc-args '--full-cache-groups 4'
                                                 # RESULTS §0's recipe: 120 no-evict steps of
-                                                # 8 x 16 per seed, then every run 240 of 8 x 64
+                                                # 8 x 16 per seed, then every run 240 of 8 x 64,
+                                                # NGC's and the ablations' with half of each
+                                                # step's groups at the full cache
                                                 # (--ablation-seeds 1 --no-interoception: 3 h)
 
 It trains RUNS from --model into OUT/runs/ (each unless finished; with --start-steps from each
@@ -50,6 +52,7 @@ RUNS = {"ngc": ["--mode", "ngc"], "no-evict": ["--mode", "no-evict"],
         "token-only": ["--mode", "token-only"], "targeted-dropout": ["--mode", "targeted-dropout"],
         "interoception": ["--mode", "ngc", "--interoception"],
         "interoception-blind": ["--mode", "ngc", "--interoception", "--blind-tag"]}
+ABLATED = ("ngc", "token-only", "targeted-dropout")  # the runs --ngc-args reach (Figure 5)
 START = "start"  # --start-steps: each seed's no-evict run that the seed's other runs start from
 CURVE = [0.5, 0.6, 0.7, 0.8, 0.9]  # the curve's rates by default (--curve), with ε* among them
 TARGET = 2.4  # the paper's peak-KV reduction on Countdown (§5.2: 50% a round, "2.4x")
@@ -71,12 +74,14 @@ def run_name(name: str, seed: int) -> str:
 
 
 def study_runs(seeds: int, ablation_seeds: int, interoception_seeds: int, start_steps=0,
-               steps=None, start_args=()) -> dict:
-    """{dir under out: train.py flags} of each study's runs (0 seeds: none); with start_steps, each
-    seed's runs train `steps` from a no-evict run of those (its flags end with start_args)."""
+               steps=None, start_args=(), ngc_args=()) -> dict:
+    """{dir under out: train.py flags} of each study's runs (0 seeds: none); ngc's and its
+    ablations' flags end with ngc_args before the seed; with start_steps, each seed's runs train
+    `steps` from a no-evict run of those (its flags end with start_args)."""
     groups = [(["ngc", "no-evict"], seeds), (["token-only", "targeted-dropout"], ablation_seeds),
               (["interoception", "interoception-blind"], interoception_seeds)]
-    runs = {os.path.join("runs", run_name(name, k)): [*RUNS[name], "--seed", str(k)]
+    own = lambda name: [*RUNS[name], *(ngc_args if name in ABLATED else [])]
+    runs = {os.path.join("runs", run_name(name, k)): [*own(name), "--seed", str(k)]
             for names, n in groups for k in range(n) for name in names}
     if not start_steps:
         return runs
@@ -437,7 +442,8 @@ def studies_of(args, budget, below, beyond) -> list[tuple]:
 
 def run_studies(args):
     """Train the runs, evaluate each study, write claims.md, show.py's forgets and summary.md."""
-    extra, start_args = args.train_args.split(), args.start_args.split()
+    extra, start_args, ngc_args = (args.train_args.split(), args.start_args.split(),
+                                   args.ngc_args.split())
     with one_line_errors():
         steps = parse_train_args(args.model, extra).steps or settings.run_defaults(args.model).steps
         if start_args and not args.start_steps:
@@ -445,9 +451,11 @@ def run_studies(args):
         if start_args:
             parse_train_args(args.model, start_args, "--start-args",
                              (*NOT_IN_TRAIN_ARGS, "mode", "steps"))
+        if ngc_args:
+            parse_train_args(args.model, ngc_args, "--ngc-args", (*NOT_IN_TRAIN_ARGS, "mode"))
         runs = study_runs(args.seeds, 0 if args.no_ablations else args.ablation_seeds,
                           0 if args.no_interoception else args.interoception_seeds,
-                          args.start_steps, steps, start_args)
+                          args.start_steps, steps, start_args, ngc_args)
         check_runs(args.out, args.model, runs, extra)
         make_output_dir(args.out)
     t0 = time.time()
@@ -507,6 +515,9 @@ def parse_args(argv):
                      help="extra train.py flags for every run, e.g. '--steps 60'")
     cli.add_argument("--start-args", default="", help="with --start-steps, train.py flags of the "
                      "start runs alone, after --train-args', e.g. '--group 16'")
+    cli.add_argument("--ngc-args", default="", help="train.py flags of the ngc runs and the "
+                     "ablations alone (not no-evict's or interoception's), after --train-args', "
+                     "e.g. '--full-cache-groups 4'")
     counts = [  # whole numbers: (flag, default, help)
         ("seeds", 1, "seeds 0..N-1 of every run (default 1)"),
         ("jobs", 1, "training runs at a time (CPU threads are shared out)"),

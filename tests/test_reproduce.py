@@ -287,10 +287,13 @@ def test_reproduce_reuses_a_run_only_with_the_settings_it_would_train(train_ckpt
     ("--task math", "--train-args sets --task math; reproduce.py's studies are Countdown's"),
     ("--start-args=--mode ngc", "--start-args cannot set --mode"),
     ("--start-args=--steps 9", "--start-args cannot set --steps"),
-    ("--start-args=--group 4", "--start-args sets the start runs' flags: give --start-steps too")])
+    ("--start-args=--group 4", "--start-args sets the start runs' flags: give --start-steps too"),
+    ("--ngc-args=--mode no-evict", "--ngc-args cannot set --mode"),
+    ("--ngc-args=--full-cache-groups 2", "--full-cache-groups 2 must be below --prompts 2")])
 def test_reproduce_checks_its_train_args_before_anything(train_ckpt, tmp_path, monkeypatch, train_args, message):
     monkeypatch.setattr(reproduce.subprocess, "Popen", reached)
-    flag = (train_args if train_args.startswith("--start-args") else f"--train-args={train_args}")
+    own = train_args.startswith(("--start-args", "--ngc-args"))
+    flag = train_args if own else f"--train-args={train_args}"
     steps = ["--start-steps", "2"] if "--group" not in train_args else []
     assert one_line_error(lambda: reproduce.main(["--out", str(tmp_path / "results"), "--model", train_ckpt,
                                                   flag, *steps])).startswith(f"error: {message}")
@@ -321,6 +324,11 @@ def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
     assert runs[os.path.join("runs", "interoception-blind")] == ["--mode", "ngc", "--interoception", "--blind-tag",
                                                                  "--seed", "0"]
     assert not any("interoception" in name for name in reproduce.study_runs(1, 1, 0))  # --no-interoception
+    flags = reproduce.study_runs(2, 1, 1, ngc_args=["--full-cache-groups", "4"])
+    reached = sorted(name for name, f in flags.items() if "--full-cache-groups" in f)
+    assert reached == sorted(os.path.join("runs", n) for n in ["ngc", "ngc-seed1", "token-only",
+                                                               "targeted-dropout"])
+    assert flags[os.path.join("runs", "ngc-seed1")][-4:] == ["--full-cache-groups", "4", "--seed", "1"]
 
 
 def test_reproduce_trains_every_run_of_a_seed_from_that_seeds_no_evict_start(train_ckpt, tmp_path, monkeypatch):
