@@ -114,7 +114,7 @@ def backward(model, ro, adv, cfg, amp=contextlib.nullcontext(), adv_mem=None):
         sum(losses[1:], losses[0]).backward()
         for term, loss in terms.items():
             sums[term] += loss.item()
-    distributed.average_gradients([p for p in model.parameters() if p.requires_grad])
+    distributed.average_gradients(trained_parameters(model))
     sums = distributed.mean_over_processes(sums)
     return {t: sums.get(t) for t in LOSSES}
 
@@ -170,8 +170,7 @@ def step_gradients(model, tokenizer, problems, step, cfg, amp, reward_fn, progre
     t_replay = time.perf_counter()
     losses = backward(model, ro, adv, cfg, amp, adv_mem)
     t_replay = time.perf_counter() - t_replay
-    trained = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.clip).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained_parameters(model), cfg.clip).item()
     n_new = (ro.lengths - ro.prompt_lens).float()
     m = distributed.mean_over_processes(dict(
         reward=reward.mean(), accuracy=correct.mean(), response_len=n_new.mean(),
@@ -181,6 +180,10 @@ def step_gradients(model, tokenizer, problems, step, cfg, amp, reward_fn, progre
         sampled_logprob=ro.logprobs.sum(1).mean()))  # not finite: the logits are not (diverged)
     times = dict(rollout_time=t_rollout, replay_time=t_replay, step_time=time.perf_counter() - t0)
     return {"step": step, "eps": eps, **m, **losses, "grad_norm": grad_norm, **times}
+
+
+def trained_parameters(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def make_optimizer(model, cfg, opt_state=None):

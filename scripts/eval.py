@@ -79,7 +79,8 @@ def compare(model, tokenizer, cfg, problems, policies, rates, samples=None, batc
     n, batch_size = samples or 1, batch_size or cfg.eval_batch
     meta = tokenizer.token_to_id(META_TOKEN) if cfg.meta_token else None
     sampling = settings.sampling(cfg, held_out=True, greedy=samples is None, meta_token=meta)
-    tagged, blind = (cfg.interoception, cfg.blind_tag) if tag is None else (True, tag == "blind")
+    prompts = with_tag(cfg, tag)
+    tagged, blind = prompts.interoception, prompts.blind_tag
 
     def run(name, rate, on=model):
         kind = None if name == "none" else baselines.POLICIES[name].kind
@@ -167,6 +168,11 @@ def plot(rows, path):
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path, dpi=150)
+
+
+def with_tag(cfg, tag):
+    """The settings the prompts are written under: --tag (a rate or blind) tags every prompt."""
+    return cfg if tag is None else replace(cfg, interoception=True, blind_tag=tag == "blind")
 
 
 def tag_flag(text: str):
@@ -268,9 +274,8 @@ def main(argv=None):
         cfg = run_settings(args)
         problems = held_out(cfg, args.problems, args.split)
         model, tokenizer = load(args.model, args.device, cfg.meta_token)
-        tagged = (cfg if args.tag is None  # --tag: the tags too
-                  else replace(cfg, interoception=True, blind_tag=args.tag == "blind"))
-        check_prompts(tagged, tokenizer, args.model, problems, model.config.max_position_embeddings,
+        check_prompts(with_tag(cfg, args.tag), tokenizer, args.model, problems,
+                      model.config.max_position_embeddings,
                       cfg.eval_max_new_tokens or cfg.max_new_tokens)
         base_model = args.base_model and load_base_model(args.base_model, args.device, cfg,
                                                          tokenizer)
