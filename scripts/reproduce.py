@@ -7,12 +7,13 @@
     python scripts/reproduce.py --seeds 3 --train-args '--data-seed 0'
                                                 # every seed on the same problems
     python scripts/reproduce.py --seeds 3 --jobs 2 --start-steps 120 --start-args '--group 16' \\
-        --train-args '--group 64 --steps 240 --eval-every 0' --ngc-args '--full-cache-groups 4'
+        --train-args '--group 64 --steps 240 --eval-every 0'
                                                 # RESULTS §0's recipe: 120 no-evict steps of
-                                                # 8 x 16 per seed, then every run 240 of 8 x 64,
-                                                # NGC's and the ablations' with half of each
-                                                # step's groups at the full cache
+                                                # 8 x 16 per seed, then every run 240 of 8 x 64
                                                 # (--ablation-seeds 1 --no-interoception: 3 h)
+    python scripts/reproduce.py ... --ngc-args '--full-cache-groups 4'
+                                                # the same with half of NGC's and the ablations'
+                                                # groups at the full cache (RESULTS §0.1)
 
 It trains RUNS from --model into OUT/runs/ (each unless finished; with --start-steps from each
 seed's no-evict start), scores them with eval.py on the test split (OUT/evals/) and writes
