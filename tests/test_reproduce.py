@@ -325,9 +325,9 @@ def test_reproduce_trains_each_study_at_its_own_number_of_seeds():
                                                                  "--seed", "0"]
     assert not any("interoception" in name for name in reproduce.study_runs(1, 1, 0))  # --no-interoception
     flags = reproduce.study_runs(2, 1, 1, ngc_args=["--full-cache-groups", "4"])
-    reached = sorted(name for name, f in flags.items() if "--full-cache-groups" in f)
-    assert reached == sorted(os.path.join("runs", n) for n in ["ngc", "ngc-seed1", "token-only",
-                                                               "targeted-dropout"])
+    given = sorted(name for name, f in flags.items() if "--full-cache-groups" in f)
+    assert given == sorted(os.path.join("runs", n) for n in ["ngc", "ngc-seed1", "token-only",
+                                                             "targeted-dropout"])
     assert flags[os.path.join("runs", "ngc-seed1")][-4:] == ["--full-cache-groups", "4", "--seed", "1"]
 
 
