@@ -124,6 +124,10 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     **{f"from-no-evict-group-64-full-cache-groups-4-seed{k}": (
         [*from_no_evict(f"{NO_EVICT}-seed{k}"), "--group", "64", "--steps", "240",
          "--full-cache-groups", "4", "--seed", str(k)], None) for k in (1, 2)},
+    # between the doses: 3 of 8 groups, seed 0 (4 groups on test kept the own full cache and lost
+    # NGC's share: results/full-cache-groups-4/)
+    "from-no-evict-group-64-full-cache-groups-3": (
+        [*FROM_NO_EVICT, "--group", "64", "--steps", "240", "--full-cache-groups", "3"], None),
     # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
     # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
     # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then the row above from it
