@@ -128,6 +128,9 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # NGC's share: results/full-cache-groups-4/)
     "from-no-evict-group-64-full-cache-groups-3": (
         [*FROM_NO_EVICT, "--group", "64", "--steps", "240", "--full-cache-groups", "3"], None),
+    # the 4-group row trained on to 480 steps: as many evicting rollouts as the 240-step control
+    "from-no-evict-group-64-full-cache-groups-4-steps-480": (
+        resumed(480), "from-no-evict-group-64-full-cache-groups-4"),
     # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
     # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
     # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then the row above from it
