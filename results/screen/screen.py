@@ -6,6 +6,7 @@ written from the evaluations in evals.jsonl.
     python results/screen/screen.py [ROW ...]     # train and score these rows (default: all)
     python results/screen/screen.py --table       # only rewrite rows.md
     python results/screen/screen.py --versus ROW:CONTROL ...  # paired differences, seeds stacked
+    python results/screen/screen.py --rate 0.57 ROW ...  # NGC and the bound at another ε too
 """
 import argparse
 import json
@@ -22,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CONTROL = ["--model", "tiny", "--group", "16", "--eval-every", "0",
            "--retention", "0.9,0.7,0.45"]
 NO_EVICT = "no-evict"  # the reference: its full cache is every share's denominator
-RATE, DRAWS, SAMPLES = 0.51, 16, 4
+RATE, DRAWS, SAMPLES = 0.51, 16, 4  # --rate: NGC and the bound at another ε (rows-ε.md)
 PROBLEMS = 47  # the whole validation split (the copied runs' eval_problems predates it)
 HEADER = f"""# The screen toward the hindsight bound (written by screen.py)
 
@@ -179,14 +180,16 @@ def train(name):
     log.write(f"# {(time.time() - t0) / 60:.1f} min\n")
 
 
-def score(name):
-    """The row's evaluation, added to evals.jsonl (each line an eval.py row with its screen row)."""
-    if evaluation(name):
+def score(name, rate=RATE):
+    """The row's evaluation at ε = rate (the full cache once), added to evals.jsonl (each line an
+    eval.py row with its screen row)."""
+    if evaluation(name, rate):
         return
     out = os.path.join(HERE, f"{name}.{os.getpid()}.jsonl.tmp")
-    policies = ["none", "bound"] + (["ngc"] if not name.startswith(NO_EVICT) else [])
+    policies = ([] if evaluation(name) else ["none"]) + ["bound"]
+    policies += ["ngc"] if not name.startswith(NO_EVICT) else []
     argv = ["--model", os.path.join(run_dir(name), "checkpoint"), "--split", "validation",
-            "--policy", *policies, "--eviction-rate", str(RATE), "--draws", str(DRAWS),
+            "--policy", *policies, "--eviction-rate", str(rate), "--draws", str(DRAWS),
             "--samples", str(SAMPLES), "--problems", str(PROBLEMS), "--base-model",
             os.path.join(run_dir(NO_EVICT), "checkpoint"), "--out", out]
     with open(os.path.join(HERE, "logs", f"{name}.txt"), "a") as log:
@@ -204,8 +207,10 @@ def read_evals():
     return [json.loads(line) for line in open(EVALS)] if os.path.exists(EVALS) else []
 
 
-def evaluation(name):
-    return {r["policy"]: r for r in read_evals() if r["row"] == name}
+def evaluation(name, rate=RATE):
+    """{policy: eval.py row} of the row: its full cache, NGC and the bound at ε = rate."""
+    return {r["policy"]: r for r in read_evals()
+            if r["row"] == name and r["eviction_rate"] in (0.0, rate)}
 
 
 def training_reward(name, last=20):
@@ -222,15 +227,16 @@ def write_whole(path, text):
     os.replace(temporary, path)
 
 
-def table():
+def table(rate=RATE):
+    """rows.md (at RATE, else rows-RATE.md): each scored row beside the no-evict row."""
     reference = evaluation(NO_EVICT).get("none")
-    head = ("| row | flags | last 20 steps' reward | full cache | NGC at ε = 0.51 | NGC / no-evict "
-            "full | NGC / own full | bound | NGC / bound |")
+    head = (f"| row | flags | last 20 steps' reward | full cache | NGC at ε = {rate:g} "
+            "| NGC / no-evict full | NGC / own full | bound | NGC / bound |")
     lines = [HEADER, head, "|---" * 9 + "|"]
     pct = lambda r: f"{100 * r['accuracy']:.1f} ± {100 * r['se']:.1f}"
     for name, (flags, start) in ROWS.items():
-        e = evaluation(name)
-        if not e:
+        e = evaluation(name, rate)
+        if "bound" not in e:
             continue
         ngc, full, bound = e.get("ngc"), e["none"], e["bound"]
         share = lambda a, b: f"{100 * a['accuracy'] / b['accuracy']:.0f}%" if a and b else ""
@@ -240,13 +246,15 @@ def table():
         lines.append(f"| {name} | {what} | {training_reward(name):.3f} | {pct(full)} | {at(ngc)} "
                      f"| {share(ngc, reference)} | {share(ngc, full)} | {at(bound)} "
                      f"| {share(ngc, bound)} |")
-    write_whole(os.path.join(HERE, "rows.md"), "\n".join(lines) + "\n")
+    at_rate = "" if rate == RATE else f"-{rate:g}"
+    write_whole(os.path.join(HERE, f"rows{at_rate}.md"), "\n".join(lines) + "\n")
 
 
-def versus(pairs):
-    """versus/ROW-vs-CONTROL[-N-pairs].md (of the first pair): each policy's pass@1 of the rows
-    minus their controls in points, with a paired bootstrap's 95% interval over seeds (a pair
-    each) and problems."""
+def versus(pairs, rate=RATE):
+    """versus/ROW-vs-CONTROL[-N-pairs][-RATE].md (of the first pair): each policy's pass@1 of the
+    rows minus their controls in points, with a paired bootstrap's 95% interval over seeds (a pair
+    each) and problems; where the controls have no NGC (no-evict rows), NGC's share of their full
+    cache."""
     sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
     import claims
     rows, controls = zip(*(pair.split(":") for pair in pairs))
@@ -254,19 +262,24 @@ def versus(pairs):
             "\n| policy | rows | controls | rows − controls, points [95% paired interval] |\n"
             + "|---" * 4 + "|")
     lines = [head]
-    labels = {"none": "full cache", "ngc": f"NGC at ε = {RATE}", "bound": "bound"}
+    labels = {"none": "full cache", "ngc": f"NGC at ε = {rate:g}", "bound": "bound"}
+    stack = lambda names, policy: [evaluation(name, rate).get(policy) for name in names]
+    seeds = lambda evals: {"accuracy": sum(e["accuracy"] for e in evals) / len(evals),
+                           "rewards": [e["rewards"] for e in evals]}  # (seeds, problems, k)
+    at = lambda evals: " ".join(f"{100 * e['accuracy']:.1f}" for e in evals)
     for policy, label in labels.items():
-        stack = lambda names: [evaluation(name).get(policy) for name in names]
-        mine, theirs = stack(rows), stack(controls)
+        mine, theirs = stack(rows, policy), stack(controls, policy)
         if None in mine + theirs:
             continue
-        seeds = lambda evals: {"accuracy": sum(e["accuracy"] for e in evals) / len(evals),
-                               "rewards": [e["rewards"] for e in evals]}  # (seeds, problems, k)
         d, lo, hi = claims.difference(seeds(mine), seeds(theirs))
-        at = lambda evals: " ".join(f"{100 * e['accuracy']:.1f}" for e in evals)
         lines.append(f"| {label} | {at(mine)} | {at(theirs)} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] |")
+    ngc, full = stack(rows, "ngc"), stack(controls, "none")
+    if None not in ngc and None in stack(controls, "ngc"):
+        lines.append(f"\nNGC at ε = {rate:g} ({at(ngc)}) over the controls' full cache "
+                     f"({at(full)}): {claims.share(seeds(ngc), seeds(full))} (95% paired interval)")
     os.makedirs(os.path.join(HERE, "versus"), exist_ok=True)
     several = f"-{len(pairs)}-pairs" if len(pairs) > 1 else ""
+    several += "" if rate == RATE else f"-{rate:g}"
     path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}{several}.md")
     write_whole(path, "\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -279,7 +292,12 @@ def main():
     p.add_argument("--versus", nargs="+", metavar="ROW:CONTROL",
                    help="only write versus/ROW-vs-CONTROL[-N-pairs].md: rows against their "
                    "controls, a pair a seed")
+    p.add_argument("--rate", type=float, default=RATE,
+                   help=f"score NGC and the bound at this ε as well as at {RATE}, and compare "
+                   "(--versus) or tabulate (--table: rows-RATE.md) there")
     args = p.parse_args()
+    if not 0 < args.rate < 1:
+        p.error(f"--rate is an eviction rate in (0, 1), not {args.rate:g}")
     if bad := [pair for pair in args.versus or [] if pair.count(":") != 1]:
         p.error(f"--versus takes ROW:CONTROL pairs, not {', '.join(bad)}")
     if args.versus and (args.rows or args.table):
@@ -288,16 +306,19 @@ def main():
     if unknown := set(named) - set(ROWS):
         p.error(f"no row {', '.join(sorted(unknown))}: the rows are {', '.join(ROWS)}")
     if args.versus:
-        if unscored := [n for n in named if not evaluation(n)]:
-            p.error(f"not scored yet: {', '.join(unscored)}; run screen.py {' '.join(unscored)}")
-        return versus(args.versus)
+        if unscored := [n for n in named if "bound" not in evaluation(n, args.rate)]:
+            at_rate = "" if args.rate == RATE else f" --rate {args.rate:g}"
+            p.error(f"not scored yet: {', '.join(unscored)}; run screen.py{at_rate} "
+                    f"{' '.join(unscored)}")
+        return versus(args.versus, args.rate)
     os.makedirs(os.path.join(HERE, "logs"), exist_ok=True)
     for name in [] if args.table else args.rows or ROWS:
         train(NO_EVICT)
         train(name)
-        score(name)
-        table()
-    table()
+        for rate in sorted({RATE, args.rate}):
+            score(name, rate)
+            table(rate)
+    table(args.rate)
 
 
 if __name__ == "__main__":
