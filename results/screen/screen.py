@@ -183,7 +183,7 @@ def train(name):
 def score(name, rate=RATE):
     """The row's evaluation at ε = rate (the full cache once), added to evals.jsonl (each line an
     eval.py row with its screen row)."""
-    if evaluation(name, rate):
+    if "bound" in evaluation(name, rate):
         return
     out = os.path.join(HERE, f"{name}.{os.getpid()}.jsonl.tmp")
     policies = ([] if evaluation(name) else ["none"]) + ["bound"]
