@@ -306,7 +306,10 @@ def main():
     if unknown := set(named) - set(ROWS):
         p.error(f"no row {', '.join(sorted(unknown))}: the rows are {', '.join(ROWS)}")
     if args.versus:
-        if unscored := [n for n in named if "bound" not in evaluation(n, args.rate)]:
+        controls = {pair.split(":")[1] for pair in args.versus}
+        cache_only = lambda n: n in controls and n.startswith(NO_EVICT)  # its full cache compares
+        scored = lambda n: "bound" in evaluation(n, args.rate) or cache_only(n) and evaluation(n)
+        if unscored := [n for n in named if not scored(n)]:
             at_rate = "" if args.rate == RATE else f" --rate {args.rate:g}"
             p.error(f"not scored yet: {', '.join(unscored)}; run screen.py{at_rate} "
                     f"{' '.join(unscored)}")
