@@ -132,6 +132,15 @@ ROWS = {  # name: (train.py flags beyond the control's, the row whose last check
     # the 4-group row trained on to 480 steps: as many evicting rollouts as the 240-step control
     "from-no-evict-group-64-full-cache-groups-4-steps-480": (
         resumed(480), "from-no-evict-group-64-full-cache-groups-4"),
+    **{f"from-no-evict-group-64-full-cache-groups-4-steps-480-seed{k}": (
+        resumed(480), f"from-no-evict-group-64-full-cache-groups-4-seed{k}") for k in (1, 2)},
+    # the references trained as long: each seed's 240-step group-64 no-evict row on to 480 steps
+    # (the 240-step rows' run directories: the claims' results/full-cache-groups-4/runs/no-evict*,
+    # which printed these rows' 240 step lines)
+    "no-evict-group-64-first-start-steps-480": (
+        resumed(480), "no-evict-group-64-first-start-steps-240"),
+    **{f"no-evict-group-64-steps-480-seed{k}": (
+        resumed(480), f"no-evict-group-64-steps-240-seed{k}") for k in (1, 2)},
     # seed 0's start trained a third time, on an AMD EPYC (it parts from the first at step 15),
     # copied from reproduce.py's runs/start; then the claims' NGC run and reference from it (its
     # runs/ngc and runs/no-evict: 240 steps of 8 x 64 in one go); then the row above from it
