@@ -27,19 +27,21 @@ NO_EVICT = "no-evict"  # the reference: its full cache is every share's denomina
 DELTA, BLOCK = 20, 4  # tiny/'s δ and b, which no no-evict row changes
 RATE, DRAWS, SAMPLES = 0.51, 16, 4  # --rate: NGC and the bound at another ε (rows-ε.md)
 PROBLEMS = 47  # the whole validation split (the copied runs' eval_problems predates it)
-HEADER = f"""# The screen toward the hindsight bound (written by screen.py)
+HEADER = """# The screen toward the hindsight bound (written by screen.py)
 
 Each row is the claims' recipe (train.py on tiny/, 8 prompts x 16, 120 steps, seed 0, toward ε =
 0.55: `--retention 0.9,0.7,0.45`) with one factor changed from the row it builds on: the
 control, or the run it resumes ("resumes ROW": more steps of that run) or starts from (`--model
 .../no-evict/checkpoint`: NGC trained from the no-evict run's weights). Each is scored by
-`scripts/eval.py --split validation` (the 47 validation problems, {SAMPLES} samples each, pass@1
-± 1 SE) at ε = {RATE}: the full cache, NGC, and the hindsight bound ({DRAWS} eviction draws per
+`scripts/eval.py --split validation` (the 47 validation problems, {samples} samples each, pass@1
+± 1 SE) at ε = {rate:g}: the full cache, NGC, and the hindsight bound ({draws} eviction draws per
 problem and sample, solved if any draw solves) on the same model. Peak-KV reductions are of the
 no-evict row's full cache; "NGC / no-evict full" divides by that row's 120-step full cache. The
 reward is the mean of the last 20 training steps. Commands and consoles: logs/ROW.txt;
 evaluations: evals.jsonl (an eval.py row per line, with its screen row). Notes: notes.md.
 """
+
+
 def from_no_evict(run, mode="ngc"):
     """`mode` (NGC, or no-evict trained on) from the weights of the no-evict row `run`."""
     return ["--model", os.path.join(HERE, "runs", run, "checkpoint"), "--mode", mode,
@@ -243,7 +245,7 @@ def table(rate=RATE):
     reference = evaluation(NO_EVICT).get("none")
     head = (f"| row | flags | last 20 steps' reward | full cache | NGC at ε = {rate:g} "
             "| NGC / no-evict full | NGC / own full | bound | NGC / bound |")
-    lines = [HEADER, head, "|---" * 9 + "|"]
+    lines = [HEADER.format(samples=SAMPLES, rate=rate, draws=DRAWS), head, "|---" * 9 + "|"]
     pct = lambda r: f"{100 * r['accuracy']:.1f} ± {100 * r['se']:.1f}"
     for name, (flags, start) in ROWS.items():
         e = evaluation(name, rate)
