@@ -259,8 +259,12 @@ def table(rate=RATE):
         lines.append(f"| {name} | {what} | {training_reward(name):.3f} | {pct(full)} | {at(ngc)} "
                      f"| {share(ngc, reference)} | {share(ngc, full)} | {at(bound)} "
                      f"| {share(ngc, bound)} |")
-    at_rate = "" if rate == RATE else f"-{rate:g}"
-    write_whole(os.path.join(HERE, f"rows{at_rate}.md"), "\n".join(lines + budgets()) + "\n")
+    write_whole(os.path.join(HERE, f"rows{suffix(rate)}.md"), "\n".join(lines + budgets()) + "\n")
+
+
+def suffix(rate):
+    """A file name's mark of a rate other than the screen's."""
+    return "" if rate == RATE else f"-{rate:g}"
 
 
 def budgets():
@@ -305,8 +309,7 @@ def versus(pairs, rate=RATE):
                      f"({at(full)}): {claims.share(seeds(ngc), seeds(full))} (95% paired interval)")
     os.makedirs(os.path.join(HERE, "versus"), exist_ok=True)
     several = f"-{len(pairs)}-pairs" if len(pairs) > 1 else ""
-    several += "" if rate == RATE else f"-{rate:g}"
-    path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}{several}.md")
+    path = os.path.join(HERE, "versus", f"{rows[0]}-vs-{controls[0]}{several}{suffix(rate)}.md")
     write_whole(path, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
